@@ -1,0 +1,1 @@
+"""The ssmspec command-line interface (Typer): one module per command."""

@@ -1,0 +1,1 @@
+"""Decoding: drafters, verification rules and the generate loop."""

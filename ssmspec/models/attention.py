@@ -1,0 +1,132 @@
+"""Attention with GQA and optional partial RoPE, over a preallocated KV cache, with a tree path."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .cache import AttentionLayerCache
+from .config import AttentionConfig
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+@dataclass
+class AttentionTreeActivations:
+    keys: torch.Tensor  # (B, Hkv, N, D) after RoPE
+    values: torch.Tensor  # (B, Hkv, N, D)
+
+
+class Attention(nn.Module):
+    """q/k/v/o projections (transformers naming). Positions come from the cache's per-row length."""
+
+    def __init__(self, d_model: int, cfg: AttentionConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.q_proj = nn.Linear(d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, d_model, bias=cfg.out_bias)
+        if cfg.rotary_dim:
+            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float32) / cfg.rotary_dim))
+            self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def new_cache(self, batch: int, max_len: int, device, dtype) -> AttentionLayerCache:
+        shape = (batch, self.cfg.n_kv_heads, max_len, self.cfg.head_dim)
+        return AttentionLayerCache(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+
+    def _rope(self, t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """t (B, heads, N, D), positions (B, N)."""
+        rd = self.cfg.rotary_dim
+        if not rd:
+            return t
+        freqs = positions[:, None, :, None].float() * self.inv_freq  # (B, 1, N, rd/2)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(t.dtype), emb.sin().to(t.dtype)
+        rot, rest = t[..., :rd], t[..., rd:]
+        return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
+
+    def _project(self, h: torch.Tensor, positions: torch.Tensor):
+        c = self.cfg
+        q = self.q_proj(h).unflatten(-1, (c.n_heads, c.head_dim)).transpose(1, 2)  # (B, H, N, D)
+        k = self.k_proj(h).unflatten(-1, (c.n_kv_heads, c.head_dim)).transpose(1, 2)
+        v = self.v_proj(h).unflatten(-1, (c.n_kv_heads, c.head_dim)).transpose(1, 2)
+        return self._rope(q, positions), self._rope(k, positions), v
+
+    def _attend(self, q, k_new, v_new, cache, seqlen, new_mask):
+        """Attention of new queries to the cached prefix (per-row length) plus the new keys.
+
+        new_mask: (N, N) bool, which new keys each new query may see (causal or tree mask).
+        """
+        batch, n = q.shape[0], q.shape[2]
+        if cache is None:
+            keys, values = k_new, v_new
+            mask = new_mask[None].expand(batch, n, n)
+        else:
+            keys = torch.cat([cache.keys, k_new], dim=2)
+            values = torch.cat([cache.values, v_new], dim=2)
+            capacity = cache.keys.shape[2]
+            prefix = torch.arange(capacity, device=q.device)[None, :] < seqlen[:, None]  # (B, T_max)
+            mask = torch.cat([prefix[:, None, :].expand(batch, n, capacity), new_mask[None].expand(batch, n, n)], dim=-1)
+        groups = self.cfg.n_heads // self.cfg.n_kv_heads
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])
+        return self.o_proj(out.transpose(1, 2).flatten(-2))
+
+    def _write(self, cache: AttentionLayerCache, seqlen, k, v, count=None):
+        """Write k, v (B, Hkv, M, D) at each row's positions seqlen .. seqlen+M-1 (first `count` valid)."""
+        batch, _, steps, _ = k.shape
+        capacity = cache.keys.shape[2]
+        pos = seqlen[:, None] + torch.arange(steps, device=k.device)[None, :]  # (B, M)
+        if count is not None:
+            # Invalid entries rewrite the row's last slot with what is already there.
+            valid = torch.arange(steps, device=k.device)[None, :] < count[:, None]
+            pos = torch.where(valid, pos, capacity - 1)
+            rows = torch.arange(batch, device=k.device)[:, None]
+            keep = valid[:, None, :, None]
+            k = torch.where(keep, k, cache.keys[rows, :, pos].transpose(1, 2))
+            v = torch.where(keep, v, cache.values[rows, :, pos].transpose(1, 2))
+        if int(pos.max()) >= capacity:
+            raise RuntimeError(f"KV cache of {capacity} positions is full; allocate a larger cache (max_len)")
+        index = pos[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        cache.keys.scatter_(2, index, k.to(cache.keys.dtype))
+        cache.values.scatter_(2, index, v.to(cache.values.dtype))
+
+    def forward(self, h: torch.Tensor, cache: AttentionLayerCache | None = None, seqlen: torch.Tensor | None = None):
+        """Causal attention over h (B, T, D) after the cached prefix; writes the new keys/values."""
+        batch, steps = h.shape[:2]
+        if seqlen is None:
+            seqlen = torch.zeros(batch, dtype=torch.long, device=h.device)
+        positions = seqlen[:, None] + torch.arange(steps, device=h.device)[None, :]
+        q, k, v = self._project(h, positions)
+        causal = torch.ones(steps, steps, dtype=torch.bool, device=h.device).tril()
+        out = self._attend(q, k, v, cache, seqlen, causal)
+        if cache is not None:
+            self._write(cache, seqlen, k, v)
+        return out
+
+    def step(self, h: torch.Tensor, cache: AttentionLayerCache, seqlen: torch.Tensor):
+        return self.forward(h, cache, seqlen)
+
+    def verify(self, h, cache, seqlen, depth, tree_mask):
+        """Attention of the packed tree nodes under the tree mask; writes nothing.
+
+        Args:
+            h: (B, N, D); depth: (N,) node depths (root 0); tree_mask: (N, N) bool ancestor mask.
+        """
+        positions = seqlen[:, None] + depth[None, :]  # RoPE follows depth, not packed index
+        q, k, v = self._project(h, positions)
+        return self._attend(q, k, v, cache, seqlen, tree_mask), AttentionTreeActivations(k, v)
+
+    def replay(self, cache, acts: AttentionTreeActivations, seqlen, path, path_len):
+        """Keep exactly the accepted path's keys and values, in order, after the prefix."""
+        rows = torch.arange(path.shape[0], device=path.device)[:, None]
+        k = acts.keys.transpose(1, 2)[rows, path].transpose(1, 2)  # (B, Hkv, M, D)
+        v = acts.values.transpose(1, 2)[rows, path].transpose(1, 2)
+        self._write(cache, seqlen, k, v, count=path_len)

@@ -1,0 +1,138 @@
+"""Typed model configuration: one dataclass per layer kind, one for the whole language model."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+LAYER_KINDS = ("mamba", "attention", "mlp")
+
+
+@dataclass
+class MambaConfig:
+    """A Mamba-2 mixer (SSD): heads x head_dim channels, a d_state state per channel."""
+
+    n_heads: int = 8
+    """Number of SSM heads H (d_inner = n_heads * head_dim)."""
+    head_dim: int = 16
+    """Channels per head P."""
+    d_state: int = 16
+    """State size S."""
+    n_groups: int = 1
+    """Groups G sharing B and C (n_heads must be a multiple)."""
+    conv_kernel: int = 4
+    """Width K of the causal depthwise conv."""
+    conv_bias: bool = True
+    proj_bias: bool = False
+    chunk_size: int = 64
+    """Chunk length of the chunked scan used for prefill and training."""
+    dt_min: float = 0.0
+    """Lower clamp of softplus(dt + dt_bias) (NemotronH uses time_step_min)."""
+    dt_max: float = math.inf
+    """Upper clamp of the time step."""
+    norm_eps: float = 1e-5
+    """Epsilon of the gated RMSNorm."""
+
+    @property
+    def d_inner(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_groups * self.d_state
+
+
+@dataclass
+class AttentionConfig:
+    """Multi-head attention with grouped KV heads and optional (partial) rotary embeddings."""
+
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    rotary_dim: int = 0
+    """Leading head dims that get RoPE (GPT-NeoX rotate-half); 0 = no positional encoding."""
+    rope_theta: float = 10000.0
+    qkv_bias: bool = False
+    out_bias: bool = False
+
+
+@dataclass
+class MLPConfig:
+    """A feed-forward layer: gated (SwiGLU) or plain (e.g. squared ReLU)."""
+
+    d_intermediate: int = 64
+    gated: bool = True
+    activation: str = "silu"
+    """One of silu, relu2, gelu, relu."""
+    bias: bool = False
+
+
+@dataclass
+class ModelConfig:
+    """A language model as a stack of pre-norm residual sublayers in any pattern.
+
+    Each entry of `layers` is one sublayer: RMSNorm, then a Mamba-2 mixer, an attention layer
+    or an MLP, added to the residual stream. A Bamba or mamba_ssm block (mixer + MLP) is two
+    entries; a NemotronH block is one.
+    """
+
+    vocab_size: int = 256
+    d_model: int = 64
+    layers: list[str] = field(default_factory=lambda: ["mamba"] * 2)
+    mamba: MambaConfig = field(default_factory=MambaConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    mlp: MLPConfig = field(default_factory=MLPConfig)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.mamba, dict):
+            self.mamba = MambaConfig(**self.mamba)
+        if isinstance(self.attention, dict):
+            self.attention = AttentionConfig(**self.attention)
+        if isinstance(self.mlp, dict):
+            self.mlp = MLPConfig(**self.mlp)
+        bad = [k for k in self.layers if k not in LAYER_KINDS]
+        if bad:
+            raise ValueError(f"unknown layer kinds {bad}; expected some of {LAYER_KINDS}")
+        if "mamba" in self.layers and self.mamba.n_heads % self.mamba.n_groups:
+            raise ValueError("mamba.n_heads must be a multiple of mamba.n_groups")
+        if "attention" in self.layers and self.attention.n_heads % self.attention.n_kv_heads:
+            raise ValueError("attention.n_heads must be a multiple of attention.n_kv_heads")
+
+    @property
+    def is_hybrid(self) -> bool:
+        return "attention" in self.layers
+
+    @property
+    def is_pure_mamba(self) -> bool:
+        return set(self.layers) == {"mamba"}
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["mamba"]["dt_max"] = None if math.isinf(self.mamba.dt_max) else self.mamba.dt_max
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        d = dict(d)
+        mamba = dict(d.get("mamba", {}))
+        if mamba.get("dt_max") is None:
+            mamba["dt_max"] = math.inf
+        d["mamba"] = mamba
+        return cls(**d)
+
+    def num_parameters(self) -> int:
+        """Parameter count from the shapes alone (no allocation)."""
+        m, a, f, dm = self.mamba, self.attention, self.mlp, self.d_model
+        mamba = dm * (2 * m.d_inner + 2 * m.n_groups * m.d_state + m.n_heads) + m.conv_dim * (m.conv_kernel + 1)
+        mamba += 3 * m.n_heads + m.d_inner + m.d_inner * dm
+        attn = dm * (a.n_heads + 2 * a.n_kv_heads) * a.head_dim + a.n_heads * a.head_dim * dm
+        mlp = dm * f.d_intermediate * (3 if f.gated else 2)
+        per = {"mamba": mamba, "attention": attn, "mlp": mlp}
+        total = sum(per[k] + dm for k in self.layers) + dm
+        total += self.vocab_size * dm * (1 if self.tie_embeddings else 2)
+        return total

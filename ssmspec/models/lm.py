@@ -1,0 +1,162 @@
+"""A language model of pre-norm residual sublayers (Mamba-2, attention, MLP) in any pattern."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .attention import Attention
+from .cache import ModelCache
+from .config import ModelConfig
+from .mamba2 import Mamba2Mixer
+from .mlp import MLP
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        hf = h.float()
+        hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * hf).to(h.dtype)
+
+
+class Sublayer(nn.Module):
+    """h + mixer(norm(h)); `kind` is mamba, attention or mlp."""
+
+    def __init__(self, kind: str, cfg: ModelConfig):
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if kind == "mamba":
+            self.mixer = Mamba2Mixer(cfg.d_model, cfg.mamba)
+        elif kind == "attention":
+            self.mixer = Attention(cfg.d_model, cfg.attention)
+        else:
+            self.mixer = MLP(cfg.d_model, cfg.mlp)
+
+
+@dataclass
+class TreeActivations:
+    """Per-sublayer activations kept by `verify` for `replay` (None for MLPs)."""
+
+    layers: list
+
+
+class LanguageModel(nn.Module):
+    """Embedding -> sublayers -> final norm -> LM head, with forward / step / verify / replay paths."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Sublayer(kind, cfg) for kind in cfg.layers)
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embeddings.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.embeddings.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embeddings.weight.dtype
+
+    def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> ModelCache:
+        """An empty cache for `batch` rows; attention layers hold up to max_len positions."""
+        device = device or self.device
+        dtype = dtype or self.dtype
+        layers = []
+        for layer in self.layers:
+            if layer.kind == "mamba":
+                layers.append(layer.mixer.new_cache(batch, device, dtype))
+            elif layer.kind == "attention":
+                layers.append(layer.mixer.new_cache(batch, max_len, device, dtype))
+            else:
+                layers.append(None)
+        return ModelCache(layers, torch.zeros(batch, dtype=torch.long, device=device))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm_f(h)).float()
+
+    def forward(self, input_ids: torch.Tensor, cache: ModelCache | None = None, last_only: bool = False) -> torch.Tensor:
+        """Full-sequence path (prefill and training).
+
+        Args:
+            input_ids: (B, T).
+            cache: continued from and updated in place when given.
+            last_only: return only the last position's logits (B, 1, V).
+        Returns:
+            logits (B, T, V) in fp32.
+        """
+        h = self.embeddings(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer.norm(h)
+            if layer.kind == "mamba":
+                x = layer.mixer(x, None if cache is None else cache.layers[i])
+            elif layer.kind == "attention":
+                x = layer.mixer(x, None if cache is None else cache.layers[i], None if cache is None else cache.seqlen)
+            else:
+                x = layer.mixer(x)
+            h = h + x
+        if cache is not None:
+            cache.seqlen += input_ids.shape[1]
+        return self._logits(h[:, -1:] if last_only else h)
+
+    def step(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+        """One token per row: input_ids (B, 1) -> logits (B, 1, V); cache advanced by one."""
+        h = self.embeddings(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer.norm(h)
+            if layer.kind == "mamba":
+                x = layer.mixer.step(x, cache.layers[i])
+            elif layer.kind == "attention":
+                x = layer.mixer.step(x, cache.layers[i], cache.seqlen)
+            else:
+                x = layer.mixer(x)
+            h = h + x
+        cache.seqlen += 1
+        return self._logits(h)
+
+    def verify(self, tokens: torch.Tensor, tree, cache: ModelCache):
+        """Logits of every node of a packed token tree in one call; the cache is left untouched.
+
+        Args:
+            tokens: (B, N) packed tree tokens, node 0 the root.
+            tree: a `ssmspec.trees.Tree` (parents, depths, ancestor mask).
+            cache: the state after the prefix.
+        Returns:
+            logits (B, N, V) fp32, and TreeActivations for `replay`.
+        """
+        device = tokens.device
+        parents = tree.parents_tensor(device)
+        depth = tree.depth_tensor(device)
+        mask = tree.mask_tensor(device)
+        h = self.embeddings(tokens)
+        acts = []
+        for i, layer in enumerate(self.layers):
+            x = layer.norm(h)
+            if layer.kind == "mamba":
+                x, a = layer.mixer.verify(x, cache.layers[i], parents)
+            elif layer.kind == "attention":
+                x, a = layer.mixer.verify(x, cache.layers[i], cache.seqlen, depth, mask)
+            else:
+                x, a = layer.mixer(x), None
+            acts.append(a)
+            h = h + x
+        return self._logits(h), TreeActivations(acts)
+
+    def replay(self, cache: ModelCache, acts: TreeActivations, path: torch.Tensor, path_len: torch.Tensor) -> None:
+        """Advance the cache along the accepted path: (B, M) node indices (root first), (B,) lengths."""
+        for i, layer in enumerate(self.layers):
+            if layer.kind == "mamba":
+                layer.mixer.replay(cache.layers[i], acts.layers[i], path, path_len)
+            elif layer.kind == "attention":
+                layer.mixer.replay(cache.layers[i], acts.layers[i], cache.seqlen, path, path_len)
+        cache.seqlen += path_len.to(cache.seqlen.dtype)

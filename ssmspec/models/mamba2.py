@@ -1,0 +1,160 @@
+"""The Mamba-2 mixer with its three paths: `forward` (sequence), `step` (one token), `verify` (tree)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..ops import dispatch
+from .cache import MambaLayerCache
+from .config import MambaConfig
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of y * silu(z) over groups of channels (norm_before_gate=False), computed in fp32."""
+
+    def __init__(self, dim: int, group_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = y.dtype
+        h = y.float() * F.silu(z.float())
+        h = h.unflatten(-1, (-1, self.group_size))  # (..., groups, group_size)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.flatten(-2).to(dtype)
+
+
+@dataclass
+class MambaTreeActivations:
+    """What `verify` keeps for replay: enough to advance conv and SSM states along any path."""
+
+    xBC: torch.Tensor  # (B, N, C) pre-conv inputs
+    x: torch.Tensor  # (B, N, H, P) SSM inputs after the conv
+    dt: torch.Tensor  # (B, N, H) processed time steps
+    B: torch.Tensor  # (B, N, G, S)
+
+
+class Mamba2Mixer(nn.Module):
+    """in_proj -> [z | xBC | dt]; causal conv on xBC; SSD scan; gated RMSNorm; out_proj.
+
+    Parameter names follow transformers' Mamba2Mixer, so its checkpoints load directly.
+    """
+
+    def __init__(self, d_model: int, cfg: MambaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.in_proj = nn.Linear(d_model, 2 * cfg.d_inner + 2 * cfg.n_groups * cfg.d_state + cfg.n_heads, bias=cfg.proj_bias)
+        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_kernel, groups=cfg.conv_dim, bias=cfg.conv_bias)
+        self.dt_bias = nn.Parameter(torch.zeros(cfg.n_heads))
+        self.A_log = nn.Parameter(torch.zeros(cfg.n_heads))
+        self.D = nn.Parameter(torch.ones(cfg.n_heads))
+        self.norm = GatedRMSNorm(cfg.d_inner, cfg.d_inner // cfg.n_groups, cfg.norm_eps)
+        self.out_proj = nn.Linear(cfg.d_inner, d_model, bias=cfg.proj_bias)
+
+    # -- shared pieces ----------------------------------------------------------------------
+    def new_cache(self, batch: int, device, dtype) -> MambaLayerCache:
+        c = self.cfg
+        return MambaLayerCache(
+            conv_state=torch.zeros(batch, c.conv_dim, c.conv_kernel - 1, device=device, dtype=dtype),
+            ssm_state=torch.zeros(batch, c.n_heads, c.head_dim, c.d_state, device=device, dtype=torch.float32),
+        )
+
+    @property
+    def A(self) -> torch.Tensor:
+        return -torch.exp(self.A_log.float())
+
+    def _split_projection(self, h: torch.Tensor):
+        c = self.cfg
+        return self.in_proj(h).split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)  # z, xBC, dt
+
+    def _time_step(self, dt_raw: torch.Tensor) -> torch.Tensor:
+        dt = F.softplus(dt_raw.float() + self.dt_bias.float())
+        return dt.clamp(self.cfg.dt_min, self.cfg.dt_max)
+
+    def _split_conv_out(self, xBC: torch.Tensor):
+        c = self.cfg
+        x, B, C = xBC.split([c.d_inner, c.n_groups * c.d_state, c.n_groups * c.d_state], dim=-1)
+        x = x.unflatten(-1, (c.n_heads, c.head_dim))  # (..., H, P)
+        B = B.unflatten(-1, (c.n_groups, c.d_state))  # (..., G, S)
+        C = C.unflatten(-1, (c.n_groups, c.d_state))
+        return x, B, C
+
+    def _output(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        y = y.flatten(-2).to(z.dtype)  # (..., H*P)
+        return self.out_proj(self.norm(y, z))
+
+    @property
+    def conv_weight(self) -> torch.Tensor:
+        return self.conv1d.weight.squeeze(1)  # (C, K)
+
+    # -- full sequence (prefill, training) --------------------------------------------------
+    def forward(self, h: torch.Tensor, cache: MambaLayerCache | None = None) -> torch.Tensor:
+        """Args: h (B, T, D); cache updated in place when given. Returns (B, T, D)."""
+        z, xBC, dt_raw = self._split_projection(h)
+        T = h.shape[1]
+        K = self.cfg.conv_kernel
+        if cache is not None:
+            extended = torch.cat([cache.conv_state.transpose(1, 2).to(xBC.dtype), xBC], dim=1)  # (B, K-1+T, C)
+            cache.conv_state.copy_(extended[:, -(K - 1):].transpose(1, 2))
+        else:
+            extended = F.pad(xBC, (0, 0, K - 1, 0))
+        conv = F.conv1d(extended.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, groups=self.cfg.conv_dim)
+        xBC_conv = F.silu(conv.transpose(1, 2)[:, :T])
+        x, B, C = self._split_conv_out(xBC_conv)
+        dt = self._time_step(dt_raw)
+        y, final = dispatch.chunk_scan(
+            x, dt, self.A, B, C, self.D, self.cfg.chunk_size, None if cache is None else cache.ssm_state
+        )
+        if cache is not None:
+            cache.ssm_state.copy_(final)
+        return self._output(y, z)
+
+    # -- one token ---------------------------------------------------------------------------
+    def step(self, h: torch.Tensor, cache: MambaLayerCache) -> torch.Tensor:
+        """Args: h (B, 1, D); cache updated in place. Returns (B, 1, D)."""
+        z, xBC, dt_raw = self._split_projection(h)
+        window = torch.cat([cache.conv_state.to(xBC.dtype), xBC.transpose(1, 2)], dim=-1)  # (B, C, K)
+        cache.conv_state.copy_(window[:, :, 1:])
+        conv = (window.float() * self.conv_weight.float()).sum(-1)
+        if self.conv1d.bias is not None:
+            conv = conv + self.conv1d.bias.float()
+        x, B, C = self._split_conv_out(F.silu(conv).to(xBC.dtype))  # x (B, H, P), B/C (B, G, S)
+        dt = self._time_step(dt_raw[:, 0])  # (B, H)
+        heads, groups = self.cfg.n_heads, self.cfg.n_groups
+        Bh = B.float().repeat_interleave(heads // groups, dim=1)  # (B, H, S)
+        Ch = C.float().repeat_interleave(heads // groups, dim=1)
+        state = cache.ssm_state * torch.exp(dt * self.A)[..., None, None]
+        state = state + torch.einsum("bh,bhp,bhs->bhps", dt, x.float(), Bh)
+        cache.ssm_state.copy_(state)
+        y = torch.einsum("bhps,bhs->bhp", state, Ch) + x.float() * self.D.float()[:, None]
+        return self._output(y[:, None], z)
+
+    # -- packed tree -------------------------------------------------------------------------
+    def verify(self, h: torch.Tensor, cache: MambaLayerCache, parents: torch.Tensor):
+        """Outputs of all tree nodes, each as if its root-to-node path were decoded alone.
+
+        Writes nothing to the cache; returns the activations `replay` needs.
+
+        Args:
+            h: (B, N, D) inputs of the packed tree nodes.
+            cache: the state after the prefix (before the root).
+            parents: (N,) int, -1 for the root.
+        Returns:
+            out (B, N, D) and MambaTreeActivations.
+        """
+        z, xBC, dt_raw = self._split_projection(h)
+        xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
+        x, B, C = self._split_conv_out(xBC_conv)
+        dt = self._time_step(dt_raw)
+        y = dispatch.tree_scan(x, dt, self.A, B, C, self.D, parents, cache.ssm_state)
+        return self._output(y, z), MambaTreeActivations(xBC=xBC, x=x, dt=dt, B=B)
+
+    def replay(self, cache: MambaLayerCache, acts: MambaTreeActivations, path: torch.Tensor, path_len: torch.Tensor):
+        """Advance the cache over the accepted path (B, M) of valid length path_len (B,)."""
+        dispatch.replay_conv_state(cache.conv_state, acts.xBC, path, path_len)
+        dispatch.replay_ssm_state(cache.ssm_state, acts.x, acts.dt, self.A, acts.B, path, path_len)

@@ -1,0 +1,88 @@
+"""Run-time choice between the plain-torch references and the GPU kernels.
+
+Models call the functions here; `set_backend("reference" | "triton" | "auto")` picks the
+implementation. "auto" uses a kernel when CUDA is available and the kernel module imports.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from .chunk_scan.naive import naive_chunk_scan
+from .state_replay.naive import naive_replay_conv_state, naive_replay_ssm_state
+from .tree_conv.naive import naive_tree_conv
+from .tree_scan.naive import naive_tree_scan
+
+BACKENDS = ("auto", "reference", "triton")
+_backend = "auto"
+
+_REFERENCE = {
+    "tree_scan": naive_tree_scan,
+    "tree_conv": naive_tree_conv,
+    "replay_ssm_state": naive_replay_ssm_state,
+    "replay_conv_state": naive_replay_conv_state,
+    "chunk_scan": naive_chunk_scan,
+}
+# op name -> (module, function) of its Triton kernel, filled in as kernels land.
+_TRITON = {
+    "tree_scan": ("ssmspec.ops.tree_scan.triton", "tree_scan"),
+    "tree_conv": ("ssmspec.ops.tree_conv.triton", "tree_conv"),
+    "replay_ssm_state": ("ssmspec.ops.state_replay.triton", "replay_ssm_state"),
+    "replay_conv_state": ("ssmspec.ops.state_replay.triton", "replay_conv_state"),
+}
+
+
+def set_backend(name: str) -> None:
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    _backend = name
+
+
+def get_backend() -> str:
+    return _backend
+
+
+def _triton_impl(op: str):
+    spec = _TRITON.get(op)
+    if spec is None:
+        return None
+    try:
+        return getattr(importlib.import_module(spec[0]), spec[1])
+    except (ImportError, AttributeError):
+        return None
+
+
+def resolve(op: str, device: torch.device):
+    """The implementation of `op` for tensors on `device` under the current backend."""
+    if _backend == "reference":
+        return _REFERENCE[op]
+    wants_kernel = _backend == "triton" or (_backend == "auto" and device.type == "cuda")
+    if wants_kernel:
+        impl = _triton_impl(op)
+        if impl is not None:
+            return impl
+        if _backend == "triton" and op in _TRITON:
+            raise RuntimeError(f"--backend triton asked for, but the Triton kernel for {op} is unavailable")
+    return _REFERENCE[op]
+
+
+def tree_scan(x, dt, A, B, C, D, parents, initial_state):
+    return resolve("tree_scan", x.device)(x, dt, A, B, C, D, parents, initial_state)
+
+
+def tree_conv(xBC, conv_state, weight, bias, parents, activation="silu"):
+    return resolve("tree_conv", xBC.device)(xBC, conv_state, weight, bias, parents, activation)
+
+
+def replay_ssm_state(ssm_state, x, dt, A, B, path, path_len):
+    return resolve("replay_ssm_state", x.device)(ssm_state, x, dt, A, B, path, path_len)
+
+
+def replay_conv_state(conv_state, xBC, path, path_len):
+    return resolve("replay_conv_state", xBC.device)(conv_state, xBC, path, path_len)
+
+
+def chunk_scan(x, dt, A, B, C, D, chunk_size=64, initial_state=None):
+    return resolve("chunk_scan", x.device)(x, dt, A, B, C, D, chunk_size, initial_state)

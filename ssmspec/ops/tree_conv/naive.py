@@ -1,0 +1,66 @@
+"""Plain-torch reference of the path-aware causal conv1d over a packed tree."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def conv_window_indices(parents: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """Where each node's conv window reads from, in the sequence [conv_state (K-1), tree (N)].
+
+    Entry k of a row is the input k - (K-1) steps back along the node's path: the node itself
+    at k = K-1, its parent at K-2, and so on; once the path passes the root it continues into
+    the cached prefix inputs (conv_state slot K-2 is the most recent prefix token).
+
+    Args:
+        parents: (N,) int, -1 for the root.
+    Returns:
+        (N, K) int64 indices into the extended sequence of length K-1+N.
+    """
+    history = kernel_size - 1
+    rows = []
+    for i in range(parents.shape[0]):
+        window = []
+        node, prefix_back = i, 0
+        for _ in range(kernel_size):
+            if node >= 0:
+                window.append(history + node)
+                node = int(parents[node])
+            else:
+                prefix_back += 1
+                window.append(history - prefix_back)
+        rows.append(window[::-1])
+    return torch.tensor(rows, dtype=torch.long, device=parents.device).reshape(-1, kernel_size)
+
+
+def naive_tree_conv(
+    xBC: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    parents: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Depthwise causal conv where each node convolves over its own path, then the activation.
+
+    Args:
+        xBC: (B, N, C) pre-conv inputs of the tree nodes.
+        conv_state: (B, C, K-1) the prefix's last K-1 pre-conv inputs, oldest first.
+        weight: (C, K) depthwise kernel (weight[:, -1] multiplies the current token).
+        bias: (C,) or None.
+        parents: (N,) int, -1 for the root.
+    Returns:
+        (B, N, C) in xBC's dtype.
+    """
+    kernel_size = weight.shape[-1]
+    idx = conv_window_indices(parents.cpu(), kernel_size).to(xBC.device)  # (N, K)
+    extended = torch.cat([conv_state.transpose(1, 2).to(xBC.dtype), xBC], dim=1)  # (B, K-1+N, C)
+    windows = extended[:, idx]  # (B, N, K, C)
+    out = torch.einsum("bnkc,ck->bnc", windows.float(), weight.float())
+    if bias is not None:
+        out = out + bias.float()
+    if activation == "silu":
+        out = F.silu(out)
+    elif activation is not None:
+        raise ValueError(f"unsupported conv activation {activation!r}")
+    return out.to(xBC.dtype)

@@ -1,0 +1,70 @@
+"""Plain-torch reference of the packed-tree SSM scan (STree): the spec the Triton kernel meets."""
+from __future__ import annotations
+
+import torch
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """The tree mask L[i, j] = True when j is on the path from the root to i (i included).
+
+    Args:
+        parents: (N,) int, parent of each node in packed topological order, -1 for a root.
+    Returns:
+        (N, N) bool.
+    """
+    n = parents.shape[0]
+    parents_list = parents.tolist()
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents_list):
+        if p >= i:
+            raise ValueError(f"node {i} has parent {p}: packed order must put parents first")
+        if p >= 0:
+            mask[i] = mask[p]
+        mask[i, i] = True
+    return mask.to(parents.device)
+
+
+def naive_tree_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    parents: torch.Tensor,
+    initial_state: torch.Tensor,
+) -> torch.Tensor:
+    """Output of every tree node as if its root-to-node path had been scanned alone.
+
+    With a_k = dt_k * A the per-node log-decay and Acum = L @ a the decay accumulated along each
+    node's own path, node i's state is exp(Acum_i) h0 + sum_{j in path(i)} exp(Acum_i - Acum_j)
+    dt_j B_j x_j^T, and its output y_i = C_i . h_i + D x_i. This is the quadratic (attention-like)
+    form restricted by the tree mask; it never writes the state.
+
+    Args:
+        x: (B, N, H, P) SSM inputs after the conv.
+        dt: (B, N, H) time steps after softplus and clamp.
+        A: (H,) negative decay rates (-exp(A_log)).
+        B, C: (B, N, G, S) input and output projections, G groups shared by H // G heads.
+        D: (H,) skip term, or None.
+        parents: (N,) int, -1 for the root.
+        initial_state: (B, H, P, S) the state before the root.
+    Returns:
+        y: (B, N, H, P) in fp32.
+    """
+    batch, n, heads, _ = x.shape
+    groups = B.shape[2]
+    L = ancestor_mask(parents.cpu()).to(x.device)  # (N, N)
+    xf, dtf = x.float(), dt.float()
+    Bh = B.float().repeat_interleave(heads // groups, dim=2)  # (B, N, H, S)
+    Ch = C.float().repeat_interleave(heads // groups, dim=2)
+    log_decay = dtf * A.float()  # (B, N, H)
+    acum = torch.einsum("ij,bjh->bih", L.float(), log_decay)  # decay summed along each path
+    seg = acum[:, :, None, :] - acum[:, None, :, :]  # (B, N_i, N_j, H)
+    seg = seg.masked_fill(~L[None, :, :, None], float("-inf"))
+    scores = torch.einsum("bihs,bjhs->bijh", Ch, Bh) * torch.exp(seg)
+    y = torch.einsum("bijh,bjh,bjhp->bihp", scores, dtf, xf)
+    y = y + torch.einsum("bihs,bhps->bihp", Ch, initial_state.float()) * torch.exp(acum)[..., None]
+    if D is not None:
+        y = y + xf * D.float()[:, None]
+    return y

@@ -1,0 +1,1 @@
+"""Drafter training: distillation and supervised fine-tuning."""
