@@ -1,0 +1,30 @@
+"""Test options: slow and GPU tests are opt-in; CPU fp32 tests always run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="run tests marked slow")
+    parser.addoption("--run-gpu", action="store_true", help="run tests marked requires_cuda (needs a GPU)")
+
+
+def pytest_collection_modifyitems(config, items):
+    run_slow = config.getoption("--run-slow")
+    run_gpu = config.getoption("--run-gpu")
+    for item in items:
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(pytest.mark.skip(reason="slow: opt in with --run-slow"))
+        if "requires_cuda" in item.keywords:
+            if not run_gpu:
+                item.add_marker(pytest.mark.skip(reason="GPU test: opt in with --run-gpu on a CUDA machine"))
+            elif not torch.cuda.is_available():
+                # Asked for GPU tests on a machine without one: fail loudly rather than pass silently.
+                item.add_marker(pytest.mark.xfail(reason="--run-gpu given but CUDA is unavailable", run=False, strict=True))
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield

@@ -1,0 +1,42 @@
+"""The one tolerance helper for the whole repository, plus tiny-model builders for tests."""
+from __future__ import annotations
+
+import torch
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-5, rtol: float = 1e-4, name: str = ""):
+    """Assert elementwise closeness, reporting max-abs and relative RMS error first."""
+    actual = actual.detach().float().cpu()
+    expected = expected.detach().float().cpu()
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{name}: non-finite values (unwritten output lanes?)"
+    diff = (actual - expected).abs()
+    max_abs = diff.max().item() if diff.numel() else 0.0
+    rel_rms = (diff.pow(2).mean().sqrt() / expected.pow(2).mean().sqrt().clamp_min(1e-12)).item() if diff.numel() else 0.0
+    ok = bool((diff <= atol + rtol * expected.abs()).all())
+    assert ok, f"{name}: max abs err {max_abs:.3e}, rel RMS err {rel_rms:.3e} (atol {atol}, rtol {rtol})"
+    return max_abs, rel_rms
+
+
+def tiny_config(layers=("mamba", "mamba"), vocab_size: int = 64, **overrides):
+    """A small ModelConfig with awkward sizes (2 groups, partial RoPE, GQA) for fast CPU tests."""
+    from ssmspec.models import AttentionConfig, MambaConfig, MLPConfig, ModelConfig
+
+    return ModelConfig(
+        vocab_size=vocab_size,
+        d_model=32,
+        layers=list(layers),
+        mamba=MambaConfig(n_heads=4, head_dim=8, d_state=8, n_groups=2, chunk_size=8),
+        attention=AttentionConfig(n_heads=4, n_kv_heads=2, head_dim=8, rotary_dim=4),
+        mlp=MLPConfig(d_intermediate=48),
+        **overrides,
+    )
+
+
+def tiny_model(layers=("mamba", "mamba"), vocab_size: int = 64, seed: int = 0, std: float = 0.2, **overrides):
+    """A random tiny LanguageModel in fp32 with weights large enough to give peaked logits."""
+    from ssmspec.models import LanguageModel
+    from ssmspec.models.init import init_weights
+
+    model = LanguageModel(tiny_config(layers, vocab_size, **overrides))
+    return init_weights(model, seed=seed, std=std).eval()
