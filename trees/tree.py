@@ -60,8 +60,8 @@ class Tree:
 
     @classmethod
     def chain(cls, length: int) -> "Tree":
-        """A root followed by `length` drafted tokens in a line."""
-        return cls.from_config([1] * length)
+        """A root followed by `length` drafted tokens in a line (length 0: the root alone)."""
+        return cls.from_config([1] * length) if length else cls((-1,), ())
 
     @classmethod
     def from_parents(cls, parents: Sequence[int]) -> "Tree":

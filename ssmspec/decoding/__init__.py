@@ -1,1 +1,6 @@
 """Decoding: drafters, verification rules and the generate loop."""
+from .drafters import Draft, ModelDrafter, NgramDrafter
+from .generate import GenerationConfig, GenerationResult, generate
+from .sampling import SamplingParams
+
+__all__ = ["Draft", "GenerationConfig", "GenerationResult", "ModelDrafter", "NgramDrafter", "SamplingParams", "generate"]

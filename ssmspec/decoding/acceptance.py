@@ -1,0 +1,75 @@
+"""Verification rules: which drafted nodes the target accepts, and the token it adds after them.
+
+Both rules walk the tree from the root and return the accepted path (root first) and the bonus
+token. They keep the output exactly the target's: greedy output for temperature 0, and samples
+distributed exactly as the target's (processed) distribution otherwise.
+"""
+from __future__ import annotations
+
+import torch
+
+from ssmspec.trees import Tree
+
+from .sampling import sample
+
+
+def accept_deterministic(tree: Tree, tokens: list[int], p: torch.Tensor, generator) -> tuple[list[int], int]:
+    """The 'naive' rule, exact for drafts chosen deterministically (top-k children, n-grams).
+
+    At node u draw x ~ p_u; if a child of u carries x, descend to it; else x is the bonus token.
+    Every emitted token is a draw from the target at its position, so the output is distributed
+    exactly as the target's. With greedy p (one-hot argmax) this is greedy verification.
+
+    Args:
+        tree: the draft tree (N nodes). tokens: its N tokens, node 0 the root.
+        p: (N, V) processed target distributions at every node.
+    """
+    children = _children(tree)
+    node, path = 0, [0]
+    while True:
+        x = sample(p[node], generator)
+        nxt = next((c for c in children[node] if tokens[c] == x), None)
+        if nxt is None:
+            return path, x
+        node = nxt
+        path.append(node)
+
+
+def accept_sampled(tree: Tree, tokens: list[int], p: torch.Tensor, q: torch.Tensor, generator) -> tuple[list[int], int]:
+    """Multi-step speculative sampling (SpecInfer), exact for children drawn i.i.d. from q.
+
+    At node u with residual r = p_u, try its children c in order: accept c with probability
+    min(1, r(x_c) / q_c(x_c)); on rejection set r <- normalise(max(r - q_c, 0)) and try the next
+    sibling. If all are rejected, the bonus token is drawn from r. For a chain (one child per
+    node) this is the standard rejection rule with the residual (p - q)+.
+
+    Args:
+        p: (N, V) processed target distributions at every node.
+        q: (N, V) q[c] is the drafter distribution node c was drawn from (its parent's).
+    """
+    children = _children(tree)
+    node, path = 0, [0]
+    while True:
+        residual = p[node]
+        for c in children[node]:
+            x = tokens[c]
+            qc = q[c]
+            accept_prob = 1.0 if qc[x] <= 0 else min(1.0, float(residual[x] / qc[x]))
+            if float(torch.rand((), generator=generator)) < accept_prob:
+                node = c
+                path.append(c)
+                break
+            new_residual = torch.clamp(residual - qc, min=0.0)
+            total = new_residual.sum()
+            # total == 0 only when residual == qc, where no rejection can happen; keep r then.
+            if total > 1e-12:
+                residual = new_residual / total
+        else:
+            return path, sample(residual, generator)
+
+
+def _children(tree: Tree) -> list[list[int]]:
+    out: list[list[int]] = [[] for _ in range(tree.num_nodes)]
+    for i, parent in enumerate(tree.parents[1:], start=1):
+        out[parent].append(i)
+    return out

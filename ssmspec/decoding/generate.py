@@ -1,0 +1,206 @@
+"""The decode loop: prefill, then draft_tree -> verify_tree -> accept_path -> replay_state.
+
+One loop serves three methods: `ar` (one target step per token, the baseline), `chain` (a
+drafted line verified in one call) and `stree` (a drafted tree packed and verified in one call).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ssmspec.trees import Tree
+
+from ..errors import InputError
+from ..models.lm import LanguageModel
+from .acceptance import accept_deterministic, accept_sampled
+from .drafters import Draft
+from .sampling import SamplingParams, probabilities, sample
+
+METHODS = ("ar", "chain", "stree")
+DEFAULT_STREE = (3, 2, 1, 1)
+DEFAULT_CHAIN = 4
+
+
+@dataclass
+class GenerationConfig:
+    """Everything that shapes one generation; each default lives here only."""
+
+    method: str = "stree"
+    """ar, chain or stree."""
+    tree: Tree | None = None
+    """Draft tree shape; None = chain of 4 for `chain`, (3, 2, 1, 1) for `stree`."""
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    eos_token_id: int | Sequence[int] | None = None
+    stop_strings: Sequence[str] = ()
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise InputError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.max_new_tokens < 1:
+            raise InputError(f"max-new-tokens must be a positive integer, got {self.max_new_tokens}")
+        self.sampling = SamplingParams(self.temperature, self.top_k, self.top_p)
+        if self.method == "chain":
+            self.tree = self.tree or Tree.chain(DEFAULT_CHAIN)
+            if not self.tree.is_chain:
+                raise InputError(f"method chain needs a chain (a configuration of ones), got tree {self.tree.spec()}")
+        elif self.method == "stree":
+            self.tree = self.tree or Tree.from_config(DEFAULT_STREE)
+
+    @property
+    def eos_ids(self) -> set[int]:
+        if self.eos_token_id is None:
+            return set()
+        if isinstance(self.eos_token_id, int):
+            return {self.eos_token_id}
+        return set(self.eos_token_id)
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    """Generated ids only (the prompt excluded)."""
+    stats: dict
+    accepted_per_call: list[int] = field(default_factory=list)
+    """Tokens produced by each decoding target call (drafted tokens accepted + 1)."""
+    finish_reason: str = "length"
+
+
+class _Output:
+    """Collects produced tokens and applies the stop conditions."""
+
+    def __init__(self, cfg: GenerationConfig, decode: Callable[[list[int]], str] | None, on_tokens):
+        self.cfg, self.decode, self.on_tokens = cfg, decode, on_tokens
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+
+    def emit(self, new: list[int]) -> None:
+        """Append tokens until a stop condition is met; the stopping token is kept (as transformers)."""
+        taken = []
+        for tok in new:
+            taken.append(tok)
+            self.tokens.append(tok)
+            if tok in self.cfg.eos_ids:
+                self.finish_reason = "eos"
+            elif self.cfg.stop_strings and self.decode is not None:
+                text = self.decode(self.tokens)
+                if any(s in text for s in self.cfg.stop_strings):
+                    self.finish_reason = "stop_string"
+            if self.finish_reason is None and len(self.tokens) >= self.cfg.max_new_tokens:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                break
+        if self.on_tokens and taken:
+            self.on_tokens(taken)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+def prefill(target: LanguageModel, prompt: torch.Tensor, max_len: int):
+    cache = target.new_cache(1, max_len)
+    logits = target(prompt, cache, last_only=True)[0, -1]
+    return cache, logits
+
+
+def draft_tree(drafter, root: int, cfg: GenerationConfig, generator) -> Draft:
+    return drafter.draft(root, cfg.tree, cfg.sampling, generator)
+
+
+def verify_tree(target: LanguageModel, draft: Draft, cache):
+    tokens = torch.tensor([draft.tokens], device=target.device)
+    return target.verify(tokens, draft.tree, cache)
+
+
+def accept_path(draft: Draft, target_logits: torch.Tensor, cfg: GenerationConfig, generator):
+    """The accepted path (root first) and the bonus token; the one place the rule is chosen."""
+    p = probabilities(target_logits, cfg.sampling)
+    if draft.q is None:
+        return accept_deterministic(draft.tree, draft.tokens, p, generator)
+    return accept_sampled(draft.tree, draft.tokens, p, draft.q, generator)
+
+
+def replay_state(target: LanguageModel, cache, acts, path: list[int]) -> None:
+    device = target.device
+    target.replay(cache, acts, torch.tensor([path], device=device), torch.tensor([len(path)], device=device))
+
+
+@torch.no_grad()
+def generate(
+    target: LanguageModel,
+    input_ids,
+    *,
+    drafter=None,
+    config: GenerationConfig | None = None,
+    decode: Callable[[list[int]], str] | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> GenerationResult:
+    """Generate from `input_ids` (a list of ids or a (1, T) tensor) with the configured method.
+
+    Args:
+        target: the model whose outputs are reproduced exactly.
+        drafter: a ModelDrafter or NgramDrafter (needed for chain and stree).
+        decode: ids -> text, needed only for stop strings.
+        on_tokens: called with each batch of newly produced ids (streaming).
+    """
+    cfg = config or GenerationConfig()
+    prompt = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1).to(target.device)
+    if prompt.shape[1] == 0:
+        raise InputError("the prompt is empty; give at least one token")
+    if cfg.method != "ar" and drafter is None:
+        raise InputError(f"method {cfg.method} needs a drafter (a model directory or 'ngram')")
+    generator = None if cfg.sampling.greedy else torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else 0)
+    tree_nodes = cfg.tree.num_nodes if cfg.tree is not None else 1
+    max_len = prompt.shape[1] + cfg.max_new_tokens + tree_nodes + 1
+
+    start = time.perf_counter()
+    out = _Output(cfg, decode, on_tokens)
+    cache, logits = prefill(target, prompt, max_len)
+    root = sample(probabilities(logits, cfg.sampling), generator)
+    out.emit([root])
+    accepted_per_call: list[int] = []
+
+    if cfg.method == "ar":
+        while not out.done:
+            logits = target.step(torch.tensor([[root]], device=target.device), cache)[0, -1]
+            root = sample(probabilities(logits, cfg.sampling), generator)
+            out.emit([root])
+            accepted_per_call.append(1)
+    else:
+        drafter.begin(prompt, max_len)
+        while not out.done:
+            draft = draft_tree(drafter, root, cfg, generator)
+            logits, acts = verify_tree(target, draft, cache)
+            path, bonus = accept_path(draft, logits[0], cfg, generator)
+            replay_state(target, cache, acts, path)
+            accepted = [draft.tokens[n] for n in path[1:]]
+            drafter.commit(accepted)
+            out.emit(accepted + [bonus])
+            accepted_per_call.append(len(accepted) + 1)
+            root = bonus
+
+    elapsed = time.perf_counter() - start
+    calls = len(accepted_per_call)
+    new_tokens = len(out.tokens)
+    stats = {
+        "method": cfg.method,
+        "tree": None if cfg.method == "ar" else cfg.tree.spec(),
+        "new_tokens": new_tokens,
+        "target_calls": calls,
+        # The prefill's token is not a decoding call's; a call's tokens = accepted drafts + bonus.
+        "mean_accepted": (new_tokens - 1) / calls if calls else 0.0,
+        "tokens_per_s": new_tokens / elapsed if elapsed > 0 else 0.0,
+        "elapsed_s": elapsed,
+        "temperature": cfg.temperature,
+        "finish_reason": out.finish_reason,
+    }
+    if drafter is not None and cfg.method != "ar":
+        stats["drafter_steps"] = drafter.steps
+    return GenerationResult(out.tokens, stats, accepted_per_call, out.finish_reason)

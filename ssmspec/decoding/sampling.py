@@ -1,0 +1,65 @@
+"""Turning logits into the distribution actually sampled from: temperature, top-k, top-p.
+
+The same function processes the target's and the drafter's logits, so that speculative
+sampling stays exact for the processed target distribution.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    """0 means greedy (argmax)."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0 = all)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p (1 = all)."""
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise InputError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InputError(f"top-k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top-p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Processed next-token distribution over the last dim, in fp32.
+
+    For greedy decoding this is the one-hot of the argmax, so every rule below treats greedy as
+    sampling from a point mass.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # Drop a token when the mass strictly before it already reaches top_p.
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token id from a 1-D distribution (argmax of a one-hot is exact for greedy)."""
+    if generator is None:
+        return int(probs.argmax())
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
