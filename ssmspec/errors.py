@@ -20,3 +20,7 @@ class InputError(SsmspecError):
 
 class DataError(SsmspecError):
     """A training data file that cannot be read or holds malformed records."""
+
+
+class ProfileMismatchError(SsmspecError):
+    """A profile.json measured on another model architecture or dtype than the one in use."""

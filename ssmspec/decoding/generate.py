@@ -70,6 +70,8 @@ class GenerationResult:
     accepted_per_call: list[int] = field(default_factory=list)
     """Tokens produced by each decoding target call (drafted tokens accepted + 1)."""
     finish_reason: str = "length"
+    text: str | None = None
+    """Detokenized output, filled in by `ssmspec.api.generate_text`."""
 
 
 class _Output:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ..ops import dispatch
 from .attention import Attention
 from .cache import ModelCache
 from .config import ModelConfig
@@ -20,6 +21,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() and dispatch.uses_kernel("rms_norm", h.device):
+            return dispatch.rms_norm(h, self.weight, self.eps)  # one launch instead of ~6 (inference only)
         hf = h.float()
         hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * hf).to(h.dtype)

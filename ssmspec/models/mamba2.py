@@ -118,6 +118,15 @@ class Mamba2Mixer(nn.Module):
     def step(self, h: torch.Tensor, cache: MambaLayerCache) -> torch.Tensor:
         """Args: h (B, 1, D); cache updated in place. Returns (B, 1, D)."""
         z, xBC, dt_raw = self._split_projection(h)
+        if dispatch.uses_kernel("mamba_step", h.device):
+            # Fused path: conv + state update + gated norm in two launches (ops/step_update).
+            c = self.cfg
+            out = dispatch.mamba_step(
+                xBC[:, 0], dt_raw[:, 0], z[:, 0], cache.conv_state, cache.ssm_state, self.conv_weight,
+                self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight, c.n_groups,
+                c.d_inner // self.norm.group_size, c.dt_min, c.dt_max, self.norm.eps,
+            )
+            return self.out_proj(out[:, None])
         window = torch.cat([cache.conv_state.to(xBC.dtype), xBC.transpose(1, 2)], dim=-1)  # (B, C, K)
         cache.conv_state.copy_(window[:, :, 1:])
         conv = (window.float() * self.conv_weight.float()).sum(-1)

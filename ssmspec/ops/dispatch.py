@@ -5,12 +5,14 @@ implementation. "auto" uses a kernel when CUDA is available and the kernel modul
 """
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
 
 from .chunk_scan.naive import naive_chunk_scan
 from .state_replay.naive import naive_replay_conv_state, naive_replay_ssm_state
+from .step_update.naive import naive_mamba_step, naive_rms_norm
 from .tree_conv.naive import naive_tree_conv
 from .tree_scan.naive import naive_tree_scan
 
@@ -23,6 +25,8 @@ _REFERENCE = {
     "replay_ssm_state": naive_replay_ssm_state,
     "replay_conv_state": naive_replay_conv_state,
     "chunk_scan": naive_chunk_scan,
+    "mamba_step": naive_mamba_step,
+    "rms_norm": naive_rms_norm,
 }
 # op name -> (module, function) of its Triton kernel, filled in as kernels land.
 _TRITON = {
@@ -30,6 +34,8 @@ _TRITON = {
     "tree_conv": ("ssmspec.ops.tree_conv.triton", "tree_conv"),
     "replay_ssm_state": ("ssmspec.ops.state_replay.triton", "replay_ssm_state"),
     "replay_conv_state": ("ssmspec.ops.state_replay.triton", "replay_conv_state"),
+    "mamba_step": ("ssmspec.ops.step_update.triton", "mamba_step"),
+    "rms_norm": ("ssmspec.ops.step_update.triton", "rms_norm"),
 }
 
 
@@ -44,7 +50,9 @@ def get_backend() -> str:
     return _backend
 
 
+@functools.lru_cache(maxsize=None)
 def _triton_impl(op: str):
+    # Cached: resolve() runs for every op of every layer of every decode step.
     spec = _TRITON.get(op)
     if spec is None:
         return None
@@ -68,6 +76,15 @@ def resolve(op: str, device: torch.device):
     return _REFERENCE[op]
 
 
+def uses_kernel(op: str, device: torch.device) -> bool:
+    """Whether `op` on `device` runs a Triton kernel under the current backend.
+
+    Models use it to branch into a fused path (e.g. the single-token step) while the reference
+    path stays the plain code it was.
+    """
+    return resolve(op, device) is not _REFERENCE[op]
+
+
 def tree_scan(x, dt, A, B, C, D, parents, initial_state):
     return resolve("tree_scan", x.device)(x, dt, A, B, C, D, parents, initial_state)
 
@@ -86,3 +103,15 @@ def replay_conv_state(conv_state, xBC, path, path_len):
 
 def chunk_scan(x, dt, A, B, C, D, chunk_size=64, initial_state=None):
     return resolve("chunk_scan", x.device)(x, dt, A, B, C, D, chunk_size, initial_state)
+
+
+def mamba_step(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,
+               n_groups, norm_groups, dt_min, dt_max, eps):
+    return resolve("mamba_step", xBC.device)(
+        xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,
+        n_groups, norm_groups, dt_min, dt_max, eps,
+    )
+
+
+def rms_norm(h, weight, eps):
+    return resolve("rms_norm", h.device)(h, weight, eps)

@@ -1,6 +1,8 @@
 """Plain-torch reference of the path-aware causal conv1d over a packed tree."""
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
@@ -17,9 +19,14 @@ def conv_window_indices(parents: torch.Tensor, kernel_size: int) -> torch.Tensor
     Returns:
         (N, K) int64 indices into the extended sequence of length K-1+N.
     """
+    return _conv_window_indices(tuple(parents.tolist()), kernel_size).to(parents.device)
+
+
+@lru_cache(maxsize=256)
+def _conv_window_indices(parents: tuple[int, ...], kernel_size: int) -> torch.Tensor:
     history = kernel_size - 1
     rows = []
-    for i in range(parents.shape[0]):
+    for i in range(len(parents)):
         window = []
         node, prefix_back = i, 0
         for _ in range(kernel_size):
@@ -30,7 +37,7 @@ def conv_window_indices(parents: torch.Tensor, kernel_size: int) -> torch.Tensor
                 prefix_back += 1
                 window.append(history - prefix_back)
         rows.append(window[::-1])
-    return torch.tensor(rows, dtype=torch.long, device=parents.device).reshape(-1, kernel_size)
+    return torch.tensor(rows, dtype=torch.long).reshape(-1, kernel_size)
 
 
 def naive_tree_conv(

@@ -1,6 +1,8 @@
 """Plain-torch reference of the packed-tree SSM scan (STree): the spec the Triton kernel meets."""
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 
@@ -12,8 +14,12 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     Returns:
         (N, N) bool.
     """
-    n = parents.shape[0]
-    parents_list = parents.tolist()
+    return _ancestor_mask(tuple(parents.tolist())).to(parents.device)
+
+
+@lru_cache(maxsize=256)
+def _ancestor_mask(parents_list: tuple[int, ...]) -> torch.Tensor:
+    n = len(parents_list)
     mask = torch.zeros(n, n, dtype=torch.bool)
     for i, p in enumerate(parents_list):
         if p >= i:
@@ -21,7 +27,7 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
         if p >= 0:
             mask[i] = mask[p]
         mask[i, i] = True
-    return mask.to(parents.device)
+    return mask
 
 
 def naive_tree_scan(

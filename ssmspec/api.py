@@ -1,0 +1,80 @@
+"""The small Python API the CLI wraps: load a target and a drafter, generate text.
+
+    from ssmspec.api import load_target, load_drafter, generate_text
+    from ssmspec.decoding import GenerationConfig
+    from ssmspec.trees import Tree
+
+    target = load_target("runs/target")
+    drafter = load_drafter("runs/drafter", target)          # or "ngram"
+    result = generate_text(target, "def fib(n):", drafter=drafter,
+                           config=GenerationConfig(method="stree", tree=Tree.from_config((3, 2, 1))))
+    print(result.text, result.stats["mean_accepted"])
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .decoding import GenerationConfig, GenerationResult, ModelDrafter, NgramDrafter, generate
+from .errors import InputError
+from .models.loading import LoadedModel, check_same_vocab, load_model
+from .tokenization import encode_prompt, tokenizer_for
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """`auto` (or None) picks CUDA when available."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError("--device cuda asked for, but no CUDA GPU is available; use --device cpu")
+    return torch.device(device)
+
+
+def load_target(path: str | Path, *, dtype=None, device: str | None = None) -> LoadedModel:
+    return load_model(path, dtype=dtype, device=resolve_device(device))
+
+
+def load_drafter(spec: str, target: LoadedModel, *, dtype=None):
+    """`ngram` for prompt lookup, else a model directory that shares the target's vocabulary."""
+    if spec == "ngram":
+        return NgramDrafter()
+    drafter = load_model(spec, dtype=dtype or target.model.dtype, device=target.model.device)
+    check_same_vocab(target, drafter, "target", "drafter")
+    return ModelDrafter(drafter.model)
+
+
+def generate_text(
+    target: LoadedModel,
+    prompt: str,
+    *,
+    drafter=None,
+    config: GenerationConfig | None = None,
+    chat: bool = False,
+    on_text: Callable[[str], None] | None = None,
+) -> GenerationResult:
+    """Tokenize, generate, detokenize. `on_text` receives text as it is accepted (streaming)."""
+    config = config or GenerationConfig(method="stree" if drafter is not None else "ar")
+    tokenizer = tokenizer_for(target)
+    ids = encode_prompt(tokenizer, prompt, chat)
+    if config.eos_token_id is None:
+        config.eos_token_id = getattr(tokenizer, "eos_token_id", None) or target.model.config.eos_token_id
+    produced: list[int] = []
+    shown = ""
+
+    def stream(new: list[int]) -> None:
+        nonlocal shown
+        produced.extend(new)
+        text = tokenizer.decode(produced, skip_special_tokens=True)
+        # Hold back a trailing replacement char: the next token may complete the character.
+        if on_text and not text.endswith("\ufffd") and text.startswith(shown):
+            on_text(text[len(shown):])
+            shown = text
+
+    decode = lambda toks: tokenizer.decode(toks, skip_special_tokens=True)  # noqa: E731
+    result = generate(target.model, ids, drafter=drafter, config=config, decode=decode, on_tokens=stream)
+    result.text = decode(result.token_ids)
+    if on_text and result.text.startswith(shown) and len(result.text) > len(shown):
+        on_text(result.text[len(shown):])
+    return result

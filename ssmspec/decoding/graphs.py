@@ -1,0 +1,135 @@
+"""CUDA-graph capture of the decode step and of one greedy tree iteration (verify + accept + replay).
+
+At batch 1 a decode step is a few hundred small launches; replaying them as one captured graph
+removes the host from the loop. Everything that changes between iterations (the input tokens,
+the accepted path and its length) lives in static device tensors that the graph reads, so a
+whole speculative iteration runs with no host synchronisation; the caller reads back only the
+produced tokens.
+
+Capture needs every op of the captured region to avoid host syncs: use the Triton backend
+(the plain-torch tree references build their masks on the host). Attention layers must have
+their KV capacity allocated before capture (`AttentionLayerCache.ensure_capacity`).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..models.cache import ModelCache
+from ..models.lm import LanguageModel
+
+
+def _warm_up_and_capture(fn, cache: ModelCache, warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """Run fn a few times on a side stream (compiles kernels, sets up cuBLAS), restore the cache,
+    then capture fn. The cache holds the same values afterwards as before."""
+    snapshot = cache.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    cache.copy_(snapshot)  # capture itself runs nothing, but the warm-up steps advanced the cache
+    torch.cuda.synchronize()
+    return graph
+
+
+class StepGraph:
+    """`model.step` captured for one batch size and one cache.
+
+    Usage: `g = StepGraph(model, cache)`; `logits = g(ids)` advances `cache` by one token and
+    returns a static (B, 1, V) buffer that the next call overwrites.
+    """
+
+    def __init__(self, model: LanguageModel, cache: ModelCache):
+        self.model = model
+        self.cache = cache
+        self.ids = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.seqlen.device)
+        self.logits = None
+
+        def step():
+            self.logits = model.step(self.ids, cache)
+
+        with torch.inference_mode():
+            self.graph = _warm_up_and_capture(step, cache)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (B, 1) -> logits (B, 1, V) (a static buffer)."""
+        self.ids.copy_(ids)
+        self.graph.replay()
+        return self.logits
+
+
+class GreedyTreeGraph:
+    """One greedy speculative iteration on a fixed tree, captured: verify, accept, replay.
+
+    Greedy acceptance on the device: node i > 0 is accepted when its token equals the target's
+    argmax at its parent; a node survives when every node on its path is accepted; the deepest
+    surviving node (lowest packed index among equals) ends the accepted path, and the target's
+    argmax there is the bonus token. The path and its length go to `model.replay` as device
+    tensors.
+
+    Usage: `g = GreedyTreeGraph(model, cache, tree)`; `tokens, n = g(tree_tokens)` with
+    tree_tokens (B, N) advances the cache over root + accepted nodes and returns the static
+    buffers `tokens` (B, D+1) (accepted drafted tokens then the bonus, valid up to n) and
+    `n` (B,) = accepted drafted tokens + 1.
+    """
+
+    def __init__(self, model: LanguageModel, cache: ModelCache, tree, capture: bool = True):
+        device = cache.seqlen.device
+        self.model, self.cache, self.tree = model, cache, tree
+        batch, n_nodes = cache.batch_size, tree.num_nodes
+        depth_count = tree.max_depth + 1
+        self.tokens_in = torch.zeros(batch, n_nodes, dtype=torch.long, device=device)
+        self.parents = tree.parents_tensor(device)
+        self.depth = tree.depth_tensor(device)
+        self.mask = tree.mask_tensor(device)  # (N, N) ancestors
+        # paths[i] = root-to-i node list, padded with 0 (replay never reads past path_len).
+        paths = torch.zeros(n_nodes, depth_count, dtype=torch.long)
+        for i in range(n_nodes):
+            p = tree.path(i)
+            paths[i, : len(p)] = torch.tensor(p)
+        self.paths = paths.to(device)
+        self.out_tokens = self.out_len = None
+
+        def iteration():
+            logits, acts = model.verify(self.tokens_in, tree, cache)
+            best_tok = logits.argmax(-1)  # (B, N) the target's choice after each node
+            parent = self.parents.clamp_min(0)
+            accepted = self.tokens_in == best_tok[:, parent]  # (B, N)
+            accepted[:, 0] = True
+            # survives[b, i] = all nodes on i's path accepted.
+            rejected_on_path = (~accepted).float() @ self.mask.float().T  # (B, N)
+            survives = rejected_on_path == 0
+            # deepest survivor; ties -> lowest packed index (score strictly decreasing in index)
+            score = torch.where(survives, self.depth * (n_nodes + 1) + (n_nodes - torch.arange(n_nodes, device=device)), -1)
+            last = score.argmax(-1)  # (B,)
+            path = self.paths[last]  # (B, D+1)
+            path_len = self.depth[last] + 1
+            model.replay(cache, acts, path, path_len)
+            # produced tokens: the accepted drafted tokens (path[1:]) then the bonus at `last`
+            rows = torch.arange(batch, device=device)[:, None]
+            out = torch.cat([self.tokens_in[rows, path[:, 1:]], best_tok[rows, last[:, None]]], dim=1)
+            steps = torch.arange(depth_count, device=device)[None, :]
+            out[:, :-1] = torch.where(steps[:, :-1] < path_len[:, None] - 1, out[:, :-1], 0)
+            # move the bonus right after the last accepted drafted token
+            out = out.scatter(1, (path_len - 1)[:, None], best_tok[rows, last[:, None]])
+            self.out_tokens, self.out_len = out, path_len
+
+        self._iteration = iteration
+        self.graph = None
+        if capture:  # capture=False runs the same iteration eagerly (CPU, debugging)
+            with torch.inference_mode():
+                self.graph = _warm_up_and_capture(iteration, cache)
+
+    def __call__(self, tree_tokens: torch.Tensor):
+        """tree_tokens (B, N) -> (tokens (B, D+1), n (B,)) static buffers; see the class docstring."""
+        self.tokens_in.copy_(tree_tokens)
+        if self.graph is None:
+            with torch.inference_mode():
+                self._iteration()
+        else:
+            self.graph.replay()
+        return self.out_tokens, self.out_len

@@ -1,0 +1,75 @@
+"""Plain-torch reference of the fused single-token Mamba-2 step (the same math as `Mamba2Mixer.step`)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def naive_mamba_step(
+    xBC: torch.Tensor,
+    dt_raw: torch.Tensor,
+    z: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    A_log: torch.Tensor,
+    D: torch.Tensor,
+    norm_weight: torch.Tensor,
+    n_groups: int,
+    norm_groups: int,
+    dt_min: float,
+    dt_max: float,
+    eps: float,
+) -> torch.Tensor:
+    """One token through conv update, SSM state update, D skip and gated RMSNorm.
+
+    Updates conv_state and ssm_state in place. Rounding follows `Mamba2Mixer.step`: the conv
+    output is rounded to xBC's dtype, y to z's dtype before the gate, the normalised value to
+    z's dtype before the norm weight.
+
+    Args:
+        xBC: (B, C) pre-conv inputs, C = H*P + 2*G*S.
+        dt_raw: (B, H) time steps before dt_bias and softplus.
+        z: (B, H*P) gate.
+        conv_state: (B, C, K-1) oldest first.
+        ssm_state: (B, H, P, S) fp32.
+        conv_weight: (C, K); conv_bias: (C,) or None.
+        dt_bias, A_log, D: (H,); the decay rate is A = -exp(A_log), computed here so that a
+            decode step spends no launches on it.
+        norm_weight: (H*P,) weight of the gated RMSNorm, normalised over norm_groups groups.
+        n_groups: G, groups of B and C.
+    Returns:
+        (B, H*P) in z's dtype, the input of out_proj.
+    """
+    batch, heads, head_dim, d_state = ssm_state.shape
+    window = torch.cat([conv_state.to(xBC.dtype), xBC[:, :, None]], dim=-1)  # (B, C, K)
+    conv_state.copy_(window[:, :, 1:])
+    conv = (window.float() * conv_weight.float()).sum(-1)
+    if conv_bias is not None:
+        conv = conv + conv_bias.float()
+    conv = F.silu(conv).to(xBC.dtype)
+    d_inner = heads * head_dim
+    x, B, C = conv.split([d_inner, n_groups * d_state, n_groups * d_state], dim=-1)
+    x = x.unflatten(-1, (heads, head_dim))  # (B, H, P)
+    Bh = B.unflatten(-1, (n_groups, d_state)).float().repeat_interleave(heads // n_groups, dim=1)  # (B, H, S)
+    Ch = C.unflatten(-1, (n_groups, d_state)).float().repeat_interleave(heads // n_groups, dim=1)
+    dt = F.softplus(dt_raw.float() + dt_bias.float()).clamp(dt_min, dt_max)  # (B, H)
+    A = -torch.exp(A_log.float())
+    state = ssm_state * torch.exp(dt * A)[..., None, None]
+    state = state + torch.einsum("bh,bhp,bhs->bhps", dt, x.float(), Bh)
+    ssm_state.copy_(state)
+    y = torch.einsum("bhps,bhs->bhp", state, Ch) + x.float() * D.float()[:, None]
+    y = y.flatten(-2).to(z.dtype)  # (B, H*P)
+    g = y.float() * F.silu(z.float())
+    g = g.unflatten(-1, (norm_groups, -1))
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return norm_weight * g.flatten(-2).to(z.dtype)
+
+
+def naive_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in fp32, as `ssmspec.models.lm.RMSNorm`. h (..., D) -> (..., D) in h's dtype."""
+    hf = h.float()
+    hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * hf).to(h.dtype)

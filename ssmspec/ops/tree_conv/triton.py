@@ -1,0 +1,105 @@
+"""Triton kernel of the path-aware causal depthwise conv1d over a packed tree; `naive.py` is the spec.
+
+One program per (batch row, block of nodes, block of channels). Each node's window is found by
+walking its parent chain K-1 steps in the kernel (K is tiny and a compile-time constant), so the
+window indices of `conv_window_indices` are never built on the host: `parents` stays on the
+device and nothing syncs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tree_conv_kernel(
+    x_ptr, state_ptr, w_ptr, bias_ptr, par_ptr, out_ptr,
+    N, CH,
+    sxb, sxn, sxc,
+    ssb, ssc, ssk,
+    swc, swk,
+    sob, son, soc,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    b = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_n = offs_n < N
+    mask_c = offs_c < CH
+    mask = mask_n[:, None] & mask_c[None, :]
+
+    acc = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+    # Step j reads the input j tokens back along the node's path: a tree node while the walk is
+    # inside the tree, then the cached prefix inputs (slot K-2 is the most recent) once it has
+    # passed the root.
+    cur = tl.where(mask_n, offs_n, -1)
+    back = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for j in tl.static_range(K):
+        in_tree = cur >= 0
+        from_tree = tl.load(x_ptr + b * sxb + cur[:, None] * sxn + offs_c[None, :] * sxc,
+                            mask=mask & in_tree[:, None], other=0.0).to(tl.float32)
+        slot = (K - 2) - back
+        from_state = tl.load(state_ptr + b * ssb + offs_c[None, :] * ssc + slot[:, None] * ssk,
+                             mask=mask & (~in_tree[:, None]) & (slot[:, None] >= 0), other=0.0)
+        # Round the cached inputs to the tree inputs' dtype first, as the reference does.
+        from_state = from_state.to(x_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + offs_c * swc + (K - 1 - j) * swk, mask=mask_c, other=0.0).to(tl.float32)
+        acc += tl.where(in_tree[:, None], from_tree, from_state) * w[None, :]
+        back = tl.where(in_tree, back, back + 1)
+        cur = tl.where(in_tree, tl.load(par_ptr + cur, mask=in_tree, other=-1).to(tl.int32), -1)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + b * sob + offs_n[:, None] * son + offs_c[None, :] * soc,
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def tree_conv(
+    xBC: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    parents: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Depthwise causal conv where each node convolves over its own path, then the activation.
+
+    Same contract as `naive_tree_conv`.
+
+    Args:
+        xBC: (B, N, C) pre-conv inputs of the tree nodes.
+        conv_state: (B, C, K-1) the prefix's last K-1 pre-conv inputs, oldest first.
+        weight: (C, K) depthwise kernel (weight[:, -1] multiplies the current token).
+        bias: (C,) or None.
+        parents: (N,) int, -1 for the root.
+    Returns:
+        (B, N, C) in xBC's dtype.
+    """
+    if activation not in ("silu", None):
+        raise ValueError(f"unsupported conv activation {activation!r}")
+    batch, n, channels = xBC.shape
+    kernel_size = weight.shape[-1]
+    if tuple(weight.shape) != (channels, kernel_size) or tuple(conv_state.shape) != (batch, channels, kernel_size - 1):
+        raise ValueError(
+            f"tree_conv: weight {tuple(weight.shape)} / conv_state {tuple(conv_state.shape)} do not match "
+            f"xBC {tuple(xBC.shape)} (expected ({channels}, K) and ({batch}, {channels}, K-1))"
+        )
+    if tuple(parents.shape) != (n,):
+        raise ValueError(f"tree_conv: parents has shape {tuple(parents.shape)}, expected ({n},)")
+    out = torch.empty_like(xBC, memory_format=torch.contiguous_format)
+    if out.numel() == 0:
+        return out
+    block_n = min(16, triton.next_power_of_2(n))
+    block_c = 256
+    grid = (batch, triton.cdiv(n, block_n), triton.cdiv(channels, block_c))
+    _tree_conv_kernel[grid](
+        xBC, conv_state, weight, bias if bias is not None else weight, parents, out,
+        n, channels,
+        *xBC.stride(), *conv_state.stride(), *weight.stride(), *out.stride(),
+        K=kernel_size, HAS_BIAS=bias is not None, SILU=activation == "silu",
+        BLOCK_N=block_n, BLOCK_C=block_c, num_warps=4,
+    )
+    return out

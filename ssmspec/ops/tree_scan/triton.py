@@ -1,0 +1,160 @@
+"""Triton kernel of the packed-tree SSM scan; `naive.py` beside it is the spec.
+
+One program per (batch row, head, block of P channels). The tree is small (N <= a few hundred),
+so the kernel uses the quadratic masked form of `naive_tree_scan` on chip instead of a
+sequential walk with a per-node state: a sequential walk would need every node's (P, S) state
+kept until its last child is done (a stack with run-time indexing, which Triton cannot keep in
+registers), while the masked form is three small matrix products whose operands fit on chip.
+Per-node states never reach global memory; the only large read is the initial state (P, S).
+
+The ancestor mask and the path-summed log-decay are built in the kernel by walking each node's
+parent chain, so `parents` stays a device tensor and nothing syncs with the host.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tree_scan_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, par_ptr, h0_ptr, y_ptr,
+    N, H, P, S, heads_per_group,
+    sxb, sxn, sxh, sxp,
+    sdb, sdn, sdh,
+    sBb, sBn, sBg, sBs,
+    sCb, sCn, sCg, sCs,
+    shb, shh, shp, shs,
+    syb, syn, syh, syp,
+    HAS_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_p = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    g = h // heads_per_group
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_n = offs_n < N
+    mask_p = offs_p < P
+
+    A = tl.load(A_ptr + h).to(tl.float32)
+    dt_base = dt_ptr + b * sdb + h * sdh
+    dt = tl.load(dt_base + offs_n * sdn, mask=mask_n, other=0.0).to(tl.float32)
+
+    # Walk every node's parent chain at once: after step k, cur[i] is node i's k-th ancestor.
+    # anc[i, j] = 1 when j is on i's path; acum[i] = sum of dt*A along it (the path's log-decay).
+    cur = tl.where(mask_n, offs_n, -1)
+    acum = tl.zeros([BLOCK_N], dtype=tl.float32)
+    anc = tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.int32)
+    steps = 0
+    while (tl.max(cur, axis=0) >= 0) & (steps < N):  # the step bound guards a malformed parents
+        valid = cur >= 0
+        anc = tl.where(cur[:, None] == offs_n[None, :], 1, anc)
+        acum += tl.load(dt_base + cur * sdn, mask=valid, other=0.0).to(tl.float32) * A
+        cur = tl.where(valid, tl.load(par_ptr + cur, mask=valid, other=-1).to(tl.int32), -1)
+        steps += 1
+
+    # scores[i, j] = C_i . B_j and the initial-state term C_i . h0[p, :], accumulated over S chunks
+    # so that the operands stay small whatever S is.
+    scores = tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.float32)
+    from_h0 = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
+    B_base = B_ptr + b * sBb + g * sBg
+    C_base = C_ptr + b * sCb + g * sCg
+    h0_base = h0_ptr + b * shb + h * shh
+    for s0 in range(0, S, BLOCK_S):
+        ss = s0 + offs_s
+        mask_s = ss < S
+        Cm = tl.load(C_base + offs_n[:, None] * sCn + ss[None, :] * sCs,
+                     mask=mask_n[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
+        Bm = tl.load(B_base + offs_n[:, None] * sBn + ss[None, :] * sBs,
+                     mask=mask_n[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
+        h0 = tl.load(h0_base + offs_p[:, None] * shp + ss[None, :] * shs,
+                     mask=mask_p[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
+        scores += tl.dot(Cm, tl.trans(Bm), input_precision=PRECISION)
+        from_h0 += tl.dot(Cm, tl.trans(h0), input_precision=PRECISION)
+
+    # Weight of node j's input in node i's output: C_i.B_j * exp(acum_i - acum_j) * dt_j on i's path.
+    seg = tl.where(anc != 0, acum[:, None] - acum[None, :], float("-inf"))
+    w = scores * tl.exp(seg) * dt[None, :]
+    xm = tl.load(x_ptr + b * sxb + h * sxh + offs_n[:, None] * sxn + offs_p[None, :] * sxp,
+                 mask=mask_n[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+    y = tl.dot(w, xm, input_precision=PRECISION) + from_h0 * tl.exp(acum)[:, None]
+    if HAS_D:
+        y += xm * tl.load(D_ptr + h).to(tl.float32)
+    tl.store(y_ptr + b * syb + h * syh + offs_n[:, None] * syn + offs_p[None, :] * syp, y,
+             mask=mask_n[:, None] & mask_p[None, :])
+
+
+def _check_tree_scan_shapes(x, dt, A, B, C, D, parents, initial_state):
+    batch, n, heads, head_dim = x.shape
+    groups, d_state = B.shape[2], B.shape[3]
+    expected = {
+        "dt": (dt.shape, (batch, n, heads)),
+        "A": (A.shape, (heads,)),
+        "B": (B.shape, (batch, n, groups, d_state)),
+        "C": (C.shape, (batch, n, groups, d_state)),
+        "parents": (parents.shape, (n,)),
+        "initial_state": (initial_state.shape, (batch, heads, head_dim, d_state)),
+    }
+    if D is not None:
+        expected["D"] = (D.shape, (heads,))
+    for name, (got, want) in expected.items():
+        if tuple(got) != want:
+            raise ValueError(f"tree_scan: {name} has shape {tuple(got)}, expected {want}")
+    if heads % groups:
+        raise ValueError(f"tree_scan: {heads} heads do not split into {groups} groups")
+
+
+def tree_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    parents: torch.Tensor,
+    initial_state: torch.Tensor,
+    precision: str = "ieee",
+) -> torch.Tensor:
+    """Output of every tree node as if its root-to-node path had been scanned alone.
+
+    Same contract as `naive_tree_scan`; `precision` is Triton's dot precision for fp32 operands
+    ("ieee" matches the reference to fp32 rounding, "tf32" is faster on tensor cores).
+
+    Args:
+        x: (B, N, H, P) SSM inputs after the conv.
+        dt: (B, N, H) time steps after softplus and clamp.
+        A: (H,) negative decay rates.
+        B, C: (B, N, G, S).
+        D: (H,) or None.
+        parents: (N,) int, -1 for the root, parents before children.
+        initial_state: (B, H, P, S) the state before the root.
+    Returns:
+        y: (B, N, H, P) fp32.
+    """
+    _check_tree_scan_shapes(x, dt, A, B, C, D, parents, initial_state)
+    batch, n, heads, head_dim = x.shape
+    groups, d_state = B.shape[2], B.shape[3]
+    y = torch.empty(batch, n, heads, head_dim, device=x.device, dtype=torch.float32)
+    if y.numel() == 0:
+        return y
+    block_n = max(16, triton.next_power_of_2(n))
+    block_p = min(64, max(16, triton.next_power_of_2(head_dim)))
+    block_s = min(64, max(16, triton.next_power_of_2(d_state)))
+    grid = (batch * heads, triton.cdiv(head_dim, block_p))
+    D_arg = D if D is not None else A  # never read when HAS_D is False
+    _tree_scan_kernel[grid](
+        x, dt, A, B, C, D_arg, parents, initial_state, y,
+        n, heads, head_dim, d_state, heads // groups,
+        *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *initial_state.stride(), *y.stride(),
+        HAS_D=D is not None,
+        BLOCK_N=block_n, BLOCK_P=block_p, BLOCK_S=block_s,
+        PRECISION=precision,
+        num_warps=4 if block_n <= 32 else 8,
+    )
+    return y

@@ -1,0 +1,173 @@
+"""The decode loop: lossless against autoregressive decoding, self-drafting, exact sampling."""
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from helpers import tiny_model
+from ssmspec.decoding import GenerationConfig, ModelDrafter, NgramDrafter, generate
+from ssmspec.errors import InputError
+from ssmspec.trees import Tree
+
+TARGETS = {
+    "mamba2": ("mamba", "mamba", "mamba"),
+    "hybrid": ("mamba", "attention", "mlp", "mamba", "attention"),
+}
+SHAPES = [("chain", Tree.chain(4)), ("stree", Tree.from_config((3, 2, 1))), ("stree", Tree.from_config((2, 2, 2, 1)))]
+
+
+def prompts(n, length, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+    # a repetitive prompt gives the n-gram drafter something to find
+    out.append(([5, 9, 2, 7] * 6)[:length])
+    return out
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+@pytest.mark.parametrize("method, shape", SHAPES, ids=lambda x: x if isinstance(x, str) else x.spec())
+@pytest.mark.parametrize("drafter_kind", ["unrelated", "ngram"])
+def test_speculative_greedy_equals_autoregressive(arch, method, shape, drafter_kind):
+    target = tiny_model(TARGETS[arch], seed=1)
+    for ids in prompts(2, 10, 64):
+        ref = generate(target, ids, config=GenerationConfig(method="ar", max_new_tokens=24))
+        drafter = ModelDrafter(tiny_model(("mamba",), seed=99)) if drafter_kind == "unrelated" else NgramDrafter()
+        out = generate(target, ids, drafter=drafter, config=GenerationConfig(method=method, tree=shape, max_new_tokens=24))
+        assert out.token_ids == ref.token_ids
+        assert out.stats["new_tokens"] == 24
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+@pytest.mark.parametrize("config", [(1, 1, 1), (3, 2, 1), (2, 2, 2, 1)])
+def test_self_drafting_accepts_every_level(arch, config):
+    target = tiny_model(TARGETS[arch], seed=2)
+    g = len(config)
+    out = generate(target, prompts(1, 8, 64)[0], drafter=ModelDrafter(target),
+                   config=GenerationConfig(method="stree", tree=Tree.from_config(config), max_new_tokens=1 + 6 * (g + 1)))
+    assert out.accepted_per_call == [g + 1] * 6
+    assert out.stats["mean_accepted"] == g + 1
+
+
+def test_unrelated_drafter_is_often_rejected():
+    # Guards the losslessness tests above against a drafter that always agrees.
+    target = tiny_model(TARGETS["mamba2"], seed=1)
+    out = generate(target, prompts(1, 10, 64)[0], drafter=ModelDrafter(tiny_model(("mamba",), seed=99)),
+                   config=GenerationConfig(method="chain", tree=Tree.chain(4), max_new_tokens=30))
+    assert out.stats["mean_accepted"] < 2.5
+
+
+def test_stop_conditions():
+    target = tiny_model(TARGETS["mamba2"], seed=1)
+    ids = prompts(1, 10, 64)[0]
+    ref = generate(target, ids, config=GenerationConfig(method="ar", max_new_tokens=20)).token_ids
+    eos = ref[5]
+    first = ref.index(eos)
+    for method in ("ar", "stree"):
+        out = generate(target, ids, drafter=ModelDrafter(target),
+                       config=GenerationConfig(method=method, max_new_tokens=20, eos_token_id=eos))
+        assert out.token_ids == ref[:first + 1] and out.finish_reason == "eos"
+    decode = lambda toks: " ".join(map(str, toks))  # noqa: E731
+    stop = f"{ref[3]} {ref[4]}"
+    out = generate(target, ids, drafter=NgramDrafter(), decode=decode,
+                   config=GenerationConfig(method="chain", max_new_tokens=20, stop_strings=[stop]))
+    assert stop in decode(out.token_ids) and stop not in decode(out.token_ids[:-1])
+
+
+@pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(temperature=-1.0), dict(method="beam"), dict(top_p=0.0),
+                                 dict(method="chain", tree=Tree.from_config((2, 1)))])
+def test_bad_generation_config(bad):
+    with pytest.raises(InputError):
+        GenerationConfig(**bad)
+
+
+def test_empty_prompt_and_missing_drafter():
+    target = tiny_model(TARGETS["mamba2"])
+    with pytest.raises(InputError, match="empty"):
+        generate(target, [], config=GenerationConfig(method="ar"))
+    with pytest.raises(InputError, match="drafter"):
+        generate(target, [1, 2], config=GenerationConfig(method="chain"))
+
+
+# -- exact sampling ---------------------------------------------------------------------------
+
+SAMPLE_VOCAB = 4
+NEW = 3
+
+
+@torch.no_grad()
+def exact_joint(target, prompt, temperature=1.0, top_p=1.0):
+    """P(t1, t2, t3) of the target's own sampling, by enumerating all continuations."""
+    from ssmspec.decoding.sampling import SamplingParams, probabilities
+
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    dist = {}
+    for seq in itertools.product(range(SAMPLE_VOCAB), repeat=NEW):
+        ids = torch.tensor([prompt + list(seq)])
+        probs = probabilities(target(ids)[0, len(prompt) - 1:-1], params)  # (NEW, V)
+        dist[seq] = float(torch.prod(probs[torch.arange(NEW), list(seq)]))
+    return dist
+
+
+def empirical(target, prompt, drafter_factory, method, tree, runs, temperature=1.0, top_p=1.0):
+    counts = {}
+    for seed in range(runs):
+        cfg = GenerationConfig(method=method, tree=tree, max_new_tokens=NEW, temperature=temperature, top_p=top_p, seed=seed)
+        out = generate(target, prompt, drafter=drafter_factory() if drafter_factory else None, config=cfg)
+        key = tuple(out.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def chi_square_pvalue(counts, dist, runs):
+    keys = sorted(dist, key=lambda k: -dist[k])
+    observed, expected = [], []
+    obs_tail = exp_tail = 0.0
+    for k in keys:  # pool rare outcomes so every cell expects >= 5
+        if dist[k] * runs >= 5:
+            observed.append(counts.get(k, 0))
+            expected.append(dist[k] * runs)
+        else:
+            obs_tail += counts.get(k, 0)
+            exp_tail += dist[k] * runs
+    if exp_tail > 0:
+        observed.append(obs_tail)
+        expected.append(exp_tail)
+    scale = sum(observed) / sum(expected)
+    return chisquare(observed, [e * scale for e in expected]).pvalue
+
+
+RUNS = 1500
+
+
+@pytest.fixture(scope="module")
+def sampling_pair():
+    target = tiny_model(("mamba", "attention", "mamba"), vocab_size=SAMPLE_VOCAB, seed=3, std=0.6)
+    drafter = tiny_model(("mamba",), vocab_size=SAMPLE_VOCAB, seed=4, std=0.6)
+    return target, drafter, [1, 3, 0, 2, 1]
+
+
+@pytest.mark.parametrize("method, tree, top_p", [("chain", Tree.chain(2), 1.0), ("stree", Tree.from_config((2, 2)), 1.0),
+                                                 ("stree", Tree.from_config((3, 1)), 0.8)])
+def test_sampling_matches_the_target_distribution(sampling_pair, method, tree, top_p):
+    target, drafter, prompt = sampling_pair
+    dist = exact_joint(target, prompt, top_p=top_p)
+    counts = empirical(target, prompt, lambda: ModelDrafter(drafter), method, tree, RUNS, top_p=top_p)
+    # The bound: a chi-square goodness-of-fit test over the 64 joint outcomes of 3 tokens
+    # (rare ones pooled) must not reject at the 0.1% level.
+    assert chi_square_pvalue(counts, dist, RUNS) > 1e-3
+
+
+def test_sampling_check_has_power(sampling_pair):
+    # The drafter's own samples must be rejected by the same test: it can tell the two apart.
+    target, drafter, prompt = sampling_pair
+    counts = empirical(drafter, prompt, None, "ar", None, RUNS)
+    assert chi_square_pvalue(counts, exact_joint(target, prompt), RUNS) < 1e-3
+
+
+def test_sampling_is_reproducible_with_a_seed(sampling_pair):
+    target, drafter, prompt = sampling_pair
+    cfg = GenerationConfig(method="stree", tree=Tree.from_config((2, 2)), max_new_tokens=12, temperature=1.0, seed=7)
+    a = generate(target, prompt, drafter=ModelDrafter(drafter), config=cfg).token_ids
+    b = generate(target, prompt, drafter=ModelDrafter(drafter), config=cfg).token_ids
+    assert a == b

@@ -1,0 +1,216 @@
+"""Triton kernels against their naive references on the CPU, through Triton's interpreter.
+
+Triton picks the interpreter when it is imported (its own library functions are decorated then)
+and when each kernel is decorated, both from TRITON_INTERPRET. Setting that variable inside this
+process would change Triton for every other test module, so the default run has one test that
+runs this same file in a child process with TRITON_INTERPRET=1; there the kernel tests below are
+defined and run. fp32 only: the interpreter's bf16 conversion does not round like the GPU (bf16
+is covered by tests/gpu/test_ops_gpu.py).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+REPO = Path(__file__).resolve().parents[1]
+
+if not INTERPRETED:
+
+    def test_triton_kernels_in_interpreter():
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", str(Path(__file__).relative_to(REPO)), "-q", "-x", "-p", "no:cacheprovider"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+        )
+        assert proc.returncode == 0, f"interpreted kernel tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
+        assert " passed" in proc.stdout and "no tests ran" not in proc.stdout, proc.stdout[-2000:]
+
+    def test_interpreter_setting_does_not_leak():
+        """This process keeps compiled (not interpreted) kernels: the child's setting stayed there."""
+        import triton
+
+        from ssmspec.ops.tree_scan import triton as kernels
+
+        assert isinstance(kernels._tree_scan_kernel, triton.runtime.JITFunction)
+
+else:
+    from helpers import assert_close
+    from ssmspec.ops.state_replay import triton as SR
+    from ssmspec.ops.state_replay.naive import naive_replay_conv_state, naive_replay_ssm_state
+    from ssmspec.ops.step_update import triton as SU
+    from ssmspec.ops.step_update.naive import naive_mamba_step, naive_rms_norm
+    from ssmspec.ops.tree_conv import triton as TC
+    from ssmspec.ops.tree_conv.naive import naive_tree_conv
+    from ssmspec.ops.tree_scan import triton as TS
+    from ssmspec.ops.tree_scan.naive import naive_tree_scan
+    from ssmspec.trees import Tree
+
+    @pytest.fixture
+    def nan_outputs(monkeypatch):
+        """Outputs that the kernels allocate start as NaN, so an unwritten lane fails assert_close."""
+        empty, empty_like = torch.empty, torch.empty_like
+
+        def nan_fill(t):
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+            return t
+
+        monkeypatch.setattr(torch, "empty", lambda *a, **k: nan_fill(empty(*a, **k)))
+        monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan_fill(empty_like(*a, **k)))
+
+
+    TREES = {
+        "one node": Tree.from_parents([-1]),
+        "chain of 63": Tree.chain(63),
+        "binary depth 3": Tree.from_config((2, 2, 2)),
+        "wide 9": Tree.from_config((9,)),
+        "uneven": Tree.from_parents([-1, 0, 0, 1, 3, 3, 2, 6, 0, 4]),
+    }
+    # (batch, heads, head_dim, d_state, groups): odd head counts, several groups, sizes off powers of two
+    SHAPES = [(1, 3, 8, 16, 1), (2, 6, 12, 10, 3)]
+
+
+    def _scan_inputs(batch, n, heads, head_dim, d_state, groups):
+        x = torch.randn(batch, n, heads, head_dim)
+        dt = torch.rand(batch, n, heads) * 0.5 + 0.01
+        A = -(0.5 + torch.rand(heads) * 2)
+        B = torch.randn(batch, n, groups, d_state)
+        C = torch.randn(batch, n, groups, d_state)
+        D = torch.randn(heads)
+        h0 = torch.randn(batch, heads, head_dim, d_state)
+        return x, dt, A, B, C, D, h0
+
+
+    @pytest.mark.parametrize("tree_name", list(TREES))
+    @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+    def test_tree_scan_matches_reference(tree_name, shape, nan_outputs):
+        tree = TREES[tree_name]
+        parents = tree.parents_tensor()
+        x, dt, A, B, C, D, h0 = _scan_inputs(shape[0], tree.num_nodes, *shape[1:])
+        want = naive_tree_scan(x, dt, A, B, C, D, parents, h0)
+        assert_close(TS.tree_scan(x, dt, A, B, C, D, parents, h0), want, atol=1e-4, rtol=1e-4, name=f"tree_scan {tree_name}")
+
+
+    def test_tree_scan_without_D_and_strided_inputs(nan_outputs):
+        tree = TREES["uneven"]
+        n = tree.num_nodes
+        # x, B, C as views into one packed projection, as the model passes them
+        packed = torch.randn(2, n, 4 * 8 + 2 * 2 * 16)
+        x = packed[..., :32].unflatten(-1, (4, 8))
+        B = packed[..., 32:64].unflatten(-1, (2, 16))
+        C = packed[..., 64:].unflatten(-1, (2, 16))
+        dt = torch.rand(2, n, 4)
+        A = -torch.rand(4) - 0.1
+        h0 = torch.randn(2, 4, 8, 16)
+        want = naive_tree_scan(x, dt, A, B, C, None, tree.parents_tensor(), h0)
+        assert_close(TS.tree_scan(x, dt, A, B, C, None, tree.parents_tensor(), h0), want, atol=1e-4, rtol=1e-4)
+
+
+    @pytest.mark.parametrize("tree_name", list(TREES))
+    @pytest.mark.parametrize("kernel_size", [2, 4, 5])
+    def test_tree_conv_matches_reference(tree_name, kernel_size, nan_outputs):
+        tree = TREES[tree_name]
+        batch, channels = 2, 300  # more channels than one block, not a multiple of it
+        xbc = torch.randn(batch, tree.num_nodes, channels)
+        state = torch.randn(batch, channels, kernel_size - 1)
+        weight = torch.randn(channels, kernel_size)
+        bias = torch.randn(channels) if kernel_size != 5 else None
+        parents = tree.parents_tensor()
+        want = naive_tree_conv(xbc, state, weight, bias, parents)
+        assert_close(TC.tree_conv(xbc, state, weight, bias, parents), want, atol=1e-5, rtol=1e-5, name=tree_name)
+
+
+    @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+    def test_replay_ssm_state_matches_reference(shape):
+        batch, heads, head_dim, d_state, groups = shape
+        batch = 3
+        n, steps = 12, 5
+        x, dt, A, B, _, _, h0 = _scan_inputs(batch, n, heads, head_dim, d_state, groups)
+        path = torch.randint(0, n, (batch, steps))
+        path_len = torch.tensor([steps, 0, 2])  # full, nothing accepted, partial
+        want, got = h0.clone(), h0.clone()
+        naive_replay_ssm_state(want, x, dt, A, B, path, path_len)
+        SR.replay_ssm_state(got, x, dt, A, B, path, path_len)
+        assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got[1], h0[1]), "a row with path_len 0 must keep its state"
+
+
+    @pytest.mark.parametrize("kernel_size", [2, 4, 5])
+    def test_replay_conv_state_matches_reference(kernel_size):
+        batch, n, channels, steps = 4, 9, 300, 6
+        state = torch.randn(batch, channels, kernel_size - 1)
+        xbc = torch.randn(batch, n, channels)
+        path = torch.randint(0, n, (batch, steps))
+        path_len = torch.tensor([steps, 0, 1, 3])
+        want, got = state.clone(), state.clone()
+        naive_replay_conv_state(want, xbc, path, path_len)
+        SR.replay_conv_state(got, xbc, path, path_len)
+        assert torch.equal(got, want)
+
+
+    @pytest.mark.parametrize("shape", [(1, 4, 8, 16, 1, 1, 4), (2, 6, 16, 8, 3, 3, 3), (3, 6, 8, 16, 2, 1, 2)],
+                             ids=["G1", "G3-norm3", "G2-norm1-K2"])
+    def test_mamba_step_matches_reference(shape, nan_outputs):
+        batch, heads, head_dim, d_state, groups, norm_groups, kernel_size = shape
+        channels = heads * head_dim + 2 * groups * d_state
+        xbc = torch.randn(batch, channels)
+        dt_raw = torch.randn(batch, heads)
+        z = torch.randn(batch, heads * head_dim)
+        conv_state = torch.randn(batch, channels, kernel_size - 1)
+        ssm_state = torch.randn(batch, heads, head_dim, d_state)
+        args = (torch.randn(channels, kernel_size), torch.randn(channels), torch.randn(heads), torch.randn(heads),
+                torch.randn(heads), torch.randn(heads * head_dim), groups, norm_groups, 0.01, 5.0, 1e-5)
+        cs_want, ss_want = conv_state.clone(), ssm_state.clone()
+        want = naive_mamba_step(xbc, dt_raw, z, cs_want, ss_want, *args)
+        got = SU.mamba_step(xbc, dt_raw, z, conv_state, ssm_state, *args)
+        assert_close(got, want, atol=1e-4, rtol=1e-4, name="out")
+        assert_close(ssm_state, ss_want, atol=1e-5, rtol=1e-5, name="ssm_state")
+        assert torch.equal(conv_state, cs_want), "conv state shift differs"
+
+
+    def test_rms_norm_matches_reference(nan_outputs):
+        h = torch.randn(3, 2, 5000)  # longer than one block
+        w = torch.randn(5000)
+        assert_close(SU.rms_norm(h, w, 1e-5), naive_rms_norm(h, w, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+    def test_model_step_and_verify_through_kernels_match_reference(monkeypatch):
+        """The mixer's fused step and its tree verify+replay through the kernels equal the reference."""
+        from helpers import tiny_model
+        from ssmspec.ops import dispatch
+
+        kernels = {"tree_scan": TS.tree_scan, "tree_conv": TC.tree_conv, "replay_ssm_state": SR.replay_ssm_state,
+                   "replay_conv_state": SR.replay_conv_state, "mamba_step": SU.mamba_step, "rms_norm": SU.rms_norm}
+        model = tiny_model()
+        prompt = torch.randint(0, 64, (2, 5))
+        tree = Tree.from_config((2, 2))
+        tokens = torch.randint(0, 64, (2, tree.num_nodes))
+        path = torch.tensor([[0, 1, 3], [0, 2, 6]])
+        path_len = torch.tensor([3, 2])
+
+        def run():
+            cache = model.new_cache(2, 32)
+            with torch.no_grad():
+                model(prompt, cache)
+                step_logits = model.step(prompt[:, -1:], cache)
+                tree_logits, acts = model.verify(tokens, tree, cache)
+                model.replay(cache, acts, path, path_len)
+            return step_logits, tree_logits, cache
+
+        ref = run()
+        monkeypatch.setattr(dispatch, "resolve", lambda op, device: kernels.get(op, dispatch._REFERENCE[op]))
+        got = run()
+        assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4, name="step logits")
+        assert_close(got[1], ref[1], atol=1e-4, rtol=1e-4, name="tree logits")
+        for mine, theirs in zip(got[2].layers, ref[2].layers):
+            assert_close(mine.ssm_state, theirs.ssm_state, atol=1e-5, rtol=1e-4, name="ssm_state")
+            assert_close(mine.conv_state, theirs.conv_state, atol=1e-6, rtol=1e-6, name="conv_state")
+        assert torch.equal(got[2].seqlen, ref[2].seqlen)

@@ -1,0 +1,379 @@
+"""Tests of `ssmspec profile`: timing harness, cost-model fits, break-even math, profile.json, CLI."""
+from __future__ import annotations
+
+import inspect
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import tiny_model
+from ssmspec import profiling
+from ssmspec.errors import InputError, ProfileMismatchError
+from ssmspec.profiling import (
+    Fit, ProfileSettings, balanced_tree, check_profile_matches, compute_break_even, compute_fits,
+    fit_cost_model, load_profile, r_squared, run_profile, save_profile, time_call,
+)
+
+SIZES = [1, 2, 4, 8, 16, 32, 64]
+HYBRID = ("mamba", "attention", "mlp", "mamba")
+
+
+def _timings(sizes, times):
+    return {"stree": [{"size": n, "median": t} for n, t in zip(sizes, times)]}
+
+
+# -- timing harness ----------------------------------------------------------------------------
+def test_time_call_cpu_counts_calls_and_summarises():
+    calls = []
+    t = time_call(lambda: calls.append(1), warmup=2, repeats=5, device="cpu")
+    assert len(calls) == 7
+    assert len(t.samples) == 5 and t.mode == "eager" and t.note is None
+    assert t.min <= t.q1 <= t.median <= t.q3 <= t.max
+    assert t.iqr == pytest.approx(t.q3 - t.q1)
+    d = t.to_dict()
+    assert d["samples"] == t.samples and d["median"] == t.median
+
+
+def test_time_call_measures_sleep():
+    import time
+
+    t = time_call(lambda: time.sleep(0.004), warmup=0, repeats=3)
+    assert 3.9 <= t.median < 50
+
+
+def test_time_call_rejects_zero_repeats():
+    with pytest.raises(InputError):
+        time_call(lambda: None, repeats=0)
+
+
+@pytest.mark.requires_cuda
+def test_time_call_cuda_graph_and_fallback():
+    x = torch.randn(1024, 1024, device="cuda")
+    out = torch.empty_like(x)
+    t = time_call(lambda: torch.mm(x, x, out=out), warmup=2, repeats=5, device="cuda", cuda_graph=True)
+    assert t.mode == "cuda_graph" and len(t.samples) == 5 and t.median > 0
+    syncing = time_call(lambda: (x.sum().item()), warmup=1, repeats=3, device="cuda", cuda_graph=True)
+    assert syncing.mode == "eager" and "sync" in syncing.note
+
+
+# -- fits ----------------------------------------------------------------------------------------
+def test_linear_fit_recovers_exact_coefficients():
+    times = [0.25 * n + 3.0 for n in SIZES]
+    f = fit_cost_model(SIZES, times, "linear")
+    assert f.coef["k"] == pytest.approx(0.25, rel=1e-9)
+    assert f.coef["C"] == pytest.approx(3.0, rel=1e-9)
+    assert f.r2 == pytest.approx(1.0, abs=1e-12)
+    assert max(abs(r) for r in f.residuals) < 1e-9
+    assert f(10) == pytest.approx(5.5)
+
+
+def test_quadratic_fit_recovers_exact_coefficients():
+    times = [0.002 * n * n + 0.1 * n + 4.0 for n in SIZES]
+    f = fit_cost_model(SIZES, times, "quadratic")
+    for name, want in (("a", 0.002), ("b", 0.1), ("c", 4.0)):
+        assert f.coef[name] == pytest.approx(want, rel=1e-7)
+    assert f.r2 == pytest.approx(1.0, abs=1e-12)
+    # The linear model cannot follow the curvature: a lower R^2 and structured residuals.
+    lin = fit_cost_model(SIZES, times, "linear")
+    assert lin.r2 < f.r2 and lin.r2 < 0.999
+    assert lin.residuals[0] > 0 and lin.residuals[-1] > 0  # convex data above the chord at both ends
+
+
+def test_fits_with_noise_within_stated_tolerance():
+    # t = 0.05 N + 5 ms plus N(0, 0.02 ms) noise, three measurements per size. Over these sizes
+    # the standard error of k is 0.02 / sqrt(3 * Sxx) ~ 2.1e-4 and of C ~ 5.7e-3; the tolerances
+    # (2e-3 and 0.05) are about 9 standard errors, so the test is deterministic in practice and
+    # still fails for any real bias in the fit.
+    rng = np.random.default_rng(1234)
+    n = np.repeat(SIZES, 3).astype(float)
+    t = 0.05 * n + 5.0 + rng.normal(0, 0.02, n.shape)
+    f = fit_cost_model(n, t, "linear")
+    assert abs(f.coef["k"] - 0.05) < 2e-3
+    assert abs(f.coef["C"] - 5.0) < 0.05
+    assert f.r2 > 0.99
+    assert np.std(f.residuals) == pytest.approx(0.02, rel=0.5)
+    # Quadratic data with 1% multiplicative noise: a within 20%, b within 0.05, c within 0.3.
+    tq = (0.003 * n**2 + 0.2 * n + 6.0) * (1 + rng.normal(0, 0.01, n.shape))
+    q = fit_cost_model(n, tq, "quadratic")
+    assert abs(q.coef["a"] - 0.003) < 0.2 * 0.003
+    assert abs(q.coef["b"] - 0.2) < 0.05
+    assert abs(q.coef["c"] - 6.0) < 0.3
+    assert q.r2 > fit_cost_model(n, tq, "linear").r2
+
+
+def test_r_squared_behaviour():
+    y = np.array([1.0, 2.0, 4.0, 3.0])
+    assert r_squared(y, y) == 1.0
+    assert r_squared(y, np.full_like(y, y.mean())) == pytest.approx(0.0)
+    assert r_squared(y, y[::-1]) < 0  # worse than predicting the mean
+    assert r_squared(np.ones(3), np.ones(3)) == 1.0  # constant data fitted exactly
+    assert r_squared(np.ones(3), np.array([1.0, 2.0, 1.0])) == 0.0
+
+
+def test_fit_rejects_bad_input():
+    with pytest.raises(InputError):
+        fit_cost_model([1, 2], [1.0], "linear")
+    with pytest.raises(InputError):
+        fit_cost_model([1, 2], [1.0, 2.0], "cubic")
+
+
+def test_primary_fit_follows_architecture():
+    assert profiling.primary_fit_kind("ssm") == "linear"
+    assert profiling.primary_fit_kind("hybrid") == "quadratic"
+    fits = compute_fits(_timings(SIZES, [n + 1.0 for n in SIZES]), "hybrid")
+    assert fits["stree"]["primary"] == "quadratic" and set(fits["stree"]) == {"primary", "linear", "quadratic"}
+
+
+# -- break-even ----------------------------------------------------------------------------------
+def test_break_even_ratio_matches_the_papers_formula():
+    # Eq. 7 of the STree paper: tau2/tau1 >= (k2 N2 + C2) / (k1 N1 + C1).
+    f1 = Fit("linear", {"k": 0.5, "C": 10.0}, 1.0, [])
+    f2 = Fit("linear", {"k": 0.2, "C": 12.0}, 1.0, [])
+    assert profiling.break_even_ratio(f2, 15, f1, 5) == pytest.approx((0.2 * 15 + 12) / (0.5 * 5 + 10))
+    q = Fit("quadratic", {"a": 0.01, "b": 0.1, "c": 8.0}, 1.0, [])
+    assert profiling.break_even_ratio(q, 20, f1, 5) == pytest.approx((0.01 * 400 + 2 + 8) / 12.5)
+
+
+def test_break_even_table_uses_chain_at_reference_n():
+    timings = {
+        "stree": [{"size": n, "median": 0.1 * n + 10} for n in SIZES],
+        "chain": [{"size": n, "median": 0.4 * n + 10} for n in SIZES],
+    }
+    fits = compute_fits(timings, "ssm")
+    be = compute_break_even(fits, timings, reference_n=5)
+    assert be["reference_method"] == "chain" and be["reference_n"] == 5
+    assert be["reference_ms"] == pytest.approx(12.0)
+    stree = {r["n"]: r["ratio"] for r in be["table"]["stree"]}
+    chain = {r["n"]: r["ratio"] for r in be["table"]["chain"]}
+    assert sorted(stree) == list(range(1, 65))
+    assert chain[5] == pytest.approx(1.0)
+    assert stree[15] == pytest.approx((0.1 * 15 + 10) / 12.0)
+    # Without chain each method is its own reference.
+    be2 = compute_break_even({"stree": fits["stree"]}, {"stree": timings["stree"]}, reference_n=5)
+    assert {r["n"]: r["ratio"] for r in be2["table"]["stree"]}[5] == pytest.approx(1.0)
+
+
+# -- trees ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 5, 15, 16, 63, 64])
+def test_balanced_tree_shape(n):
+    tree = balanced_tree(n)
+    assert tree.num_nodes == n
+    assert tree.parents == tuple([-1] + [(i - 1) // 2 for i in range(1, n)])
+    assert tree.max_depth == int(math.floor(math.log2(n)))
+    depths = {tree.depths[leaf] for leaf in tree.leaves()}
+    assert max(depths) - min(depths) <= 1  # near-balanced
+
+
+# -- run_profile, profile.json -------------------------------------------------------------------
+_SMALL = ProfileSettings(sizes=(1, 2, 4), repeats=2, warmup=0, prompt_len=8, configs=((2, 1), (2, 2)))
+
+
+@pytest.fixture(scope="module")
+def hybrid_profile():
+    torch.manual_seed(0)
+    model = tiny_model(layers=HYBRID)
+    drafter = tiny_model(layers=("mamba",), seed=1)
+    seen = []
+    prof = run_profile(model, settings=_SMALL, drafter=drafter, source="tiny hybrid",
+                       progress=lambda label, done, total: seen.append((label, done, total)))
+    return model, prof, seen
+
+
+def test_run_profile_records_everything(hybrid_profile):
+    model, prof, seen = hybrid_profile
+    profiling.validate_profile(prof)
+    assert prof["device"]["type"] == "cpu" and prof["dtype"] == "fp32"
+    assert prof["target"]["architecture"] == "hybrid"
+    assert prof["target"]["config"]["layer_counts"] == {"mamba": 2, "attention": 1, "mlp": 1}
+    assert set(prof["timings"]) == {"stree", "unrolled", "chain"}
+    for method, rows in prof["timings"].items():
+        assert [r["size"] for r in rows] == [1, 2, 4]
+        assert rows[0]["call"] == "step" and all(r["call"] == "verify+replay" for r in rows[1:])
+        assert all(len(r["samples"]) == 2 and r["median"] > 0 for r in rows)
+    # unrolled N=4: binary tree 0-(1,2), 1-(3): leaves 2 and 3, rows = leaves, tokens = rows * (depth + 1)
+    u4 = prof["timings"]["unrolled"][2]
+    assert u4["rows"] == 2 and u4["tokens"] == 2 * 3 and u4["tree"]["leaves"] == 2
+    assert prof["timings"]["chain"][2]["tree"]["depth"] == 3
+    assert prof["fits"]["stree"]["primary"] == "quadratic"
+    d = prof["drafter_timings"]
+    assert [s["width"] for s in d["steps"]] == [1, 2]
+    assert [c["config"] for c in d["configs"]] == [[2, 1], [2, 2]]
+    assert d["configs"][0]["widths"] == [1, 2] and d["configs"][1]["nodes"] == 7
+    assert d["lambda_gamma"] == pytest.approx(d["steps"][0]["median"] / d["target_step_ms"])
+    assert d["target_step_ms"] == prof["timings"]["stree"][0]["median"]
+    assert seen[-1][0] == "done" and seen[-1][1] == seen[-1][2] == profiling.count_items(_SMALL, True)
+
+
+def test_run_profile_leaves_prefilled_cache_reusable():
+    # replay must not accumulate: the attention cache capacity is prompt + max size + margin,
+    # so many repeats at the largest size would overflow it if the length were not reset.
+    model = tiny_model(layers=("attention", "mamba"))
+    s = ProfileSettings(sizes=(8,), methods=("chain",), repeats=20, warmup=2, prompt_len=4, configs=())
+    prof = run_profile(model, settings=s)
+    assert len(prof["timings"]["chain"][0]["samples"]) == 20
+
+
+def test_profile_json_round_trip(tmp_path, hybrid_profile):
+    _, prof, _ = hybrid_profile
+    path = save_profile(prof, tmp_path / "sub" / "profile.json")
+    loaded = load_profile(path)
+    assert loaded.to_dict() == prof
+    assert json.loads(path.read_text()) == prof
+    save_profile(loaded, tmp_path / "again.json")
+    assert load_profile(tmp_path / "again.json").to_dict() == prof
+    assert loaded.fit("stree").kind == "quadratic"
+    assert loaded.target_ms(2) == pytest.approx(loaded.fit("stree")(2))
+    assert loaded.ar_step_ms == prof["timings"]["stree"][0]["median"]
+    assert loaded.lambda_gamma == prof["drafter_timings"]["lambda_gamma"]
+
+
+@pytest.mark.parametrize("breakage, message", [
+    (lambda d: d.update(version=99), "version 99"),
+    (lambda d: d.update(schema="other"), "not an ssmspec profile"),
+    (lambda d: d.pop("fits"), "fits"),
+    (lambda d: d.update(dtype="int8"), "dtype"),
+    (lambda d: d["timings"].update(bogus=[]), "bogus"),
+    (lambda d: d["timings"]["stree"][0].pop("median"), "median"),
+])
+def test_load_profile_refuses_malformed(tmp_path, hybrid_profile, breakage, message):
+    data = json.loads(json.dumps(hybrid_profile[1]))
+    breakage(data)
+    (tmp_path / "p.json").write_text(json.dumps(data))
+    with pytest.raises(InputError, match=message):
+        load_profile(tmp_path / "p.json")
+
+
+def test_load_profile_missing_or_not_json(tmp_path):
+    with pytest.raises(InputError, match="does not exist"):
+        load_profile(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(InputError, match="not valid JSON"):
+        load_profile(tmp_path / "bad.json")
+
+
+def test_mismatch_refused_unless_forced(tmp_path, hybrid_profile):
+    model, prof, _ = hybrid_profile
+    save_profile(prof, tmp_path / "p.json")
+    loaded = load_profile(tmp_path / "p.json")
+    assert check_profile_matches(loaded, model, torch.float32) == []
+    assert check_profile_matches(loaded, model, "fp32") == []
+    other = tiny_model(layers=("mamba", "mamba"))
+    with pytest.raises(ProfileMismatchError, match="fingerprint") as e:
+        check_profile_matches(loaded, other, torch.float32)
+    assert "--force" in str(e.value) and "tiny hybrid" in str(e.value)
+    with pytest.raises(ProfileMismatchError, match="bf16"):
+        check_profile_matches(loaded, model, torch.bfloat16)
+    problems = check_profile_matches(loaded, other, "bf16", force=True)
+    assert len(problems) == 2
+
+
+def test_fingerprint_ignores_weights_but_not_shapes():
+    a = tiny_model(seed=0)
+    b = tiny_model(seed=1)
+    c = tiny_model(vocab_size=72)
+    assert profiling.model_fingerprint(a) == profiling.model_fingerprint(b)
+    assert profiling.model_fingerprint(a) != profiling.model_fingerprint(c)
+
+
+def test_plot_writes_png(tmp_path, hybrid_profile):
+    path = profiling.plot_profile(hybrid_profile[1], tmp_path / "p.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_settings_validation():
+    for bad in (dict(sizes=()), dict(sizes=(0, 2)), dict(methods=("stree", "fast")), dict(repeats=0),
+                dict(batch=0), dict(warmup=-1), dict(configs=((2, 0),))):
+        with pytest.raises(InputError):
+            ProfileSettings(**bad).validate()
+    assert profiling.parse_sizes("8, 1,2,2") == (1, 2, 8)
+    assert profiling.parse_configs("3,2,1;4,2,1,1") == ((3, 2, 1), (4, 2, 1, 1))
+    for text in ("1,x", "0,1", ""):
+        with pytest.raises(InputError, match="--sizes"):
+            profiling.parse_sizes(text)
+    with pytest.raises(InputError, match="--methods"):
+        profiling.parse_methods("stree,turbo")
+    with pytest.raises(InputError, match="--configs"):
+        profiling.parse_configs("3,a")
+
+
+# -- CLI -----------------------------------------------------------------------------------------
+def _invoke(args):
+    import ssmspec.cli.profile  # noqa: F401 -- registers the command
+    from typer.testing import CliRunner
+
+    from ssmspec.cli.app import app
+
+    try:
+        from ssmspec.cli.app import _register
+
+        _register()
+    except ImportError:  # other command modules not written yet: profile alone is enough
+        pass
+    # Typer runs a lone command without its name; with several, the name selects it.
+    prefix = ["profile"] if len(app.registered_commands) > 1 else []
+    return CliRunner().invoke(app, prefix + args)
+
+
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory):
+    from ssmspec.models.loading import save_model
+
+    root = tmp_path_factory.mktemp("models")
+    save_model(tiny_model(layers=("mamba", "mamba")), root / "target")
+    save_model(tiny_model(layers=("mamba",), seed=3), root / "drafter")
+    return root
+
+
+def test_cli_end_to_end_on_a_saved_tiny_model(tmp_path, saved_models):
+    out = tmp_path / "profile.json"
+    r = _invoke(["--target", str(saved_models / "target"), "--drafter", str(saved_models / "drafter"),
+                 "--sizes", "1,2,4,8", "--repeats", "2", "--warmup", "0", "--prompt-len", "8",
+                 "--configs", "2,1;3,1", "--device", "cpu", "--out", str(out)])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    assert "CPU" in r.output and "fp32" in r.output and "lambda_gamma" in r.output
+    prof = load_profile(out)
+    assert prof.data["target"]["architecture"] == "ssm"
+    assert prof.data["fits"]["stree"]["primary"] == "linear"
+    assert prof.data["settings"]["sizes"] == [1, 2, 4, 8]
+    assert prof.data["target"]["source"] == str(saved_models / "target")
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    from ssmspec.models.loading import load_model
+
+    assert check_profile_matches(prof, load_model(saved_models / "target").model, "fp32") == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sizes", "0,2"], "--sizes"),
+    (["--sizes", "two"], "--sizes"),
+    (["--methods", "stree,warp"], "--methods"),
+    (["--dtype", "int4"], "--dtype"),
+    (["--device", "tpu"], "--device"),
+    (["--configs", "3;x"], "--configs"),
+])
+def test_cli_rejects_bad_input(tmp_path, saved_models, args, message):
+    r = _invoke(["--target", str(saved_models / "target"), "--out", str(tmp_path / "p.json"), "--no-plot", *args])
+    assert isinstance(r.exception, InputError), r.output
+    assert message in str(r.exception)
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_cli_needs_exactly_one_target(tmp_path, saved_models):
+    r = _invoke(["--out", str(tmp_path / "p.json")])
+    assert isinstance(r.exception, InputError) and "--target" in str(r.exception)
+    r = _invoke(["--target", str(saved_models / "target"), "--target-preset", "tiny"])
+    assert isinstance(r.exception, InputError) and "not both" in str(r.exception)
+
+
+def test_cli_defaults_equal_the_settings_dataclass():
+    from ssmspec.cli.profile import profile_command
+
+    defaults = {name: p.default.default for name, p in inspect.signature(profile_command).parameters.items()}
+    d = ProfileSettings()
+    assert profiling.parse_sizes(defaults["sizes"]) == d.sizes
+    assert profiling.parse_methods(defaults["methods"]) == d.methods
+    for name in ("batch", "repeats", "warmup", "prompt_len", "fanout", "reference_n", "cuda_graphs", "seed"):
+        assert defaults[name] == getattr(d, name), name
