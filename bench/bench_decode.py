@@ -87,11 +87,37 @@ def tree_tokens_following(model, cache, root: int, tree: Tree, vocab: int) -> tu
     return tokens, chain
 
 
+def profile_top(fn, label: str, reps: int = 5, rows: int = 14) -> dict:
+    """Per-kernel device time of fn (graph replays included), averaged over reps calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    events = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            events.append((t / reps, e.count / reps, e.key))
+    events.sort(reverse=True)
+    total = sum(t for t, _, _ in events)
+    print(f"\n  profile of {label}: {total / 1000:.3f} ms of kernel time per call, top kernels:")
+    for t, count, name in events[:rows]:
+        print(f"    {t:9.1f} us {count:6.0f}x  {name[:90]}")
+    return {"label": label, "kernel_ms": total / 1000, "top": [(name, t, count) for t, count, name in events[:rows]]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="mamba2-2.7b")
     ap.add_argument("--trees", default="3,2,1;3,4,2,1", help="tree configurations separated by ';'")
     ap.add_argument("--skip-reference", action="store_true", help="skip the slow reference-backend rows")
+    ap.add_argument("--profile", action="store_true", help="print per-kernel device time of the graphs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -129,6 +155,8 @@ def main() -> int:
         cache = prefilled_cache(model, prompt, 256)
         graph = StepGraph(model, cache)
         record(f"AR step CUDA graph [{backend}]", median_ms(lambda: graph(ids), iters=100))
+        if args.profile and backend == "triton":
+            RESULTS.setdefault("profiles", []).append(profile_top(lambda: graph(ids), "AR step graph [triton]"))
         del graph, cache
     if "reference" in logits_by_backend:
         a, b = logits_by_backend["reference"].double(), logits_by_backend["triton"].double()
@@ -161,6 +189,8 @@ def main() -> int:
             g(tokens)
 
         it_ms = median_ms(iteration, iters=50)
+        if args.profile:
+            RESULTS.setdefault("profiles", []).append(profile_top(iteration, f"tree iteration graph [{tree.num_nodes} nodes] (+ cache restore copy)"))
         copy_ms = median_ms(lambda: cache.copy_(snapshot), iters=50)
         net = it_ms - copy_ms
         record(f"verify eager [{tree.num_nodes} nodes, {spec}]", eager_ms)

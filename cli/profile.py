@@ -167,8 +167,10 @@ def render_profile(prof: dict, console) -> None:
     for m in be["table"]:
         b.add_column(m, justify="right")
     for n in sizes:
-        row = [next((f"{r['ratio']:.3f}" for r in be["table"][m] if r["n"] == n), "") for m in be["table"]]
-        b.add_row(str(n), *row)
+        row = [next(("-" if r["ratio"] is None else f"{r['ratio']:.3f}" for r in be["table"][m] if r["n"] == n), "")
+               for m in be["table"]]
+        if any(row):  # the AR step (size 1) lies outside the fitted verify range
+            b.add_row(str(n), *row)
     console.print(b)
 
     d = prof.get("drafter_timings")

@@ -28,7 +28,8 @@ branched with ``ModelCache.select``, and the total drafting time of each configu
 (``ModelDrafter.draft`` when available, greedy; else a step loop with ``select``).
 
 Cost models (STree paper, section 4): t = k*N + C (linear, pure SSM targets) and
-t = a*N^2 + b*N + c (quadratic, hybrids with attention), least squares on the medians. Both are
+t = a*N^2 + b*N + c (quadratic, hybrids with attention), least squares on the medians of the
+verify calls (N >= 2; the AR step is a separate code path and is reported beside them). Both are
 reported with R^2 and residuals; `primary` names the one that matches the architecture. A tree
 of N2 nodes beats the reference call of N1 nodes when tau2 / tau1 >= t(N2) / t(N1), with tau
 the mean accepted tokens per target call; the break-even table gives that ratio over the
@@ -56,11 +57,13 @@ profile.json, schema version 1 (all times in milliseconds)
                             "tokens": int, "tree": {"nodes", "depth", "leaves"},
                             "mode": "eager"|"cuda_graph", "note": str|null,
                             "median", "min", "max", "q1", "q3", "iqr", "samples": [float]}]},
-      "fits": {method: {"primary": "linear"|"quadratic",
+      "fits": {method: {"primary": "linear"|"quadratic", "sizes": [N fitted],
                         "linear": {"coef": {"k", "C"}, "r2", "residuals": [float]},
                         "quadratic": {"coef": {"a", "b", "c"}, "r2", "residuals": [float]}}},
       "break_even": {"reference_n": N1, "reference_method": str, "reference_ms": float,
-                     "table": {method: [{"n": N2, "ratio": t(N2)/t_ref(N1)}]}},
+                     "table": {method: [{"n": N2, "ratio": t(N2)/t_ref(N1) | null,
+                                         "ratio_vs_ar": t(N2)/t_AR | null}]}},
+                     (null where a fit predicts a non-positive time: too noisy to use)
       "drafter_timings": null | {"impl": str, "target_step_ms": float,
                                  "steps": [{"width": w, ...timing fields}],
                                  "configs": [{"config": [int], "nodes": int, "widths": [int],
@@ -71,7 +74,9 @@ profile.json, schema version 1 (all times in milliseconds)
       "elapsed_s": seconds the whole measurement took (optional)
     }
 
-Residuals are measured minus fitted medians, in the order of the method's sizes. ``lambda_gamma``
+Fits use the verify calls only (sizes >= 2, when there are at least three; see `fitted_sizes`):
+the size-1 autoregressive step is another code path. Residuals are measured minus fitted
+medians, in the order of the fit's sizes. ``lambda_gamma``
 is the mamba-drafters paper's bandit weight (its A.4): the drafter's per-token time over the
 target's autoregressive step time. The target fingerprint hashes the architecture (config and
 parameter shapes), not the weights, because runtime depends only on the former.
@@ -238,38 +243,30 @@ class Timing:
         }
 
 
-def _host_sync_reason(fn: Callable[[], object]) -> str | None:
-    """Run fn once with torch's sync debugger in error mode: a host sync makes capture impossible."""
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fn()
-    except RuntimeError as e:
-        return "host sync in the call (" + str(e).splitlines()[0][:120] + ")"
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-    return None
-
-
 def _capture(fn: Callable[[], object], device: torch.device):
-    """A CUDA graph of fn, or (None, reason) when fn cannot be captured."""
-    reason = _host_sync_reason(fn)
-    if reason is not None:
-        return None, reason
+    """A CUDA graph of fn, or (None, reason) when fn cannot be captured (e.g. it syncs with the host).
+
+    A failed capture leaves torch on the capture stream; the caller's stream is restored here.
+    """
     graph = torch.cuda.CUDAGraph()
+    caller = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
+    side.wait_stream(caller)
     try:
         with torch.cuda.stream(side):
             fn()  # allocations on the capture stream before capture, as torch recommends
-        torch.cuda.current_stream(device).wait_stream(side)
+        caller.wait_stream(side)
         with torch.cuda.graph(graph):
             fn()
         graph.replay()
         torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 -- any capture failure falls back to eager timing
-        torch.cuda.synchronize(device)
-        return None, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        torch.cuda.set_stream(caller)
+        try:
+            torch.cuda.synchronize(device)
+        except Exception:  # noqa: BLE001 -- an invalidated capture may report once more here
+            pass
+        return None, f"capture failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
     return graph, None
 
 
@@ -679,18 +676,37 @@ def count_items(settings: ProfileSettings, with_drafter: bool) -> int:
     return n
 
 
+def fitted_sizes(sizes: Sequence[int]) -> list[int]:
+    """The sizes a cost model is fitted on: the verify calls (N >= 2) when there are three or more.
+
+    Size 1 is the autoregressive step, a different code path (`model.step`, a fused single-token
+    update) that on a GPU costs about half of the smallest verify call; fitting it together with
+    the verify calls would bend both models. It stays in the timings, the plot and the
+    break-even table's `ratio_vs_ar`.
+    """
+    verify = [n for n in sizes if n >= 2]
+    return verify if len(verify) >= 3 else list(sizes)
+
+
 def compute_fits(timings: dict, architecture: str) -> dict:
+    """Both cost models per method, on `fitted_sizes`, with the architecture's primary named."""
     fits = {}
     for method, rows in timings.items():
-        sizes = [r["size"] for r in rows]
-        med = [r["median"] for r in rows]
-        fits[method] = {"primary": primary_fit_kind(architecture),
-                        "linear": fit_cost_model(sizes, med, "linear").to_dict(),
-                        "quadratic": fit_cost_model(sizes, med, "quadratic").to_dict()}
+        used = fitted_sizes([r["size"] for r in rows])
+        med = [r["median"] for r in rows if r["size"] in used]
+        fits[method] = {"primary": primary_fit_kind(architecture), "sizes": used,
+                        "linear": fit_cost_model(used, med, "linear").to_dict(),
+                        "quadratic": fit_cost_model(used, med, "quadratic").to_dict()}
     return fits
 
 
 def compute_break_even(fits: dict, timings: dict, reference_n: int) -> dict:
+    """tau2/tau1 >= t(N2)/t_ref(N1) over each method's fitted range, and t(N2)/t_AR.
+
+    The reference is the chain method at N1 (vanilla speculative decoding) when measured, else
+    each method at N1. `ratio_vs_ar` is the mean accepted tokens per call a tree of N2 nodes
+    needs just to match plain autoregressive decoding (whose tau is 1), drafting not counted.
+    """
     ref_method = "chain" if "chain" in fits else None
     table = {}
     ref_ms_out = None
@@ -698,12 +714,19 @@ def compute_break_even(fits: dict, timings: dict, reference_n: int) -> dict:
         rm = ref_method or method
         ref_fit = Fit.from_dict(fits[rm]["primary"], fits[rm][fits[rm]["primary"]])
         fit = Fit.from_dict(f["primary"], f[f["primary"]])
-        lo = min(r["size"] for r in timings[method])
-        hi = max(r["size"] for r in timings[method])
+        used = f.get("sizes") or [r["size"] for r in timings[method]]
+        ar = next((r["median"] for r in timings[method] if r["size"] == 1), None)
         ref_ms = float(ref_fit(reference_n))
         if rm == ref_method or ref_method is None:
             ref_ms_out = ref_ms
-        table[method] = [{"n": n2, "ratio": float(fit(n2)) / ref_ms} for n2 in range(lo, hi + 1)]
+        rows = []
+        for n2 in range(min(used), max(used) + 1):
+            t2 = float(fit(n2))
+            # A fit that predicts a non-positive time (noisy data, few sizes) gives no usable ratio.
+            ok = t2 > 0 and ref_ms > 0
+            rows.append({"n": n2, "ratio": t2 / ref_ms if ok else None,
+                         "ratio_vs_ar": t2 / ar if ok and ar is not None and ar > 0 else None})
+        table[method] = rows
     return {"reference_n": reference_n, "reference_method": ref_method or "same",
             "reference_ms": ref_ms_out, "table": table}
 
@@ -937,37 +960,49 @@ def plot_profile(profile: dict | Profile, path: str | Path, title: str | None = 
 
     d = profile.data if isinstance(profile, Profile) else profile
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
+    ar_drawn = False
     for method, rows in d["timings"].items():
         color = _COLORS.get(method)
-        n = np.array([r["size"] for r in rows], float)
-        med = np.array([r["median"] for r in rows])
-        lo = med - np.array([r.get("q1", r["median"]) for r in rows])
-        hi = np.array([r.get("q3", r["median"]) for r in rows]) - med
-        ax.errorbar(n, med, yerr=[np.maximum(lo, 0), np.maximum(hi, 0)], fmt="o", color=color, capsize=3,
-                    label=f"{method} (median, IQR)")
         f = d["fits"][method]
+        used = set(f.get("sizes") or [r["size"] for r in rows])
+        pts = [r for r in rows if r["size"] in used]
+        n = np.array([r["size"] for r in pts], float)
+        med = np.array([r["median"] for r in pts])
+        lo = med - np.array([r.get("q1", r["median"]) for r in pts])
+        hi = np.array([r.get("q3", r["median"]) for r in pts]) - med
+        ax.errorbar(n, med, yerr=[np.maximum(lo, 0), np.maximum(hi, 0)], fmt="o", color=color, capsize=3,
+                    ms=4, label=f"{method} verify+replay (median, IQR)")
         grid = np.linspace(n.min(), n.max(), 200)
         for kind, style in (("linear", "-"), ("quadratic", ":")):
             fit = Fit.from_dict(kind, f[kind])
-            label = _fit_label(fit) + (" *" if kind == f["primary"] else "")
-            ax.plot(grid, fit(grid), style, color=color, alpha=0.9 if kind == f["primary"] else 0.5,
-                    lw=1.6 if kind == f["primary"] else 1.0, label=f"{method} {label}")
+            primary = kind == f["primary"]
+            ax.plot(grid, fit(grid), style, color=color, alpha=0.9 if primary else 0.5, lw=1.6 if primary else 1.0,
+                    label=f"{method} {_fit_label(fit)}" + (" *" if primary else ""))
+        ar = [r for r in rows if r["size"] == 1 and r["size"] not in used]
+        if ar and not ar_drawn:
+            ax.plot([1], [ar[0]["median"]], "k*", ms=11, label=f"AR step (model.step): {ar[0]['median']:.3g} ms")
+            ar_drawn = True
     ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_xlabel("input size N (tree nodes; chain: tokens)")
     ax.set_ylabel("time per call (ms)")
-    ax.set_title("target verify + replay (size 1 = AR step); * = primary fit")
+    ax.set_title("target call time; fits on verify calls, * = primary")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
 
     be = d["break_even"]
     for method, rows in be["table"].items():
-        ax2.plot([r["n"] for r in rows], [r["ratio"] for r in rows], color=_COLORS.get(method), label=method)
+        nan = float("nan")  # unusable ratios (None) leave gaps
+        ax2.plot([r["n"] for r in rows], [nan if r["ratio"] is None else r["ratio"] for r in rows],
+                 color=_COLORS.get(method), label=f"{method} vs {be['reference_method']} at N1")
+        if any(r.get("ratio_vs_ar") is not None for r in rows):
+            ax2.plot([r["n"] for r in rows], [nan if r.get("ratio_vs_ar") is None else r["ratio_vs_ar"] for r in rows],
+                     "--", lw=1.0, alpha=0.6, color=_COLORS.get(method), label=f"{method} vs AR step")
     ax2.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax2.axvline(be["reference_n"], color="grey", lw=0.8, ls=":")
     ref = be["reference_method"]
     ax2.set_xlabel("tree size N2 (nodes)")
-    ax2.set_ylabel(f"required tau2 / tau1 (vs {ref} at N1 = {be['reference_n']})")
+    ax2.set_ylabel(f"required tau2 / tau1 (solid: vs {ref} at N1 = {be['reference_n']})")
     ax2.set_title("break-even acceptance ratio t(N2) / t(N1)")
     ax2.grid(True, alpha=0.3)
     ax2.legend(fontsize=8)

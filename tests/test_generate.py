@@ -27,12 +27,16 @@ def prompts(n, length, vocab, seed=0):
 
 @pytest.mark.parametrize("arch", TARGETS)
 @pytest.mark.parametrize("method, shape", SHAPES, ids=lambda x: x if isinstance(x, str) else x.spec())
-@pytest.mark.parametrize("drafter_kind", ["unrelated", "ngram"])
+@pytest.mark.parametrize("drafter_kind", ["unrelated", "hybrid-drafter", "ngram"])
 def test_speculative_greedy_equals_autoregressive(arch, method, shape, drafter_kind):
     target = tiny_model(TARGETS[arch], seed=1)
     for ids in prompts(2, 10, 64):
         ref = generate(target, ids, config=GenerationConfig(method="ar", max_new_tokens=24))
-        drafter = ModelDrafter(tiny_model(("mamba",), seed=99)) if drafter_kind == "unrelated" else NgramDrafter()
+        drafter = {
+            "unrelated": lambda: ModelDrafter(tiny_model(("mamba",), seed=99)),
+            "hybrid-drafter": lambda: ModelDrafter(tiny_model(("mamba", "attention"), seed=98)),  # KV cache per branch
+            "ngram": NgramDrafter,
+        }[drafter_kind]()
         out = generate(target, ids, drafter=drafter, config=GenerationConfig(method=method, tree=shape, max_new_tokens=24))
         assert out.token_ids == ref.token_ids
         assert out.stats["new_tokens"] == 24

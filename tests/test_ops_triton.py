@@ -46,7 +46,7 @@ else:
     from ssmspec.ops.state_replay import triton as SR
     from ssmspec.ops.state_replay.naive import naive_replay_conv_state, naive_replay_ssm_state
     from ssmspec.ops.step_update import triton as SU
-    from ssmspec.ops.step_update.naive import naive_mamba_step, naive_rms_norm
+    from ssmspec.ops.step_update.naive import naive_gated_rms_norm, naive_mamba_step, naive_rms_norm, naive_time_step
     from ssmspec.ops.tree_conv import triton as TC
     from ssmspec.ops.tree_conv.naive import naive_tree_conv
     from ssmspec.ops.tree_scan import triton as TS
@@ -188,7 +188,8 @@ else:
         from ssmspec.ops import dispatch
 
         kernels = {"tree_scan": TS.tree_scan, "tree_conv": TC.tree_conv, "replay_ssm_state": SR.replay_ssm_state,
-                   "replay_conv_state": SR.replay_conv_state, "mamba_step": SU.mamba_step, "rms_norm": SU.rms_norm}
+                   "replay_conv_state": SR.replay_conv_state, "mamba_step": SU.mamba_step, "rms_norm": SU.rms_norm,
+                   "gated_rms_norm": SU.gated_rms_norm, "time_step": SU.time_step}
         model = tiny_model()
         prompt = torch.randint(0, 64, (2, 5))
         tree = Tree.from_config((2, 2))
@@ -214,3 +215,16 @@ else:
             assert_close(mine.ssm_state, theirs.ssm_state, atol=1e-5, rtol=1e-4, name="ssm_state")
             assert_close(mine.conv_state, theirs.conv_state, atol=1e-6, rtol=1e-6, name="conv_state")
         assert torch.equal(got[2].seqlen, ref[2].seqlen)
+
+    def test_gated_rms_norm_matches_reference(nan_outputs):
+        y = torch.randn(2, 3, 48)
+        z = torch.randn(2, 3, 48)
+        w = torch.randn(48)
+        for group_size in (48, 16, 12):
+            assert_close(SU.gated_rms_norm(y, z, w, group_size, 1e-5), naive_gated_rms_norm(y, z, w, group_size, 1e-5),
+                         atol=1e-5, rtol=1e-5, name=f"group {group_size}")
+
+    def test_time_step_matches_reference(nan_outputs):
+        dt_raw = torch.randn(3, 5, 7) * 10  # both sides of softplus's linear threshold
+        bias = torch.randn(7)
+        assert_close(SU.time_step(dt_raw, bias, 0.01, 8.0), naive_time_step(dt_raw, bias, 0.01, 8.0), atol=1e-6, rtol=1e-6)

@@ -151,3 +151,19 @@ def test_new_model_help_has_example(cli):
 
     assert "Example:" in new_model_command.__doc__ and "ssmspec new-model --preset" in new_model_command.__doc__
     assert set(PRESETS) >= {"tiny", "tiny-hybrid", "drafter-2l", "mamba2-130m", "mamba2-2.7b", "hybrid-8b"}
+
+
+def test_new_model_through_the_ssmspec_entry_point(tmp_path):
+    import subprocess
+    import sys
+
+    def run(*args):
+        cmd = [sys.executable, "-c", "from ssmspec.cli.app import main; main()", "new-model", *map(str, args)]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+    ok = run("--preset", "tiny", "--out", tmp_path / "m")
+    assert ok.returncode == 0, ok.stderr
+    assert load_model(tmp_path / "m").source_format == "mamba2"
+    refused = run("--preset", "tiny", "--out", tmp_path / "m")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().startswith("error:") and "--overwrite" in refused.stderr

@@ -56,7 +56,10 @@ def test_time_call_cuda_graph_and_fallback():
     t = time_call(lambda: torch.mm(x, x, out=out), warmup=2, repeats=5, device="cuda", cuda_graph=True)
     assert t.mode == "cuda_graph" and len(t.samples) == 5 and t.median > 0
     syncing = time_call(lambda: (x.sum().item()), warmup=1, repeats=3, device="cuda", cuda_graph=True)
-    assert syncing.mode == "eager" and "sync" in syncing.note
+    assert syncing.mode == "eager" and "capture failed" in syncing.note
+    # the failed capture must leave CUDA usable: a captured call still works afterwards
+    again = time_call(lambda: torch.mm(x, x, out=out), warmup=1, repeats=3, device="cuda", cuda_graph=True)
+    assert again.mode == "cuda_graph"
 
 
 # -- fits ----------------------------------------------------------------------------------------
@@ -120,11 +123,24 @@ def test_fit_rejects_bad_input():
         fit_cost_model([1, 2], [1.0, 2.0], "cubic")
 
 
+def test_fits_leave_out_the_ar_step_when_enough_verify_sizes():
+    assert profiling.fitted_sizes([1, 2, 4, 8]) == [2, 4, 8]
+    assert profiling.fitted_sizes([1, 2, 4]) == [1, 2, 4]  # too few verify sizes for a quadratic
+    # A cheap AR step (another code path) must not bend the verify model.
+    times = [3.0] + [0.1 * n + 7.0 for n in SIZES[1:]]
+    f = compute_fits(_timings(SIZES, times), "ssm")["stree"]
+    assert f["sizes"] == SIZES[1:]
+    assert f["linear"]["coef"]["k"] == pytest.approx(0.1) and f["linear"]["r2"] == pytest.approx(1.0)
+    be = compute_break_even({"stree": f}, _timings(SIZES, times), reference_n=5)
+    row = {r["n"]: r for r in be["table"]["stree"]}[20]
+    assert row["ratio_vs_ar"] == pytest.approx(9.0 / 3.0) and row["ratio"] == pytest.approx(9.0 / 7.5)
+
+
 def test_primary_fit_follows_architecture():
     assert profiling.primary_fit_kind("ssm") == "linear"
     assert profiling.primary_fit_kind("hybrid") == "quadratic"
     fits = compute_fits(_timings(SIZES, [n + 1.0 for n in SIZES]), "hybrid")
-    assert fits["stree"]["primary"] == "quadratic" and set(fits["stree"]) == {"primary", "linear", "quadratic"}
+    assert fits["stree"]["primary"] == "quadratic" and set(fits["stree"]) == {"primary", "sizes", "linear", "quadratic"}
 
 
 # -- break-even ----------------------------------------------------------------------------------
@@ -148,12 +164,24 @@ def test_break_even_table_uses_chain_at_reference_n():
     assert be["reference_ms"] == pytest.approx(12.0)
     stree = {r["n"]: r["ratio"] for r in be["table"]["stree"]}
     chain = {r["n"]: r["ratio"] for r in be["table"]["chain"]}
-    assert sorted(stree) == list(range(1, 65))
+    assert sorted(stree) == list(range(2, 65))  # the fitted (verify) range
     assert chain[5] == pytest.approx(1.0)
     assert stree[15] == pytest.approx((0.1 * 15 + 10) / 12.0)
     # Without chain each method is its own reference.
     be2 = compute_break_even({"stree": fits["stree"]}, {"stree": timings["stree"]}, reference_n=5)
     assert {r["n"]: r["ratio"] for r in be2["table"]["stree"]}[5] == pytest.approx(1.0)
+
+
+def test_break_even_refuses_non_positive_fitted_times():
+    # A quadratic through noisy points can dip below zero; such ratios are reported as None.
+    sizes = [2, 4, 8]
+    times = [1.0, 0.2, 9.0]
+    fits = compute_fits(_timings(sizes, times), "hybrid")
+    be = compute_break_even(fits, _timings(sizes, times), reference_n=5)
+    by_n = {r["n"]: r["ratio"] for r in be["table"]["stree"]}
+    fit = Fit.from_dict("quadratic", fits["stree"]["quadratic"])
+    assert all((by_n[n] is None) == (float(fit(n)) <= 0 or float(fit(5)) <= 0) for n in by_n)
+    assert any(v is None for v in by_n.values())
 
 
 # -- trees ---------------------------------------------------------------------------------------

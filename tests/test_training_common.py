@@ -48,21 +48,19 @@ def bigram_target(seed: int = 1, scale: float = 0.5, vocab_size: int = 64):
 
 @torch.no_grad()
 def sample_token_data(model, path, rows: int = 40, length: int = 100, seed: int = 0):
-    """Write a .jsonl of {"input_ids": [...]} sequences sampled from the model at temperature 1."""
+    """Write a .jsonl of {"input_ids": [...]} sequences sampled from the model at temperature 1 (all rows at once)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
-    lines = []
-    for _ in range(rows):
-        ids = torch.randint(0, vocab, (1, 1), generator=gen)
-        cache = model.new_cache(1, length + 1)
-        logits = model(ids, cache)[:, -1]
-        out = [int(ids)]
-        for _ in range(length - 1):
-            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
-            out.append(int(nxt))
-            logits = model.step(nxt, cache)[:, -1]
-        lines.append(json.dumps({"input_ids": out}))
-    path.write_text("\n".join(lines) + "\n")
+    ids = torch.randint(0, vocab, (rows, 1), generator=gen, device=model.device)
+    cache = model.new_cache(rows, length + 1)
+    logits = model(ids, cache)[:, -1]
+    out = [ids]
+    for _ in range(length - 1):
+        nxt = torch.multinomial(torch.softmax(logits.float().cpu(), -1), 1, generator=gen).to(model.device)
+        out.append(nxt)
+        logits = model.step(nxt, cache)[:, -1]
+    seqs = torch.cat(out, dim=1).tolist()
+    path.write_text("\n".join(json.dumps({"input_ids": s}) for s in seqs) + "\n")
     return path
 
 

@@ -401,15 +401,17 @@ def _resolve_precision(p: str) -> str:
 
 def _build_student(cfg: RunConfig, vocab_size: int | None, device) -> tuple[nn.Module, object]:
     if cfg.student_preset:
-        try:
-            from ssmspec.models.presets import build_model
-        except ImportError as e:  # pragma: no cover
-            raise InputError("model presets are unavailable in this install") from e
-        try:
-            model = build_model(cfg.student_preset, vocab_size=vocab_size, seed=cfg.optim.seed, device=device)
-        except KeyError as e:
-            raise InputError(f"unknown preset {cfg.student_preset!r}") from e
-        return model, None
+        from ssmspec.models.init import init_weights
+        from ssmspec.models.lm import LanguageModel
+        from ssmspec.models.presets import preset_config
+
+        mcfg = preset_config(cfg.student_preset)
+        if vocab_size is not None:
+            # Exactly the target's vocabulary, without the preset's padding: the student's logits
+            # are compared with the target's position by position, and generate checks the sizes.
+            mcfg.vocab_size = int(vocab_size)
+        model = init_weights(LanguageModel(mcfg), seed=cfg.optim.seed)
+        return model.to(device), None
     model, tok, _ = load_any_model(cfg.student, torch.float32, device)
     if not hasattr(model, "layers"):
         raise InputError(f"{cfg.student}: the student must be a Mamba-2 model ssmspec can load, not a {type(model).__name__}")

@@ -92,7 +92,9 @@ class Attention(nn.Module):
             keep = valid[:, None, :, None]
             k = torch.where(keep, k, cache.keys[rows, :, pos].transpose(1, 2))
             v = torch.where(keep, v, cache.values[rows, :, pos].transpose(1, 2))
-        if int(pos.max()) >= capacity:
+        # The check reads a device value on the host, which CUDA-graph capture forbids; captured
+        # callers (profiling, decoding graphs) allocate the capacity they need beforehand.
+        if not (k.is_cuda and torch.cuda.is_current_stream_capturing()) and int(pos.max()) >= capacity:
             raise RuntimeError(f"KV cache of {capacity} positions is full; allocate a larger cache (max_len)")
         index = pos[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
         cache.keys.scatter_(2, index, k.to(cache.keys.dtype))

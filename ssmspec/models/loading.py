@@ -204,8 +204,16 @@ def _load_tokenizer(path: Path):
         return None
     try:
         from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
-        return AutoTokenizer.from_pretrained(str(path))
+        # AutoTokenizer reads config.json too and warns about model types it does not know
+        # (ssmspec's own format): noise for the user, so keep transformers quiet here.
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            return AutoTokenizer.from_pretrained(str(path))
+        finally:
+            hf_logging.set_verbosity(verbosity)
     except Exception as e:
         raise ModelLoadError(f"{path} has tokenizer files but they do not load ({e}); remove or fix them") from e
 

@@ -12,7 +12,7 @@ import torch
 
 from .chunk_scan.naive import naive_chunk_scan
 from .state_replay.naive import naive_replay_conv_state, naive_replay_ssm_state
-from .step_update.naive import naive_mamba_step, naive_rms_norm
+from .step_update.naive import naive_gated_rms_norm, naive_mamba_step, naive_rms_norm, naive_time_step
 from .tree_conv.naive import naive_tree_conv
 from .tree_scan.naive import naive_tree_scan
 
@@ -27,6 +27,8 @@ _REFERENCE = {
     "chunk_scan": naive_chunk_scan,
     "mamba_step": naive_mamba_step,
     "rms_norm": naive_rms_norm,
+    "gated_rms_norm": naive_gated_rms_norm,
+    "time_step": naive_time_step,
 }
 # op name -> (module, function) of its Triton kernel, filled in as kernels land.
 _TRITON = {
@@ -36,6 +38,8 @@ _TRITON = {
     "replay_conv_state": ("ssmspec.ops.state_replay.triton", "replay_conv_state"),
     "mamba_step": ("ssmspec.ops.step_update.triton", "mamba_step"),
     "rms_norm": ("ssmspec.ops.step_update.triton", "rms_norm"),
+    "gated_rms_norm": ("ssmspec.ops.step_update.triton", "gated_rms_norm"),
+    "time_step": ("ssmspec.ops.step_update.triton", "time_step"),
 }
 
 
@@ -115,3 +119,11 @@ def mamba_step(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt
 
 def rms_norm(h, weight, eps):
     return resolve("rms_norm", h.device)(h, weight, eps)
+
+
+def gated_rms_norm(y, z, weight, group_size, eps):
+    return resolve("gated_rms_norm", y.device)(y, z, weight, group_size, eps)
+
+
+def time_step(dt_raw, dt_bias, dt_min, dt_max):
+    return resolve("time_step", dt_raw.device)(dt_raw, dt_bias, dt_min, dt_max)

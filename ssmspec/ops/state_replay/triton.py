@@ -42,6 +42,7 @@ def _replay_ssm_kernel(
         xv = tl.load(x_ptr + b * sxb + node * sxn + h * sxh + offs_p * sxp, mask=mask_p, other=0.0).to(tl.float32)
         Bv = tl.load(B_ptr + b * sBb + node * sBn + g * sBg + offs_s * sBs, mask=mask_s, other=0.0).to(tl.float32)
         state = state * tl.exp(dt * A) + (dt * xv)[:, None] * Bv[None, :]
+    tl.debug_barrier()  # small tiles are replicated across threads: all copies read before any write
     tl.store(h_ptrs, state, mask=mask)
 
 

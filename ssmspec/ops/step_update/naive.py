@@ -73,3 +73,25 @@ def naive_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     hf = h.float()
     hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.float() * hf).to(h.dtype)
+
+
+def naive_gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+    """RMSNorm of y * silu(z) over groups of channels, as `ssmspec.models.mamba2.GatedRMSNorm`.
+
+    Args:
+        y, z: (..., H*P); weight: (H*P,). Returns (..., H*P) in the dtype of weight * y.
+    """
+    dtype = y.dtype
+    h = y.float() * F.silu(z.float())
+    h = h.unflatten(-1, (-1, group_size))  # (..., groups, group_size)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.flatten(-2).to(dtype)
+
+
+def naive_time_step(dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, dt_max: float) -> torch.Tensor:
+    """softplus(dt_raw + dt_bias) clamped to [dt_min, dt_max] in fp32, as `Mamba2Mixer._time_step`.
+
+    Args:
+        dt_raw: (..., H); dt_bias: (H,). Returns (..., H) fp32.
+    """
+    return F.softplus(dt_raw.float() + dt_bias.float()).clamp(dt_min, dt_max)

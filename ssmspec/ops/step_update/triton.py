@@ -4,9 +4,9 @@ The reference step runs ~40 tiny torch ops per layer; at batch 1 each is a few m
 launch and tail, which across 64 layers costs more than reading the weights. Here the step is
 two launches:
 
-1. `_step_ssm_kernel`, one program per (batch row, head): the head's conv update (its P x
-   channels, whose conv state it owns and shifts), the conv of its group's B and C channels
-   (read-only: every head of the group reads them), dt, the (P, S) state update, y, the D skip
+1. `_step_ssm_kernel`, one program per (batch row, head, block of P): the conv update of its x
+   channels (whose conv state it owns and shifts), the conv of its group's B and C channels
+   (read-only: every head of the group reads them), dt, the (P_blk, S) state update, y, the D skip
    and the gate y * silu(z), written as fp32 (B, H*P).
 2. `_gated_norm_kernel`, one program per (batch row, norm group): the RMSNorm over the group and
    the norm weight; it also shifts the conv state of the B and C channels, which could not be
@@ -26,6 +26,31 @@ def _softplus(x):
 
 
 @triton.jit
+def _conv_window(state_row, w_ptr, ch, mask_c, new, scc, sck, swc, swk, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Depthwise conv of one token over channels ch: the K-1 cached inputs (rounded to the
+    input dtype, as the reference does) then the new one. Returns fp32 without bias."""
+    offs_t = tl.arange(0, BLOCK_K)
+    m = mask_c[:, None] & (offs_t[None, :] < K - 1)
+    old = tl.load(state_row + ch[:, None] * scc + offs_t[None, :] * sck, mask=m, other=0.0)
+    w = tl.load(w_ptr + ch[:, None] * swc + offs_t[None, :] * swk, mask=m, other=0.0).to(tl.float32)
+    acc = tl.sum(old.to(new.dtype).to(tl.float32) * w, axis=1)
+    return acc + new.to(tl.float32) * tl.load(w_ptr + ch * swc + (K - 1) * swk, mask=mask_c, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _shift_in(state_row, ch, mask_c, new, scc, sck, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """conv_state[ch] <- [conv_state[ch, 1:], new], in place. The whole shifted tile is read
+    before a barrier and written after it: a slot may be read by one thread and written by
+    another (small tiles are replicated across threads), so a per-slot loop would race."""
+    offs_t = tl.arange(0, BLOCK_K)
+    nxt = tl.load(state_row + ch[:, None] * scc + (offs_t[None, :] + 1) * sck,
+                  mask=mask_c[:, None] & (offs_t[None, :] + 1 < K - 1), other=0.0)
+    nxt = tl.where(offs_t[None, :] == K - 2, new[:, None].to(nxt.dtype), nxt)
+    tl.debug_barrier()
+    tl.store(state_row + ch[:, None] * scc + offs_t[None, :] * sck, nxt, mask=mask_c[:, None] & (offs_t[None, :] < K - 1))
+
+
+@triton.jit
 def _step_ssm_kernel(
     xbc_ptr, dtr_ptr, z_ptr, cs_ptr, h_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr,
     H, P, S, G, heads_per_group, dt_min, dt_max,
@@ -35,41 +60,32 @@ def _step_ssm_kernel(
     swc, swk,
     sgb,
     K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     grp = h // heads_per_group
-    offs_p = tl.arange(0, BLOCK_P)
+    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_s = tl.arange(0, BLOCK_S)
     mask_p = offs_p < P
     mask_s = offs_s < S
     d_inner = H * P
-    cx = h * P + offs_p  # this head's x channels
+    cx = h * P + offs_p  # this program's x channels
     cB = d_inner + grp * S + offs_s
     cC = d_inner + G * S + grp * S + offs_s
 
-    # Conv windows, oldest first; the current token multiplies weight[:, K-1].
+    state_row = cs_ptr + b * scb
     in_dtype = xbc_ptr.dtype.element_ty
     new_x = tl.load(xbc_ptr + b * sxb + cx * sxc, mask=mask_p, other=0.0)
     new_B = tl.load(xbc_ptr + b * sxb + cB * sxc, mask=mask_s, other=0.0)
     new_C = tl.load(xbc_ptr + b * sxb + cC * sxc, mask=mask_s, other=0.0)
-    acc_x = new_x.to(tl.float32) * tl.load(cw_ptr + cx * swc + (K - 1) * swk, mask=mask_p, other=0.0).to(tl.float32)
-    acc_B = new_B.to(tl.float32) * tl.load(cw_ptr + cB * swc + (K - 1) * swk, mask=mask_s, other=0.0).to(tl.float32)
-    acc_C = new_C.to(tl.float32) * tl.load(cw_ptr + cC * swc + (K - 1) * swk, mask=mask_s, other=0.0).to(tl.float32)
-    state_row = cs_ptr + b * scb
-    for k in tl.static_range(K - 1):
-        old_x = tl.load(state_row + cx * scc + k * sck, mask=mask_p, other=0.0)
-        acc_x += old_x.to(in_dtype).to(tl.float32) * tl.load(cw_ptr + cx * swc + k * swk, mask=mask_p, other=0.0).to(tl.float32)
-        # Shift this head's own x channels now: slot k-1 was read by the same thread one
-        # iteration ago (same 1-D layout for loads and stores), so this cannot race.
-        if k > 0:
-            tl.store(state_row + cx * scc + (k - 1) * sck, old_x, mask=mask_p)
-        old_B = tl.load(state_row + cB * scc + k * sck, mask=mask_s, other=0.0).to(in_dtype).to(tl.float32)
-        acc_B += old_B * tl.load(cw_ptr + cB * swc + k * swk, mask=mask_s, other=0.0).to(tl.float32)
-        old_C = tl.load(state_row + cC * scc + k * sck, mask=mask_s, other=0.0).to(in_dtype).to(tl.float32)
-        acc_C += old_C * tl.load(cw_ptr + cC * swc + k * swk, mask=mask_s, other=0.0).to(tl.float32)
-    tl.store(state_row + cx * scc + (K - 2) * sck, new_x.to(cs_ptr.dtype.element_ty), mask=mask_p)
+    acc_x = _conv_window(state_row, cw_ptr, cx, mask_p, new_x, scc, sck, swc, swk, K, BLOCK_K)
+    # B and C: every program of the group convolves them from the old window (cheap, 2S
+    # channels); their conv-state shift is left to _gated_norm_kernel, which runs after all
+    # readers are done.
+    acc_B = _conv_window(state_row, cw_ptr, cB, mask_s, new_B, scc, sck, swc, swk, K, BLOCK_K)
+    acc_C = _conv_window(state_row, cw_ptr, cC, mask_s, new_C, scc, sck, swc, swk, K, BLOCK_K)
+    _shift_in(state_row, cx, mask_p, new_x, scc, sck, K, BLOCK_K)  # this program owns these x channels
     if HAS_BIAS:
         acc_x += tl.load(cb_ptr + cx, mask=mask_p, other=0.0).to(tl.float32)
         acc_B += tl.load(cb_ptr + cB, mask=mask_s, other=0.0).to(tl.float32)
@@ -86,6 +102,7 @@ def _step_ssm_kernel(
     mask_ps = mask_p[:, None] & mask_s[None, :]
     state = tl.load(h_ptrs, mask=mask_ps, other=0.0)
     state = state * decay + (dt * x)[:, None] * Bv[None, :]
+    tl.debug_barrier()  # replicated elements: every copy is read before any is written
     tl.store(h_ptrs, state, mask=mask_ps)
     y = tl.sum(state * Cv[None, :], axis=1) + x * tl.load(D_ptr + h).to(tl.float32)
     zv = tl.load(z_ptr + b * szb + cx * szc, mask=mask_p, other=0.0).to(tl.float32)
@@ -99,7 +116,7 @@ def _gated_norm_kernel(
     g_ptr, w_ptr, out_ptr, xbc_ptr, cs_ptr,
     group_size, d_inner, S, G, eps,
     sgb, sob, sxb, sxc, scb, scc, sck,
-    K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+    K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     b = tl.program_id(0)
     ng = tl.program_id(1)
@@ -123,15 +140,13 @@ def _gated_norm_kernel(
     # group ng shifts B/C groups ng, ng + NG, ... so that every B/C group is shifted exactly once.
     NG = tl.num_programs(1)
     offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < S
+    state_row = cs_ptr + b * scb
     for grp in range(ng, G, NG):
         for which in tl.static_range(2):
             ch = d_inner + which * G * S + grp * S + offs_s
-            m = offs_s < S
-            row = cs_ptr + b * scb + ch * scc
-            for k in tl.static_range(1, K - 1):
-                tl.store(row + (k - 1) * sck, tl.load(row + k * sck, mask=m, other=0.0), mask=m)
-            new = tl.load(xbc_ptr + b * sxb + ch * sxc, mask=m, other=0.0)
-            tl.store(row + (K - 2) * sck, new.to(cs_ptr.dtype.element_ty), mask=m)
+            new = tl.load(xbc_ptr + b * sxb + ch * sxc, mask=mask_s, other=0.0)
+            _shift_in(state_row, ch, mask_s, new, scc, sck, K, BLOCK_K)
 
 
 def mamba_step(
@@ -176,14 +191,17 @@ def mamba_step(
         raise ValueError(f"mamba_step: conv_state {tuple(conv_state.shape)} / z {tuple(z.shape)} do not match")
     gated = torch.empty(batch, d_inner, device=z.device, dtype=torch.float32)
     out = torch.empty(batch, d_inner, device=z.device, dtype=z.dtype)
-    _step_ssm_kernel[(batch, heads)](
+    block_p = 16
+    block_k = max(2, triton.next_power_of_2(kernel_size - 1))
+    # (batch, head, block of P): 4 programs per head at P = 64 keeps every SM busy at batch 1.
+    _step_ssm_kernel[(batch, heads, triton.cdiv(head_dim, block_p))](
         xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias if conv_bias is not None else conv_weight,
         dt_bias, A_log, D, gated,
         heads, head_dim, d_state, n_groups, heads // n_groups, float(dt_min), float(dt_max),
         *xBC.stride(), *dt_raw.stride(), *z.stride(), *conv_state.stride(), *ssm_state.stride(),
         *conv_weight.stride(), gated.stride(0),
         K=kernel_size, HAS_BIAS=conv_bias is not None,
-        BLOCK_P=max(16, triton.next_power_of_2(head_dim)), BLOCK_S=max(16, triton.next_power_of_2(d_state)),
+        BLOCK_P=block_p, BLOCK_S=max(16, triton.next_power_of_2(d_state)), BLOCK_K=block_k,
         num_warps=4,
     )
     group_size = d_inner // norm_groups
@@ -192,7 +210,7 @@ def mamba_step(
         group_size, d_inner, d_state, n_groups, float(eps),
         gated.stride(0), out.stride(0), *xBC.stride(), *conv_state.stride(),
         K=kernel_size, BLOCK=min(2048, triton.next_power_of_2(group_size)),
-        BLOCK_S=max(16, triton.next_power_of_2(d_state)), num_warps=8,
+        BLOCK_S=max(16, triton.next_power_of_2(d_state)), BLOCK_K=block_k, num_warps=8,
     )
     return out
 
@@ -227,3 +245,70 @@ def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             BLOCK=min(4096, triton.next_power_of_2(dim)), num_warps=8,
         )
     return out.reshape(h.shape)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, D, group_size, eps, syr, szr, sor,
+                           BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    base = tl.program_id(1) * group_size
+    in_dtype = y_ptr.dtype.element_ty
+    sq = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, group_size, BLOCK):
+        offs = base + start + tl.arange(0, BLOCK)
+        m = offs < base + group_size
+        y = tl.load(y_ptr + row * syr + offs, mask=m, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + row * szr + offs, mask=m, other=0.0).to(tl.float32)
+        g = y * z * tl.sigmoid(z)
+        sq += g * g
+    r = tl.rsqrt(tl.sum(sq, axis=0) / group_size + eps)
+    for start in range(0, group_size, BLOCK):
+        offs = base + start + tl.arange(0, BLOCK)
+        m = offs < base + group_size
+        y = tl.load(y_ptr + row * syr + offs, mask=m, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + row * szr + offs, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        normed = (y * z * tl.sigmoid(z) * r).to(in_dtype).to(tl.float32)  # the reference rounds here
+        tl.store(out_ptr + row * sor + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+    """RMSNorm of y * silu(z) over groups of channels in one launch (inference only).
+
+    Same contract as `naive_gated_rms_norm`: y, z (..., H*P); weight (H*P,).
+    """
+    dim = y.shape[-1]
+    if dim % group_size or tuple(z.shape) != tuple(y.shape):
+        raise ValueError(f"gated_rms_norm: y {tuple(y.shape)} / z {tuple(z.shape)} / group size {group_size} do not match")
+    y2 = y.reshape(-1, dim)
+    z2 = z.reshape(-1, dim)
+    if y2.stride(-1) != 1:
+        y2 = y2.contiguous()
+    if z2.stride(-1) != 1:
+        z2 = z2.contiguous()
+    out = torch.empty(y2.shape, device=y.device, dtype=torch.result_type(weight, y))
+    if y2.shape[0]:
+        _gated_rms_norm_kernel[(y2.shape[0], dim // group_size)](
+            y2, z2, weight, out, dim, group_size, float(eps), y2.stride(0), z2.stride(0), out.stride(0),
+            BLOCK=min(2048, triton.next_power_of_2(group_size)), num_warps=8,
+        )
+    return out.reshape(y.shape)
+
+
+@triton.jit
+def _time_step_kernel(dt_ptr, bias_ptr, out_ptr, n, H, dt_min, dt_max, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    v = tl.load(dt_ptr + offs, mask=m, other=0.0).to(tl.float32) + tl.load(bias_ptr + offs % H, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, tl.minimum(tl.maximum(_softplus(v), dt_min), dt_max), mask=m)
+
+
+def time_step(dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, dt_max: float) -> torch.Tensor:
+    """softplus(dt_raw + dt_bias) clamped, fp32, in one launch. dt_raw (..., H) -> (..., H)."""
+    heads = dt_raw.shape[-1]
+    flat = dt_raw.contiguous()
+    out = torch.empty(dt_raw.shape, device=dt_raw.device, dtype=torch.float32)
+    n = flat.numel()
+    if n:
+        _time_step_kernel[(triton.cdiv(n, 1024),)](flat, dt_bias, out, n, heads, float(dt_min), float(dt_max), BLOCK=1024)
+    return out

@@ -1,0 +1,101 @@
+"""Our model's three paths agree: forward, step after prefill, verify on trees, and replay."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_close, tiny_model
+from ssmspec.models import AttentionLayerCache, MambaLayerCache
+from ssmspec.trees import Tree
+
+ARCHS = {
+    "mamba2": ("mamba", "mamba"),
+    "hybrid": ("mamba", "attention", "mlp", "mamba", "attention"),
+    "attention-first": ("attention", "mlp", "mamba"),
+}
+TREES = [Tree.chain(0), Tree.chain(6), Tree.from_config((2, 2, 1)), Tree.from_config((4, 1)),
+         Tree.from_parents([-1, 0, 0, 1, 1, 3, 2, 6, 7])]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_then_steps_equal_full_forward(arch):
+    model = tiny_model(ARCHS[arch])
+    ids = torch.randint(0, 64, (3, 19))
+    full = model(ids)
+    cache = model.new_cache(3, 32)
+    assert_close(model(ids[:, :11], cache), full[:, :11], atol=1e-5, name="prefill")
+    steps = torch.cat([model.step(ids[:, t:t + 1], cache) for t in range(11, 19)], dim=1)
+    assert_close(steps, full[:, 11:], atol=1e-5, name="steps")
+    assert cache.seqlen.tolist() == [19, 19, 19]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tree", TREES, ids=lambda t: t.spec() or "root")
+def test_verify_equals_decoding_each_path_alone(arch, tree):
+    model = tiny_model(ARCHS[arch])
+    batch, prompt_len = 2, 7
+    ids = torch.randint(0, 64, (batch, prompt_len))
+    tokens = torch.randint(0, 64, (batch, tree.num_nodes))
+    cache = model.new_cache(batch, 32)
+    model(ids, cache)
+    before = cache.clone()
+    logits, _ = model.verify(tokens, tree, cache)
+    for node in range(tree.num_nodes):
+        path_cache = before.clone()
+        for n in tree.path(node):  # the sequential reference: step along the path alone
+            out = model.step(tokens[:, n:n + 1], path_cache)
+        assert_close(logits[:, node], out[:, 0], atol=1e-5, name=f"node {node}")
+    assert_caches_equal(cache, before)  # verify wrote nothing
+
+
+def assert_caches_equal(a, b):
+    assert a.seqlen.tolist() == b.seqlen.tolist()
+    for i, (ca, cb) in enumerate(zip(a.layers, b.layers)):
+        if isinstance(ca, MambaLayerCache):
+            assert_close(ca.conv_state, cb.conv_state, atol=1e-5, name=f"layer {i} conv state")
+            assert_close(ca.ssm_state, cb.ssm_state, atol=1e-5, name=f"layer {i} ssm state")
+        elif isinstance(ca, AttentionLayerCache):
+            for row, length in enumerate(a.seqlen.tolist()):  # only the valid prefix is meaningful
+                assert_close(ca.keys[row, :, :length], cb.keys[row, :, :length], atol=1e-5, name=f"layer {i} keys")
+                assert_close(ca.values[row, :, :length], cb.values[row, :, :length], atol=1e-5, name=f"layer {i} values")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_replay_equals_stepping_the_accepted_tokens(arch):
+    model = tiny_model(ARCHS[arch])
+    tree = Tree.from_config((3, 2, 2))
+    batch = 3
+    ids = torch.randint(0, 64, (batch, 6))
+    tokens = torch.randint(0, 64, (batch, tree.num_nodes))
+    cache = model.new_cache(batch, 32)
+    model(ids, cache)
+    stepped = cache.clone()
+    _, acts = model.verify(tokens, tree, cache)
+    # A different accepted path per row: full depth, partial, root only.
+    paths = [tree.path(tree.leaves()[-1]), tree.path(2), [0]]
+    width = max(map(len, paths))
+    path = torch.tensor([p + [0] * (width - len(p)) for p in paths])
+    model.replay(cache, acts, path, torch.tensor([len(p) for p in paths]))
+    # Reference: each row steps its own accepted tokens one by one.
+    for row, p in enumerate(paths):
+        row_cache = stepped.select(torch.tensor([row]))
+        for n in p:
+            model.step(tokens[row:row + 1, n:n + 1], row_cache)
+        assert_caches_equal(cache.select(torch.tensor([row])), row_cache)
+    # And decoding continues from the replayed cache as from the stepped one.
+    nxt = torch.randint(0, 64, (batch, 1))
+    out = model.step(nxt, cache)
+    for row, p in enumerate(paths):
+        seq = torch.cat([ids[row], tokens[row, p], nxt[row]])[None]
+        assert_close(out[row, 0], model(seq)[0, -1], atol=1e-5, name=f"row {row} after replay")
+
+
+def test_bf16_model_runs_with_fp32_state():
+    model = tiny_model(ARCHS["hybrid"]).to(torch.bfloat16)
+    cache = model.new_cache(1, 16)
+    model(torch.randint(0, 64, (1, 5)), cache)
+    assert cache.layers[0].ssm_state.dtype == torch.float32
+    logits, acts = model.verify(torch.randint(0, 64, (1, 7)), Tree.from_config((2, 2)), cache)
+    assert torch.isfinite(logits).all()
+    model.replay(cache, acts, torch.tensor([[0, 2, 6]]), torch.tensor([3]))
+    assert cache.seqlen.item() == 8
