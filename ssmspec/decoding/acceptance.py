@@ -13,6 +13,15 @@ from ssmspec.trees import Tree
 from .sampling import sample
 
 
+def accept_greedy(tree: Tree, tokens: list[int], target_ids: list[int]) -> tuple[list[int], int]:
+    """Greedy verification: descend while a child carries the target's argmax at its parent.
+
+    Args:
+        tokens: the N draft tokens (node 0 the root). target_ids: (N,) target argmax at each node.
+    """
+    return _walk(tree, tokens, target_ids.__getitem__)
+
+
 def accept_deterministic(tree: Tree, tokens: list[int], p: torch.Tensor, generator) -> tuple[list[int], int]:
     """The 'naive' rule, exact for drafts chosen deterministically (top-k children, n-grams).
 
@@ -24,10 +33,14 @@ def accept_deterministic(tree: Tree, tokens: list[int], p: torch.Tensor, generat
         tree: the draft tree (N nodes). tokens: its N tokens, node 0 the root.
         p: (N, V) processed target distributions at every node.
     """
+    return _walk(tree, tokens, lambda node: sample(p[node], generator))
+
+
+def _walk(tree: Tree, tokens: list[int], draw) -> tuple[list[int], int]:
     children = _children(tree)
     node, path = 0, [0]
     while True:
-        x = sample(p[node], generator)
+        x = draw(node)
         nxt = next((c for c in children[node] if tokens[c] == x), None)
         if nxt is None:
             return path, x

@@ -22,9 +22,42 @@ class Draft:
     """A drafted tree: node 0 is the root (already produced), the rest are proposals."""
 
     tree: Tree
-    tokens: list[int]
+    tokens: torch.Tensor
+    """(N,) int64 token of every node, on the drafter's device."""
     q: torch.Tensor | None
     """(N, V) q[c] = the distribution node c was drawn from; None when drafted deterministically."""
+
+    def token_list(self) -> list[int]:
+        return self.tokens.tolist()
+
+
+@dataclass(frozen=True)
+class _Level:
+    """How the nodes of one depth hang below the previous depth's rows (built once per shape)."""
+
+    nodes: torch.Tensor  # (W,) packed index of each node of this depth
+    parent_rows: torch.Tensor  # (W,) row of its parent among the previous depth's nodes
+    ranks: torch.Tensor  # (W,) its rank among its siblings (0 = best token)
+    max_children: int
+
+
+def _levels(shape: Tree, device) -> list[_Level]:
+    by_depth: list[list[int]] = [[] for _ in range(shape.max_depth + 1)]
+    for node, d in enumerate(shape.depths):
+        by_depth[d].append(node)
+    out = []
+    for d in range(1, shape.max_depth + 1):
+        row_of = {node: r for r, node in enumerate(by_depth[d - 1])}
+        seen: dict[int, int] = {}
+        rows, ranks = [], []
+        for child in by_depth[d]:
+            parent = shape.parents[child]
+            rows.append(row_of[parent])
+            ranks.append(seen.get(parent, 0))
+            seen[parent] = ranks[-1] + 1
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+        out.append(_Level(as_tensor(by_depth[d]), as_tensor(rows), as_tensor(ranks), max(seen.values())))
+    return out
 
 
 class ModelDrafter:
@@ -42,6 +75,7 @@ class ModelDrafter:
         self.cache = None
         self.pending: list[int] = []
         self.steps = 0
+        self._plans: dict = {}
 
     @property
     def vocab_size(self) -> int:
@@ -60,43 +94,39 @@ class ModelDrafter:
 
     @torch.no_grad()
     def draft(self, root: int, shape: Tree, params: SamplingParams, generator) -> Draft:
-        """Draft `shape` below `root`: each node gets as many children as it has in `shape`."""
+        """Draft `shape` below `root`: each node gets as many children as it has in `shape`.
+
+        Step d runs one batch row per node of depth d, each on a copy of its parent's state.
+        """
         device = self.model.device
         feed = torch.tensor([self.pending + [root]], device=device)
         self.pending = []
-        logits = self.model(feed, self.cache, last_only=True)[:, -1]  # (1, V)
+        logits = self.model(feed, self.cache, last_only=True)[:, -1]  # (1, V): the root's row
         self.steps += 1
-        depths = shape.depths
-        levels: list[list[int]] = [[] for _ in range(shape.max_depth + 1)]
-        for node, d in enumerate(depths):
-            levels[d].append(node)
-        tokens = [root] + [0] * shape.num_drafted
+        key = (shape.parents, str(device))
+        if key not in self._plans:
+            self._plans[key] = _levels(shape, device)
+        tokens = torch.empty(shape.num_nodes, dtype=torch.long, device=device)
+        tokens[0] = root
         deterministic = params.greedy or not self.sample_children
         q = None if deterministic else torch.zeros(shape.num_nodes, self.vocab_size, device=device)
         cache = self.cache
-        for d in range(shape.max_depth):
-            probs = probabilities(logits, params)  # (width_d, V) one row per node of depth d
-            row_of = {node: r for r, node in enumerate(levels[d])}
-            parent_rows = []
-            rank_in_parent: dict[int, int] = {}
-            for child in levels[d + 1]:
-                parent = shape.parents[child]
-                r = row_of[parent]
-                parent_rows.append(r)
-                rank_in_parent[parent] = rank_in_parent.get(parent, -1) + 1
-                k = rank_in_parent[parent]
-                if deterministic:
-                    tokens[child] = int(torch.topk(probs[r] if not params.greedy else logits[r], k + 1).indices[k])
-                else:
-                    tokens[child] = int(torch.multinomial(probs[r].cpu(), 1, generator=generator))
-                    q[child] = probs[r]
-            if d + 1 == shape.max_depth:
+        levels = self._plans[key]
+        for d, level in enumerate(levels):
+            if deterministic:
+                scores = logits if params.greedy else probabilities(logits, params)
+                best = torch.topk(scores, level.max_children, dim=-1).indices  # (W_prev, k)
+                chosen = best[level.parent_rows, level.ranks]
+            else:
+                probs = probabilities(logits, params)[level.parent_rows]  # (W, V): i.i.d. per child
+                chosen = torch.multinomial(probs.cpu(), 1, generator=generator)[:, 0].to(device)
+                q[level.nodes] = probs
+            tokens[level.nodes] = chosen
+            if d + 1 == len(levels):
                 break
-            # Branch the drafter's state: one row per child, copied from its parent's row.
-            rows = torch.tensor(parent_rows, device=device)
-            cache = cache.select(rows)
-            step_tokens = torch.tensor([[tokens[c]] for c in levels[d + 1]], device=device)
-            logits = self.model.step(step_tokens, cache)[:, -1]
+            # Branch the drafter's state: one row per node, copied from its parent's row.
+            cache = cache.select(level.parent_rows)
+            logits = self.model.step(chosen[:, None], cache)[:, -1]
             self.steps += 1
         return Draft(shape, tokens, q)
 
@@ -149,7 +179,7 @@ class NgramDrafter:
                     tokens.append(tok)
                     child_of[key] = len(tokens) - 1
                 node = child_of[key]
-        return Draft(Tree.from_parents(parents), tokens, None)
+        return Draft(Tree.from_parents(parents), torch.tensor(tokens, dtype=torch.long), None)
 
 
 def _max_children_per_depth(shape: Tree) -> list[int]:

@@ -15,7 +15,7 @@ from ssmspec.trees import Tree
 
 from ..errors import InputError
 from ..models.lm import LanguageModel
-from .acceptance import accept_deterministic, accept_sampled
+from .acceptance import accept_deterministic, accept_greedy, accept_sampled
 from .drafters import Draft
 from .sampling import SamplingParams, probabilities, sample
 
@@ -117,16 +117,18 @@ def draft_tree(drafter, root: int, cfg: GenerationConfig, generator) -> Draft:
 
 
 def verify_tree(target: LanguageModel, draft: Draft, cache):
-    tokens = torch.tensor([draft.tokens], device=target.device)
-    return target.verify(tokens, draft.tree, cache)
+    return target.verify(draft.tokens.to(target.device)[None], draft.tree, cache)
 
 
 def accept_path(draft: Draft, target_logits: torch.Tensor, cfg: GenerationConfig, generator):
     """The accepted path (root first) and the bonus token; the one place the rule is chosen."""
+    tokens = draft.token_list()
+    if cfg.sampling.greedy:
+        return accept_greedy(draft.tree, tokens, target_logits.argmax(-1).tolist())
     p = probabilities(target_logits, cfg.sampling)
     if draft.q is None:
-        return accept_deterministic(draft.tree, draft.tokens, p, generator)
-    return accept_sampled(draft.tree, draft.tokens, p, draft.q, generator)
+        return accept_deterministic(draft.tree, tokens, p, generator)
+    return accept_sampled(draft.tree, tokens, p, draft.q, generator)
 
 
 def replay_state(target: LanguageModel, cache, acts, path: list[int]) -> None:
@@ -182,7 +184,7 @@ def generate(
             logits, acts = verify_tree(target, draft, cache)
             path, bonus = accept_path(draft, logits[0], cfg, generator)
             replay_state(target, cache, acts, path)
-            accepted = [draft.tokens[n] for n in path[1:]]
+            accepted = draft.tokens[path[1:]].tolist()
             drafter.commit(accepted)
             out.emit(accepted + [bonus])
             accepted_per_call.append(len(accepted) + 1)
