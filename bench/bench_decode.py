@@ -22,6 +22,7 @@ import torch
 from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch
+from ssmspec.ops.gemv import triton as gemv
 from ssmspec.trees.tree import Tree
 
 RESULTS: dict = {}
@@ -155,6 +156,13 @@ def main() -> int:
         cache = prefilled_cache(model, prompt, 256)
         graph = StepGraph(model, cache)
         record(f"AR step CUDA graph [{backend}]", median_ms(lambda: graph(ids), iters=100))
+        if backend == "triton":
+            gemv.ENABLED = False  # the same fused step with cuBLAS projections
+            cache2 = prefilled_cache(model, prompt, 256)
+            graph2 = StepGraph(model, cache2)
+            record("AR step CUDA graph [triton, cuBLAS GEMV]", median_ms(lambda: graph2(ids), iters=100))
+            gemv.ENABLED = True
+            del graph2, cache2
         if args.profile and backend == "triton":
             RESULTS.setdefault("profiles", []).append(profile_top(lambda: graph(ids), "AR step graph [triton]"))
         del graph, cache

@@ -21,6 +21,7 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
+from ssmspec.ops.gemv.triton import linear
 from ssmspec.ops.state_replay.naive import naive_replay_conv_state, naive_replay_ssm_state
 from ssmspec.ops.state_replay.triton import replay_conv_state, replay_ssm_state
 from ssmspec.ops.step_update.naive import naive_mamba_step, naive_rms_norm
@@ -209,6 +210,28 @@ def run_timings() -> None:
     RESULTS["timings"].append({"what": "64-node tree_conv", "us": t_conv})
     RESULTS["timings"].append({"what": "replay_ssm_state (path of 5)", "us": t_rssm})
     RESULTS["timings"].append({"what": "replay_conv_state (path of 5)", "us": t_rconv})
+
+    # one-row projections: cuBLAS (F.linear) against the Triton GEMV at a few tile shapes
+    gemv_rows = []
+    for label, n_out, k_in in (("in_proj", 2 * D_INNER + 2 * G * S + H, 2560), ("out_proj", 2560, D_INNER), ("lm_head", 50288, 2560)):
+        wts = [torch.randn(n_out, k_in, device=DEV, dtype=BF16) for _ in range(3)]  # rotate: > L2
+        xin = torch.randn(1, k_in, device=DEV, dtype=BF16)
+        nbytes = n_out * k_in * 2
+        ref = torch.nn.functional.linear(xin, wts[0])
+        got = linear(xin, wts[0])
+        check(f"gemv {label}", got, ref, 4e-3)
+        res = {"what": f"gemv {label} {n_out}x{k_in}", "bytes": nbytes}
+        res["cublas_us"] = time_us(lambda: [torch.nn.functional.linear(xin, w_) for w_ in wts]) / 3
+        res["triton_us"] = time_us(lambda: [linear(xin, w_) for w_ in wts]) / 3
+        for cfg in ((4, 512, 4), (8, 512, 4), (8, 1024, 4), (16, 512, 4), (16, 256, 4), (4, 1024, 4), (8, 256, 2), (2, 1024, 4)):
+            res[f"triton_{cfg[0]}x{cfg[1]}w{cfg[2]}_us"] = time_us(lambda: [linear(xin, w_, config=cfg) for w_ in wts]) / 3
+        gemv_rows.append(res)
+        RESULTS["timings"].append(res)
+
+    print("\none-row projections (bf16), per call, rotating 3 weight copies; TB/s = weight bytes / time")
+    for res in gemv_rows:
+        parts = [f"{k[:-3]} {v:.1f}us ({res['bytes'] / v / 1e6:.2f} TB/s)" for k, v in res.items() if k.endswith("_us")]
+        print(f"  {res['what']}: " + "; ".join(parts))
 
     print("\nmamba2-2.7b layer (H=80, P=64, S=128, G=1), batch 1, CUDA-graph replay medians")
     print(f"single-token tree_scan N=1: {t_single:.1f} us; fused mamba_step: {t_step:.1f} us; "

@@ -45,7 +45,7 @@ profile.json, schema version 1 (all times in milliseconds)
       "created": ISO-8601 UTC time,
       "device": {"type": "cuda"|"cpu", "name": str, "torch": str, "cuda": str|null},
       "dtype": "fp32"|"bf16"|"fp16",
-      "target": {"fingerprint": sha256 hex, "source": str, "architecture": "ssm"|"hybrid",
+      "target": {"fingerprint": hex str (see model_fingerprint), "source": str, "architecture": "ssm"|"hybrid",
                  "config": {"d_model", "vocab_size", "n_layers", "layer_counts": {kind: n},
                             "num_parameters", "mamba": {...}|null, "attention": {...}|null}},
       "drafter": null | same shape as "target",
@@ -67,6 +67,7 @@ profile.json, schema version 1 (all times in milliseconds)
       "drafter_timings": null | {"impl": str, "target_step_ms": float,
                                  "steps": [{"width": w, ...timing fields}],
                                  "configs": [{"config": [int], "nodes": int, "widths": [int],
+                                              "steps_ms_sum": sum of the step medians at widths,
                                               "draft": {...timing}, "predicted_verify_ms",
                                               "predicted_step_ms", "extrapolated": bool,
                                               "lambda_gamma"}],
@@ -395,10 +396,11 @@ def break_even_ratio(fit2: Fit, n2, fit1: Fit, n1: float):
 # Model identity
 # ----------------------------------------------------------------------------------------------
 def model_fingerprint(model) -> str:
-    """sha256 of the architecture: the config dict and every parameter's name and shape.
+    """A hash of the architecture: the config and every parameter's name and shape, not the values.
 
-    Weights and dtype are left out on purpose: runtime depends on neither values nor, for the
-    fingerprint's purpose, on the dtype, which profile.json records and checks separately.
+    Delegates to `ssmspec.models.loading.model_fingerprint` (which also hashes parameter dtypes)
+    so that every command names a model the same way; the local fallback hashes the config and
+    shapes only. Weights are left out on purpose: runtime does not depend on their values.
     """
     try:
         from .models.loading import model_fingerprint as shared  # the loader's, when it has one

@@ -51,6 +51,7 @@ else:
     from ssmspec.ops.tree_conv.naive import naive_tree_conv
     from ssmspec.ops.tree_scan import triton as TS
     from ssmspec.ops.tree_scan.naive import naive_tree_scan
+    from ssmspec.ops.gemv import triton as GV
     from ssmspec.trees import Tree
 
     @pytest.fixture
@@ -189,7 +190,7 @@ else:
 
         kernels = {"tree_scan": TS.tree_scan, "tree_conv": TC.tree_conv, "replay_ssm_state": SR.replay_ssm_state,
                    "replay_conv_state": SR.replay_conv_state, "mamba_step": SU.mamba_step, "rms_norm": SU.rms_norm,
-                   "gated_rms_norm": SU.gated_rms_norm, "time_step": SU.time_step}
+                   "gated_rms_norm": SU.gated_rms_norm, "time_step": SU.time_step, "linear": GV.linear}
         model = tiny_model()
         prompt = torch.randint(0, 64, (2, 5))
         tree = Tree.from_config((2, 2))
@@ -223,8 +224,22 @@ else:
         for group_size in (48, 16, 12):
             assert_close(SU.gated_rms_norm(y, z, w, group_size, 1e-5), naive_gated_rms_norm(y, z, w, group_size, 1e-5),
                          atol=1e-5, rtol=1e-5, name=f"group {group_size}")
+        # y in fp32 with z in bf16: rounded to bf16 first (the scan's output feeding the norm)
+        yb, zb, wb = torch.randn(2, 64), torch.randn(2, 64).bfloat16(), torch.randn(64).bfloat16()
+        assert_close(SU.gated_rms_norm(yb, zb, wb, 32, 1e-5), naive_gated_rms_norm(yb, zb, wb, 32, 1e-5), atol=0.1, rtol=0.02)
+        # groups longer than one chunk (1024): several programs per group
+        y, z, w = torch.randn(2, 5000), torch.randn(2, 5000), torch.randn(5000)
+        assert_close(SU.gated_rms_norm(y, z, w, 2500, 1e-5), naive_gated_rms_norm(y, z, w, 2500, 1e-5), atol=1e-5, rtol=1e-5)
 
     def test_time_step_matches_reference(nan_outputs):
         dt_raw = torch.randn(3, 5, 7) * 10  # both sides of softplus's linear threshold
         bias = torch.randn(7)
         assert_close(SU.time_step(dt_raw, bias, 0.01, 8.0), naive_time_step(dt_raw, bias, 0.01, 8.0), atol=1e-6, rtol=1e-6)
+
+    @pytest.mark.parametrize("n, k", [(37, 100), (300, 64)])
+    def test_gemv_matches_reference(n, k, nan_outputs):
+        from ssmspec.ops.gemv.naive import naive_linear
+
+        x, w, b = torch.randn(1, 1, k), torch.randn(n, k), torch.randn(n)
+        assert_close(GV.linear(x, w, b), naive_linear(x, w, b), atol=1e-4, rtol=1e-4)
+        assert_close(GV.linear(x[0], w, None, config=(4, 32, 1)), naive_linear(x[0], w), atol=1e-4, rtol=1e-4)

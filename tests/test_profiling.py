@@ -175,7 +175,7 @@ def test_break_even_table_uses_chain_at_reference_n():
 def test_break_even_refuses_non_positive_fitted_times():
     # A quadratic through noisy points can dip below zero; such ratios are reported as None.
     sizes = [2, 4, 8]
-    times = [1.0, 0.2, 9.0]
+    times = [2.0, -0.5, 9.0]  # the fitted quadratic is negative around N = 3..5
     fits = compute_fits(_timings(sizes, times), "hybrid")
     be = compute_break_even(fits, _timings(sizes, times), reference_n=5)
     by_n = {r["n"]: r["ratio"] for r in be["table"]["stree"]}
@@ -372,6 +372,29 @@ def test_cli_end_to_end_on_a_saved_tiny_model(tmp_path, saved_models):
     from ssmspec.models.loading import load_model
 
     assert check_profile_matches(prof, load_model(saved_models / "target").model, "fp32") == []
+
+
+def test_cli_profiles_a_new_model_tiny_hybrid(tmp_path):
+    # The pipeline of the issue: `ssmspec new-model` writes a model, `ssmspec profile` reads it.
+    from typer.testing import CliRunner
+
+    import ssmspec.cli.profile  # noqa: F401
+    from ssmspec.cli.app import _register, app
+
+    _register()
+    runner = CliRunner()
+    r = runner.invoke(app, ["new-model", "--preset", "tiny-hybrid", "--out", str(tmp_path / "hyb")])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    out = tmp_path / "p.json"
+    r = runner.invoke(app, ["profile", "--target", str(tmp_path / "hyb"), "--sizes", "1,2,3,4", "--methods", "stree,chain",
+                            "--repeats", "2", "--warmup", "0", "--prompt-len", "4", "--device", "cpu",
+                            "--out", str(out), "--plot", str(tmp_path / "plot.png")])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    prof = load_profile(out).data
+    assert prof["target"]["architecture"] == "hybrid" and prof["fits"]["chain"]["primary"] == "quadratic"
+    assert set(prof["timings"]) == {"stree", "chain"} and prof["drafter_timings"] is None
+    assert prof["fits"]["stree"]["sizes"] == [2, 3, 4]
+    assert (tmp_path / "plot.png").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("args, message", [

@@ -165,3 +165,26 @@ def test_distributed_ranks_split_a_global_batch(tmp_path):
     r1, _, e1 = b.batch(5, 2, rank=1, world=2)
     assert e0 == e1 == end == 9
     assert torch.equal(torch.stack([r0[0], r1[0], r0[1], r1[1]]), whole)
+
+
+def test_eval_prompts_from_jsonl_and_txt(tmp_path):
+    from ssmspec.training.data import read_prompts
+
+    tok = char_tokenizer()
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "ab"}, {"text": "cd"}, {"input_ids": [7, 8, 9]},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "SECRET"}]},
+        {"prompt": 5},
+    ]) + "\n")
+    bad = BadRecords("skip")
+    prompts = read_prompts(str(f), tok, 64, bad)
+    assert prompts[0] == tok("ab", add_special_tokens=False)["input_ids"]  # no <eos>: a prompt continues
+    assert prompts[1] == tok("cd", add_special_tokens=False)["input_ids"]
+    assert prompts[2] == [7, 8, 9]
+    chat = tok.decode(prompts[3])
+    assert chat.endswith("<|assistant|>\n") and "hi" in chat and "secret" not in chat
+    assert len(prompts) == 4 and bad.count == 1 and "prompts.jsonl:5" in bad.examples[0]
+    t = tmp_path / "p.txt"
+    t.write_text("first one\n\nsecond\n")
+    assert [tok.decode(p) for p in read_prompts(str(t), tok, 64, BadRecords())] == ["first one", "second"]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from helpers import assert_close, tiny_model
+from helpers import tiny_model
 from ssmspec.errors import DataError, InputError, TokenizerMismatchError
 from ssmspec.training.config import RunConfig
 from ssmspec.training.loop import RUN_FILE, TrainCallbacks, prepare_out_dir, train
@@ -99,6 +98,35 @@ def test_interrupt_then_resume_reproduces_the_uninterrupted_losses(tmp_path, tok
     want = {m["step"]: m["loss"] for m in full.history}
     got = {m["step"]: m["loss"] for m in resumed.history}
     assert sorted(got) == list(range(5, 11))
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), step
+
+
+class _CrashAt(TrainCallbacks):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step(self, m):
+        if m["step"] == self.step:
+            raise RuntimeError("simulated crash")  # like a kill: no checkpoint is written on the way out
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_crash_resumes_from_the_last_periodic_checkpoint(tmp_path, token_data):
+    target = bigram_target()
+    full = train(_config(tmp_path / "a", token_data, steps=8), target=target, student=tiny_model(seed=2, std=0.02))
+    cfg = _config(tmp_path / "b", token_data, steps=8)
+    cfg.checkpoint.save_every = 3
+    with pytest.raises(RuntimeError, match="simulated"):
+        train(cfg, _CrashAt(5), target=target, student=tiny_model(seed=2, std=0.02))
+    ckdir = tmp_path / "b" / "out" / "checkpoints"
+    assert sorted(p.name for p in ckdir.iterdir() if p.name.startswith("step-")) == ["step-00000003"]
+    (ckdir / ".tmp-step-00000005").mkdir()  # a checkpoint cut off mid-write is never picked up
+    cfg.resume = True
+    resumed = train(cfg, target=target, student=tiny_model(seed=2, std=0.02))
+    want = {m["step"]: m["loss"] for m in full.history}
+    got = {m["step"]: m["loss"] for m in resumed.history}
+    assert sorted(got) == list(range(4, 9))
     for step in got:
         assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), step
 
@@ -212,13 +240,15 @@ def test_accelerate_launch_two_gpus_trains_with_near_double_throughput(tmp_path)
     """Not run on CPU machines: needs 2 GPUs (device kind nvidia-h200-x2) and `accelerate launch`."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
+    from pathlib import Path
+
     from ssmspec.models.loading import save_model
     from ssmspec.models.presets import build_model
 
     target = build_model("tiny", vocab_size=256, seed=1, std=0.3)
     save_model(target, tmp_path / "target")
     data = sample_token_data(target, tmp_path / "data.jsonl", rows=256, length=513)
-    exe = shutil.which("ssmspec")
+    exe = str(Path(sys.executable).parent / "ssmspec")
     tps = {}
     for n in (1, 2):
         out = tmp_path / f"out{n}"
@@ -231,3 +261,27 @@ def test_accelerate_launch_two_gpus_trains_with_near_double_throughput(tmp_path)
         tps[n] = steps[-1]["tokens_per_s"]
         assert steps[-1]["loss"] < steps[0]["loss"]
     assert tps[2] > 1.6 * tps[1], tps
+
+
+@pytest.mark.slow
+def test_two_cpu_processes_reproduce_the_single_process_run(tmp_path, token_data):
+    """DDP over 2 CPU processes (torchrun, gloo), batch 2 each, trains exactly the 1-process batch-4 run."""
+    from pathlib import Path
+
+    from ssmspec.models.loading import save_model
+
+    save_model(bigram_target(), tmp_path / "target")
+    exe = str(Path(sys.executable).parent / "ssmspec")
+    common = ["distill", "--target", str(tmp_path / "target"), "--student-preset", "tiny", "--data", str(token_data),
+              "--steps", "6", "--seq-len", "32", "--eval-every", "0", "--log-every", "1", "--eval-num-prompts", "1",
+              "--eval-max-new-tokens", "4", "--precision", "fp32"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([exe, *common, "--batch-size", "4", "--out", str(tmp_path / "one")], check=True, env=env)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", exe, *common,
+                    "--batch-size", "2", "--out", str(tmp_path / "two")], check=True, env=env)
+    losses = {}
+    for name in ("one", "two"):
+        log = [json.loads(line) for line in open(tmp_path / name / "log.jsonl")]
+        losses[name] = [e["loss"] for e in log if e["event"] == "step"]
+        assert [e["world_size"] for e in log if e["event"] == "start"] == [1 if name == "one" else 2]
+    assert losses["one"] == pytest.approx(losses["two"], rel=1e-5)

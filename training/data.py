@@ -9,11 +9,9 @@ falls below `held_out_fraction` (spread evenly over the data, decided without kn
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import logging
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator

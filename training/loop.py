@@ -31,7 +31,7 @@ import torch.nn as nn
 from ssmspec.errors import InputError, ModelLoadError, TokenizerMismatchError
 
 from .config import RunConfig
-from .data import BadRecords, Blocks, Tokenize
+from .data import BadRecords, Blocks, Tokenize, resolve_files
 from .evaluation import evaluate
 from .losses import cross_entropy, distill_loss
 
@@ -261,11 +261,11 @@ def make_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
 
 
 # -- output directory and checkpoints ----------------------------------------------------------------------
-def prepare_out_dir(cfg: RunConfig) -> Path | None:
+def prepare_out_dir(cfg: RunConfig, clean: bool = True) -> Path | None:
     """Check the output directory; returns the checkpoint to resume from, or None for a fresh run.
 
     A directory holding another run (or anything else) is refused unless --resume (same run
-    settings) or --overwrite (our files are removed, others left alone).
+    settings) or --overwrite (our files are removed, others left alone; only when `clean`).
     """
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
@@ -274,6 +274,8 @@ def prepare_out_dir(cfg: RunConfig) -> Path | None:
     run_file = out / RUN_FILE
     holds_run = run_file.exists() or (out / CHECKPOINT_DIR).exists()
     if entries and cfg.overwrite:
+        if not clean:
+            return None
         for name in (CHECKPOINT_DIR, LOG_FILE, RUN_FILE):
             p = out / name
             if p.is_dir():
@@ -428,18 +430,18 @@ def train(cfg: RunConfig, callbacks: TrainCallbacks | None = None, *, target: nn
     """
     from accelerate import Accelerator
 
-    cb = callbacks or TrainCallbacks()
     cfg.validate()
     out = Path(cfg.out)
     precision = _resolve_precision(cfg.optim.precision)
     accelerator = Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
     device = accelerator.device
     main = accelerator.is_main_process
-    # Only the main process looks at (and may clean) the output directory.
-    resume_from = prepare_out_dir(cfg) if main else None
+    # Progress is reported once, by the main process.
+    cb = (callbacks or TrainCallbacks()) if main else TrainCallbacks()
+    resolve_files(cfg.data.spec)  # a missing data path fails now, before any model is loaded
+    # Every process reaches the same decision (and the same refusal); only the main one cleans.
+    resume_from = prepare_out_dir(cfg, clean=main)
     accelerator.wait_for_everyone()
-    if not main and cfg.resume:
-        resume_from = latest_checkpoint(out)
     torch.manual_seed(cfg.optim.seed)
 
     # Models. The target is frozen; under bf16 it is also stored in bf16 (it only runs forward).
@@ -518,7 +520,9 @@ def train(cfg: RunConfig, callbacks: TrainCallbacks | None = None, *, target: nn
             if not main:
                 return
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                metrics = evaluate(raw_student, target, blocks.held_out, prompts, cfg, device, mode=cfg.mode)
+                # LoRA adapters are merged first: fused decode kernels read in_proj.weight directly
+                # and would otherwise draft with the base weights alone.
+                metrics = evaluate(merged_copy(raw_student), target, blocks.held_out, prompts, cfg, device, mode=cfg.mode)
             metrics = {"step": at_step, **metrics}
             result.evals.append(metrics)
             logger.write({"event": "eval", **metrics})

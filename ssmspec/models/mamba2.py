@@ -96,6 +96,10 @@ class Mamba2Mixer(nn.Module):
         return x, B, C
 
     def _output(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() and dispatch.uses_kernel("gated_rms_norm", y.device):
+            # one launch: the kernel rounds y to z's dtype itself, as the line below does
+            normed = dispatch.gated_rms_norm(y.flatten(-2), z, self.norm.weight, self.norm.group_size, self.norm.eps)
+            return self.out_proj(normed)
         y = y.flatten(-2).to(z.dtype)  # (..., H*P)
         return self.out_proj(self.norm(y, z))
 
@@ -128,16 +132,9 @@ class Mamba2Mixer(nn.Module):
     # -- one token ---------------------------------------------------------------------------
     def step(self, h: torch.Tensor, cache: MambaLayerCache) -> torch.Tensor:
         """Args: h (B, 1, D); cache updated in place. Returns (B, 1, D)."""
-        z, xBC, dt_raw = self._split_projection(h)
         if dispatch.uses_kernel("mamba_step", h.device):
-            # Fused path: conv + state update + gated norm in two launches (ops/step_update).
-            c = self.cfg
-            out = dispatch.mamba_step(
-                xBC[:, 0], dt_raw[:, 0], z[:, 0], cache.conv_state, cache.ssm_state, self.conv_weight,
-                self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight, c.n_groups,
-                c.d_inner // self.norm.group_size, c.dt_min, c.dt_max, self.norm.eps,
-            )
-            return self.out_proj(out[:, None])
+            return self._fused_step(h, cache)
+        z, xBC, dt_raw = self._split_projection(h)
         window = torch.cat([cache.conv_state.to(xBC.dtype), xBC.transpose(1, 2)], dim=-1)  # (B, C, K)
         cache.conv_state.copy_(window[:, :, 1:])
         conv = (window.float() * self.conv_weight.float()).sum(-1)
@@ -153,6 +150,19 @@ class Mamba2Mixer(nn.Module):
         cache.ssm_state.copy_(state)
         y = torch.einsum("bhps,bhs->bhp", state, Ch) + x.float() * self.D.float()[:, None]
         return self._output(y[:, None], z)
+
+    def _fused_step(self, h: torch.Tensor, cache: MambaLayerCache) -> torch.Tensor:
+        """`step` on the kernels: GEMV in_proj, conv + state update + gated norm in two launches
+        (ops/step_update), GEMV out_proj. Same math as `step`; h (B, 1, D) -> (B, 1, D)."""
+        c = self.cfg
+        zxbcdt = dispatch.linear(h, self.in_proj.weight, self.in_proj.bias)
+        z, xBC, dt_raw = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
+        out = dispatch.mamba_step(
+            xBC[:, 0], dt_raw[:, 0], z[:, 0], cache.conv_state, cache.ssm_state, self.conv_weight,
+            self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight, c.n_groups,
+            c.d_inner // self.norm.group_size, c.dt_min, c.dt_max, self.norm.eps,
+        )
+        return dispatch.linear(out[:, None], self.out_proj.weight, self.out_proj.bias)
 
     # -- packed tree -------------------------------------------------------------------------
     def verify(self, h: torch.Tensor, cache: MambaLayerCache, parents: torch.Tensor):

@@ -11,6 +11,7 @@ import importlib
 import torch
 
 from .chunk_scan.naive import naive_chunk_scan
+from .gemv.naive import naive_linear
 from .state_replay.naive import naive_replay_conv_state, naive_replay_ssm_state
 from .step_update.naive import naive_gated_rms_norm, naive_mamba_step, naive_rms_norm, naive_time_step
 from .tree_conv.naive import naive_tree_conv
@@ -29,6 +30,7 @@ _REFERENCE = {
     "rms_norm": naive_rms_norm,
     "gated_rms_norm": naive_gated_rms_norm,
     "time_step": naive_time_step,
+    "linear": naive_linear,
 }
 # op name -> (module, function) of its Triton kernel, filled in as kernels land.
 _TRITON = {
@@ -40,6 +42,7 @@ _TRITON = {
     "rms_norm": ("ssmspec.ops.step_update.triton", "rms_norm"),
     "gated_rms_norm": ("ssmspec.ops.step_update.triton", "gated_rms_norm"),
     "time_step": ("ssmspec.ops.step_update.triton", "time_step"),
+    "linear": ("ssmspec.ops.gemv.triton", "linear"),
 }
 
 
@@ -127,3 +130,7 @@ def gated_rms_norm(y, z, weight, group_size, eps):
 
 def time_step(dt_raw, dt_bias, dt_min, dt_max):
     return resolve("time_step", dt_raw.device)(dt_raw, dt_bias, dt_min, dt_max)
+
+
+def linear(x, weight, bias=None):
+    return resolve("linear", x.device)(x, weight, bias)

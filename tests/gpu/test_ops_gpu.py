@@ -44,7 +44,7 @@ def test_tree_scan_gpu(tree_name, groups):
     parents = tree.parents_tensor(DEV)
     want = naive_tree_scan(x, dt, A, B, C, D, parents, h0)
     _poison(want.numel() * 4)
-    assert_close(tree_scan(x, dt, A, B, C, D, parents, h0), want, atol=1e-4, rtol=1e-4, name="ieee")
+    assert_close(tree_scan(x, dt, A, B, C, D, parents, h0, precision="ieee"), want, atol=1e-4, rtol=1e-4, name="ieee")
     _poison(want.numel() * 4)
     got = tree_scan(x, dt, A, B, C, D, parents, h0, precision="tf32")
     assert torch.isfinite(got).all() and _rel(got, want) < 3e-3

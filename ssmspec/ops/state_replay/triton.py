@@ -79,7 +79,7 @@ def replay_ssm_state(
     steps = path.shape[1]
     if steps == 0 or ssm_state.numel() == 0:
         return
-    block_p = min(64, triton.next_power_of_2(head_dim))
+    block_p = min(32, triton.next_power_of_2(head_dim))
     block_s = min(64, triton.next_power_of_2(d_state))
     grid = (batch * heads, triton.cdiv(head_dim, block_p), triton.cdiv(d_state, block_s))
     _replay_ssm_kernel[grid](

@@ -76,11 +76,15 @@ def naive_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 def naive_gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
-    """RMSNorm of y * silu(z) over groups of channels, as `ssmspec.models.mamba2.GatedRMSNorm`.
+    """RMSNorm of y * silu(z) over groups of channels, as `ssmspec.models.mamba2.GatedRMSNorm`
+    applied to y rounded to z's dtype (as `Mamba2Mixer._output` does before the norm).
 
     Args:
-        y, z: (..., H*P); weight: (H*P,). Returns (..., H*P) in the dtype of weight * y.
+        y: (..., H*P) any float dtype (the scan's fp32 output); z: (..., H*P); weight: (H*P,).
+    Returns:
+        (..., H*P) in the dtype of weight * z.
     """
+    y = y.to(z.dtype)
     dtype = y.dtype
     h = y.float() * F.silu(z.float())
     h = h.unflatten(-1, (-1, group_size))  # (..., groups, group_size)

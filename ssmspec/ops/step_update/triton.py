@@ -74,6 +74,11 @@ def _step_ssm_kernel(
     cB = d_inner + grp * S + offs_s
     cC = d_inner + G * S + grp * S + offs_s
 
+    # The (P_blk, S) state is the big read: issue it first so its latency hides behind the conv.
+    h_ptrs = h_ptr + b * shb + h * shh + offs_p[:, None] * shp + offs_s[None, :] * shs
+    mask_ps = mask_p[:, None] & mask_s[None, :]
+    state = tl.load(h_ptrs, mask=mask_ps, other=0.0)
+
     state_row = cs_ptr + b * scb
     in_dtype = xbc_ptr.dtype.element_ty
     new_x = tl.load(xbc_ptr + b * sxb + cx * sxc, mask=mask_p, other=0.0)
@@ -85,7 +90,6 @@ def _step_ssm_kernel(
     # readers are done.
     acc_B = _conv_window(state_row, cw_ptr, cB, mask_s, new_B, scc, sck, swc, swk, K, BLOCK_K)
     acc_C = _conv_window(state_row, cw_ptr, cC, mask_s, new_C, scc, sck, swc, swk, K, BLOCK_K)
-    _shift_in(state_row, cx, mask_p, new_x, scc, sck, K, BLOCK_K)  # this program owns these x channels
     if HAS_BIAS:
         acc_x += tl.load(cb_ptr + cx, mask=mask_p, other=0.0).to(tl.float32)
         acc_B += tl.load(cb_ptr + cB, mask=mask_s, other=0.0).to(tl.float32)
@@ -98,17 +102,16 @@ def _step_ssm_kernel(
     dt = _softplus(tl.load(dtr_ptr + b * sdb + h * sdh).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32))
     dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
     decay = tl.exp(-dt * tl.exp(tl.load(Alog_ptr + h).to(tl.float32)))  # A = -exp(A_log)
-    h_ptrs = h_ptr + b * shb + h * shh + offs_p[:, None] * shp + offs_s[None, :] * shs
-    mask_ps = mask_p[:, None] & mask_s[None, :]
-    state = tl.load(h_ptrs, mask=mask_ps, other=0.0)
     state = state * decay + (dt * x)[:, None] * Bv[None, :]
-    tl.debug_barrier()  # replicated elements: every copy is read before any is written
-    tl.store(h_ptrs, state, mask=mask_ps)
     y = tl.sum(state * Cv[None, :], axis=1) + x * tl.load(D_ptr + h).to(tl.float32)
     zv = tl.load(z_ptr + b * szb + cx * szc, mask=mask_p, other=0.0).to(tl.float32)
     out_dtype = z_ptr.dtype.element_ty
     gated = y.to(out_dtype).to(tl.float32) * (zv * tl.sigmoid(zv))
     tl.store(g_ptr + b * sgb + cx, gated, mask=mask_p)
+    # In-place writes last; the barrier in _shift_in also orders every replicated copy of the
+    # state tile's loads before these stores.
+    _shift_in(state_row, cx, mask_p, new_x, scc, sck, K, BLOCK_K)  # this program owns these x channels
+    tl.store(h_ptrs, state, mask=mask_ps)
 
 
 @triton.jit
@@ -116,37 +119,41 @@ def _gated_norm_kernel(
     g_ptr, w_ptr, out_ptr, xbc_ptr, cs_ptr,
     group_size, d_inner, S, G, eps,
     sgb, sob, sxb, sxc, scb, scc, sck,
-    K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+    K: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    # grid (B, norm groups, chunks): every program reduces its whole group (L2-resident, one
+    # wide load) and normalises only its own chunk, so the launch is one short pass instead of
+    # one long serial program per group.
     b = tl.program_id(0)
     ng = tl.program_id(1)
+    chunk = tl.program_id(2)
     base = ng * group_size
-    sq = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, group_size, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+    sq = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for start in range(0, group_size, BLOCK_R):
+        offs = start + tl.arange(0, BLOCK_R)
         v = tl.load(g_ptr + b * sgb + base + offs, mask=offs < group_size, other=0.0)
         sq += v * v
     r = tl.rsqrt(tl.sum(sq, axis=0) / group_size + eps)
     out_dtype = out_ptr.dtype.element_ty
-    for start in range(0, group_size, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        m = offs < group_size
-        v = tl.load(g_ptr + b * sgb + base + offs, mask=m, other=0.0)
-        w = tl.load(w_ptr + base + offs, mask=m, other=0.0)
-        out = (w.to(tl.float32) * (v * r).to(out_dtype).to(tl.float32)).to(out_dtype)
-        tl.store(out_ptr + b * sob + base + offs, out, mask=m)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    m = offs < group_size
+    v = tl.load(g_ptr + b * sgb + base + offs, mask=m, other=0.0)
+    w = tl.load(w_ptr + base + offs, mask=m, other=0.0)
+    out = (w.to(tl.float32) * (v * r).to(out_dtype).to(tl.float32)).to(out_dtype)
+    tl.store(out_ptr + b * sob + base + offs, out, mask=m)
 
-    # The deferred conv-state shift of the B and C channels (see the module docstring). Norm
-    # group ng shifts B/C groups ng, ng + NG, ... so that every B/C group is shifted exactly once.
-    NG = tl.num_programs(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < S
-    state_row = cs_ptr + b * scb
-    for grp in range(ng, G, NG):
-        for which in tl.static_range(2):
-            ch = d_inner + which * G * S + grp * S + offs_s
-            new = tl.load(xbc_ptr + b * sxb + ch * sxc, mask=mask_s, other=0.0)
-            _shift_in(state_row, ch, mask_s, new, scc, sck, K, BLOCK_K)
+    # The deferred conv-state shift of the B and C channels (see the module docstring), done by
+    # the chunk-0 programs: norm group ng shifts B/C groups ng, ng + NG, ... exactly once each.
+    if chunk == 0:
+        NG = tl.num_programs(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        mask_s = offs_s < S
+        state_row = cs_ptr + b * scb
+        for grp in range(ng, G, NG):
+            for which in tl.static_range(2):
+                ch = d_inner + which * G * S + grp * S + offs_s
+                new = tl.load(xbc_ptr + b * sxb + ch * sxc, mask=mask_s, other=0.0)
+                _shift_in(state_row, ch, mask_s, new, scc, sck, K, BLOCK_K)
 
 
 def mamba_step(
@@ -205,11 +212,12 @@ def mamba_step(
         num_warps=4,
     )
     group_size = d_inner // norm_groups
-    _gated_norm_kernel[(batch, norm_groups)](
+    chunk = min(1024, triton.next_power_of_2(group_size))
+    _gated_norm_kernel[(batch, norm_groups, triton.cdiv(group_size, chunk))](
         gated, norm_weight, out, xBC, conv_state,
         group_size, d_inner, d_state, n_groups, float(eps),
         gated.stride(0), out.stride(0), *xBC.stride(), *conv_state.stride(),
-        K=kernel_size, BLOCK=min(2048, triton.next_power_of_2(group_size)),
+        K=kernel_size, BLOCK_R=min(8192, triton.next_power_of_2(group_size)), CHUNK=chunk,
         BLOCK_S=max(16, triton.next_power_of_2(d_state)), BLOCK_K=block_k, num_warps=8,
     )
     return out
@@ -249,33 +257,34 @@ def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @triton.jit
 def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, D, group_size, eps, syr, szr, sor,
-                           BLOCK: tl.constexpr):
+                           BLOCK_R: tl.constexpr, CHUNK: tl.constexpr):
+    # grid (rows, groups, chunks): each program reduces the whole group, writes its chunk.
     row = tl.program_id(0)
     base = tl.program_id(1) * group_size
-    in_dtype = y_ptr.dtype.element_ty
-    sq = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, group_size, BLOCK):
-        offs = base + start + tl.arange(0, BLOCK)
-        m = offs < base + group_size
-        y = tl.load(y_ptr + row * syr + offs, mask=m, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + row * szr + offs, mask=m, other=0.0).to(tl.float32)
+    in_dtype = z_ptr.dtype.element_ty  # y is rounded to z's dtype first, as the reference does
+    sq = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for start in range(0, group_size, BLOCK_R):
+        offs = start + tl.arange(0, BLOCK_R)
+        m = offs < group_size
+        y = tl.load(y_ptr + row * syr + base + offs, mask=m, other=0.0).to(in_dtype).to(tl.float32)
+        z = tl.load(z_ptr + row * szr + base + offs, mask=m, other=0.0).to(tl.float32)
         g = y * z * tl.sigmoid(z)
         sq += g * g
     r = tl.rsqrt(tl.sum(sq, axis=0) / group_size + eps)
-    for start in range(0, group_size, BLOCK):
-        offs = base + start + tl.arange(0, BLOCK)
-        m = offs < base + group_size
-        y = tl.load(y_ptr + row * syr + offs, mask=m, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + row * szr + offs, mask=m, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        normed = (y * z * tl.sigmoid(z) * r).to(in_dtype).to(tl.float32)  # the reference rounds here
-        tl.store(out_ptr + row * sor + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=m)
+    offs = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)
+    m = offs < group_size
+    y = tl.load(y_ptr + row * syr + base + offs, mask=m, other=0.0).to(in_dtype).to(tl.float32)
+    z = tl.load(z_ptr + row * szr + base + offs, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + base + offs, mask=m, other=0.0).to(tl.float32)
+    normed = (y * z * tl.sigmoid(z) * r).to(in_dtype).to(tl.float32)  # the reference rounds here
+    tl.store(out_ptr + row * sor + base + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=m)
 
 
 def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
     """RMSNorm of y * silu(z) over groups of channels in one launch (inference only).
 
-    Same contract as `naive_gated_rms_norm`: y, z (..., H*P); weight (H*P,).
+    Same contract as `naive_gated_rms_norm`: y (..., H*P) any float dtype, rounded to z's dtype
+    first; z (..., H*P); weight (H*P,).
     """
     dim = y.shape[-1]
     if dim % group_size or tuple(z.shape) != tuple(y.shape):
@@ -286,11 +295,12 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
         y2 = y2.contiguous()
     if z2.stride(-1) != 1:
         z2 = z2.contiguous()
-    out = torch.empty(y2.shape, device=y.device, dtype=torch.result_type(weight, y))
+    out = torch.empty(y2.shape, device=y.device, dtype=torch.result_type(weight, z))
     if y2.shape[0]:
-        _gated_rms_norm_kernel[(y2.shape[0], dim // group_size)](
+        chunk = min(1024, triton.next_power_of_2(group_size))
+        _gated_rms_norm_kernel[(y2.shape[0], dim // group_size, triton.cdiv(group_size, chunk))](
             y2, z2, weight, out, dim, group_size, float(eps), y2.stride(0), z2.stride(0), out.stride(0),
-            BLOCK=min(2048, triton.next_power_of_2(group_size)), num_warps=8,
+            BLOCK_R=min(8192, triton.next_power_of_2(group_size)), CHUNK=chunk, num_warps=8,
         )
     return out.reshape(y.shape)
 

@@ -92,14 +92,16 @@ def tree_conv(
     out = torch.empty_like(xBC, memory_format=torch.contiguous_format)
     if out.numel() == 0:
         return out
-    block_n = min(16, triton.next_power_of_2(n))
-    block_c = 256
+    # Small tiles, many programs: a 16-node tree at C = 5376 is only ~86k outputs, so big tiles
+    # would leave most SMs idle (measured: 16 x 256 tiles, 21 programs, 10 us; see BENCHMARKS.md).
+    block_n = 2
+    block_c = 128
     grid = (batch, triton.cdiv(n, block_n), triton.cdiv(channels, block_c))
     _tree_conv_kernel[grid](
         xBC, conv_state, weight, bias if bias is not None else weight, parents, out,
         n, channels,
         *xBC.stride(), *conv_state.stride(), *weight.stride(), *out.stride(),
         K=kernel_size, HAS_BIAS=bias is not None, SILU=activation == "silu",
-        BLOCK_N=block_n, BLOCK_C=block_c, num_warps=4,
+        BLOCK_N=block_n, BLOCK_C=block_c, num_warps=1,
     )
     return out

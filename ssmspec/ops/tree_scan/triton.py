@@ -148,7 +148,8 @@ def tree_scan(
     if y.numel() == 0:
         return y
     block_n = max(16, triton.next_power_of_2(n))
-    block_p = min(64, max(16, triton.next_power_of_2(head_dim)))
+    # P split in blocks of 32: more programs at batch 1 (C.B is recomputed per block, cheap)
+    block_p = min(32, max(16, triton.next_power_of_2(head_dim)))
     block_s = min(64, max(16, triton.next_power_of_2(d_state)))
     grid = (batch * heads, triton.cdiv(head_dim, block_p))
     D_arg = D if D is not None else A  # never read when HAS_D is False

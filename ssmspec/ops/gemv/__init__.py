@@ -1,0 +1,4 @@
+"""y = x W^T (+ b) for one row: the batch-1 decode projections, which only stream weights."""
+from .naive import naive_linear
+
+__all__ = ["naive_linear"]
