@@ -235,6 +235,10 @@ else:
         dt_raw = torch.randn(3, 5, 7) * 10  # both sides of softplus's linear threshold
         bias = torch.randn(7)
         assert_close(SU.time_step(dt_raw, bias, 0.01, 8.0), naive_time_step(dt_raw, bias, 0.01, 8.0), atol=1e-6, rtol=1e-6)
+        # a column slice of a projection (strided rows), as the model passes it
+        proj = torch.randn(2, 6, 20) * 5
+        assert_close(SU.time_step(proj[..., 13:], bias, 0.0, float("inf")), naive_time_step(proj[..., 13:], bias, 0.0, float("inf")),
+                     atol=1e-6, rtol=1e-6)
 
     @pytest.mark.parametrize("n, k", [(37, 100), (300, 64)])
     def test_gemv_matches_reference(n, k, nan_outputs):

@@ -306,19 +306,31 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
 
 
 @triton.jit
-def _time_step_kernel(dt_ptr, bias_ptr, out_ptr, n, H, dt_min, dt_max, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    v = tl.load(dt_ptr + offs, mask=m, other=0.0).to(tl.float32) + tl.load(bias_ptr + offs % H, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, tl.minimum(tl.maximum(_softplus(v), dt_min), dt_max), mask=m)
+def _time_step_kernel(dt_ptr, bias_ptr, out_ptr, rows, H, sdr, dt_min, dt_max, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_h = tl.arange(0, BLOCK_H)
+    m = (offs_r < rows)[:, None] & (offs_h < H)[None, :]
+    v = tl.load(dt_ptr + offs_r[:, None] * sdr + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
+    v += tl.load(bias_ptr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_r[:, None] * H + offs_h[None, :], tl.minimum(tl.maximum(_softplus(v), dt_min), dt_max), mask=m)
 
 
 def time_step(dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, dt_max: float) -> torch.Tensor:
-    """softplus(dt_raw + dt_bias) clamped, fp32, in one launch. dt_raw (..., H) -> (..., H)."""
+    """softplus(dt_raw + dt_bias) clamped, fp32, in one launch. dt_raw (..., H) -> (..., H).
+
+    dt_raw may be a column slice of the in_proj output (rows strided): it is read in place
+    rather than copied (a copy was a launch per layer of its own)."""
     heads = dt_raw.shape[-1]
-    flat = dt_raw.contiguous()
+    rows2d = dt_raw.reshape(-1, heads)
+    if rows2d.stride(-1) != 1:
+        rows2d = rows2d.contiguous()
     out = torch.empty(dt_raw.shape, device=dt_raw.device, dtype=torch.float32)
-    n = flat.numel()
-    if n:
-        _time_step_kernel[(triton.cdiv(n, 1024),)](flat, dt_bias, out, n, heads, float(dt_min), float(dt_max), BLOCK=1024)
+    rows = rows2d.shape[0]
+    if rows:
+        block_h = triton.next_power_of_2(heads)
+        block_r = max(1, 1024 // block_h)
+        _time_step_kernel[(triton.cdiv(rows, block_r),)](
+            rows2d, dt_bias, out, rows, heads, rows2d.stride(0), float(dt_min), float(dt_max),
+            BLOCK_R=block_r, BLOCK_H=block_h,
+        )
     return out

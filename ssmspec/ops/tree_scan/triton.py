@@ -148,8 +148,10 @@ def tree_scan(
     if y.numel() == 0:
         return y
     block_n = max(16, triton.next_power_of_2(n))
-    # P split in blocks of 32: more programs at batch 1 (C.B is recomputed per block, cheap)
-    block_p = min(32, max(16, triton.next_power_of_2(head_dim)))
+    # One block of up to 64 channels: splitting P into 32s (more programs) measured slower,
+    # 4.4/6.7/13.5 us against 4.0/4.6/9.3 us for 15/31/63 nodes (BENCHMARKS.md): the cost is
+    # the parent walk and the C.B product, which every P block repeats.
+    block_p = min(64, max(16, triton.next_power_of_2(head_dim)))
     block_s = min(64, max(16, triton.next_power_of_2(d_state)))
     grid = (batch * heads, triton.cdiv(head_dim, block_p))
     D_arg = D if D is not None else A  # never read when HAS_D is False
