@@ -175,3 +175,33 @@ def test_sampling_is_reproducible_with_a_seed(sampling_pair):
     a = generate(target, prompt, drafter=ModelDrafter(drafter), config=cfg).token_ids
     b = generate(target, prompt, drafter=ModelDrafter(drafter), config=cfg).token_ids
     assert a == b
+
+
+@pytest.mark.parametrize("drafter_layers", [("mamba",), ("mamba", "attention")])
+def test_drafter_state_follows_the_produced_text(drafter_layers):
+    # The drafter keeps the state of the deepest accepted node instead of re-reading the text;
+    # at every draft its prediction for the root must equal a fresh run over all text so far.
+    import copy
+
+    target = tiny_model(drafter_layers, seed=1)
+    drafter_model = copy.deepcopy(target)  # a perturbed copy: agrees with the target only sometimes
+    with torch.no_grad():
+        drafter_model.lm_head.weight.add_(torch.randn_like(drafter_model.lm_head.weight) * 0.25)
+    ids = prompts(1, 10, 64)[1]
+    emitted: list[int] = []
+    drafter = ModelDrafter(drafter_model)
+    real_feed = drafter._feed
+    checks = []
+
+    def checked_feed(tokens):
+        logits = real_feed(tokens)
+        expected = drafter_model(torch.tensor([ids + emitted]))[:, -1]
+        checks.append(float((logits - expected).abs().max()))
+        return logits
+
+    drafter._feed = checked_feed
+    out = generate(target, ids, drafter=drafter, on_tokens=emitted.extend,
+                   config=GenerationConfig(method="stree", tree=Tree.from_config((2, 2, 1)), max_new_tokens=40))
+    # Partial acceptance at several depths, so every branch of the state reuse is exercised.
+    assert len(set(out.accepted_per_call)) >= 3, out.accepted_per_call
+    assert len(checks) == out.stats["target_calls"] and max(checks) < 1e-4, checks

@@ -63,8 +63,10 @@ def _levels(shape: Tree, device) -> list[_Level]:
 class ModelDrafter:
     """Drafts with a model that shares the target's tokenizer.
 
-    Its cache holds every produced token except those still `pending` (accepted by the last
-    verification but not yet fed to the drafter); each `draft` feeds them first.
+    The drafter's state follows the produced text without recomputation: drafting already ran
+    the drafter on every non-leaf node of the tree, one batch row per node, so after
+    verification `commit` keeps the row of the deepest accepted node it has processed. At most
+    two tokens (a fully accepted leaf, then the bonus token) are fed before the next draft.
     """
 
     def __init__(self, model: LanguageModel, sample_children: bool = True):
@@ -76,6 +78,7 @@ class ModelDrafter:
         self.pending: list[int] = []
         self.steps = 0
         self._plans: dict = {}
+        self._last = None  # (per-depth caches, node -> row) of the last draft
 
     @property
     def vocab_size(self) -> int:
@@ -87,10 +90,34 @@ class ModelDrafter:
         self.cache = self.model.new_cache(1, max_len)
         self.model(prompt_ids.to(self.model.device), self.cache, last_only=True)
         self.pending = []
+        self._last = None
 
-    def commit(self, accepted: list[int]) -> None:
-        """Tokens the target accepted after the root (the root itself was fed while drafting)."""
-        self.pending.extend(accepted)
+    def commit(self, accepted: list[int], path: list[int] | None = None) -> None:
+        """The target accepted `accepted` (tokens of `path[1:]`, path = tree nodes from the root).
+
+        With the path, the state of the deepest accepted node the drafter ran on is kept and
+        only the rest is left to feed; without it, all accepted tokens are fed again.
+        """
+        if path is None or self._last is None:
+            self.pending.extend(accepted)
+            return
+        depth_caches, row_of = self._last
+        self._last = None
+        processed = min(len(path) - 1, len(depth_caches) - 1)  # deepest accepted depth that was run
+        if processed > 0:
+            node = path[processed]
+            self.cache = depth_caches[processed].select(torch.tensor([row_of[node]], device=self.model.device))
+        self.pending.extend(accepted[processed:])
+
+    def _feed(self, tokens: list[int]) -> torch.Tensor:
+        """Advance the committed state over `tokens`; returns the last token's logits (1, V)."""
+        device = self.model.device
+        self.steps += 1
+        if len(tokens) <= 2:  # the usual case: single-token steps (fused kernels, graph-friendly)
+            for tok in tokens:
+                logits = self.model.step(torch.tensor([[tok]], device=device), self.cache)
+            return logits[:, -1]
+        return self.model(torch.tensor([tokens], device=device), self.cache, last_only=True)[:, -1]
 
     @torch.no_grad()
     def draft(self, root: int, shape: Tree, params: SamplingParams, generator) -> Draft:
@@ -99,19 +126,22 @@ class ModelDrafter:
         Step d runs one batch row per node of depth d, each on a copy of its parent's state.
         """
         device = self.model.device
-        feed = torch.tensor([self.pending + [root]], device=device)
+        logits = self._feed(self.pending + [root])  # (1, V): the root's row
         self.pending = []
-        logits = self.model(feed, self.cache, last_only=True)[:, -1]  # (1, V): the root's row
-        self.steps += 1
         key = (shape.parents, str(device))
         if key not in self._plans:
-            self._plans[key] = _levels(shape, device)
+            levels = _levels(shape, device)
+            row_of = {0: 0}
+            for level in levels:
+                row_of.update({int(n): r for r, n in enumerate(level.nodes.tolist())})
+            self._plans[key] = (levels, row_of)
+        levels, row_of = self._plans[key]
         tokens = torch.empty(shape.num_nodes, dtype=torch.long, device=device)
         tokens[0] = root
         deterministic = params.greedy or not self.sample_children
         q = None if deterministic else torch.zeros(shape.num_nodes, self.vocab_size, device=device)
         cache = self.cache
-        levels = self._plans[key]
+        depth_caches = [cache]  # depth_caches[d]: state after the nodes of depth d, one row each
         for d, level in enumerate(levels):
             if deterministic:
                 scores = logits if params.greedy else probabilities(logits, params)
@@ -127,7 +157,9 @@ class ModelDrafter:
             # Branch the drafter's state: one row per node, copied from its parent's row.
             cache = cache.select(level.parent_rows)
             logits = self.model.step(chosen[:, None], cache)[:, -1]
+            depth_caches.append(cache)
             self.steps += 1
+        self._last = (depth_caches, row_of)
         return Draft(shape, tokens, q)
 
 
@@ -150,7 +182,7 @@ class NgramDrafter:
     def begin(self, prompt_ids: torch.Tensor, max_len: int) -> None:
         self.history = [int(t) for t in prompt_ids[0].tolist()]
 
-    def commit(self, accepted: list[int]) -> None:
+    def commit(self, accepted: list[int], path: list[int] | None = None) -> None:
         self.history.extend(accepted)
 
     def draft(self, root: int, shape: Tree, params: SamplingParams, generator) -> Draft:

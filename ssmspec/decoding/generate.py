@@ -185,7 +185,7 @@ def generate(
             path, bonus = accept_path(draft, logits[0], cfg, generator)
             replay_state(target, cache, acts, path)
             accepted = draft.tokens[path[1:]].tolist()
-            drafter.commit(accepted)
+            drafter.commit(accepted, path)
             out.emit(accepted + [bonus])
             accepted_per_call.append(len(accepted) + 1)
             root = bonus

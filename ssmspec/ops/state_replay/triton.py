@@ -21,7 +21,7 @@ def _replay_ssm_kernel(
     sdb, sdn, sdh,
     sBb, sBn, sBg, sBs,
     spb, spm,
-    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = pid_bh // H
@@ -36,12 +36,26 @@ def _replay_ssm_kernel(
     state = tl.load(h_ptrs, mask=mask, other=0.0)
     A = tl.load(A_ptr + h).to(tl.float32)
     steps = tl.minimum(tl.load(len_ptr + b).to(tl.int32), M)
-    for m in range(0, steps):
-        node = tl.load(path_ptr + b * spb + m * spm)
-        dt = tl.load(dt_ptr + b * sdb + node * sdn + h * sdh).to(tl.float32)
-        xv = tl.load(x_ptr + b * sxb + node * sxn + h * sxh + offs_p * sxp, mask=mask_p, other=0.0).to(tl.float32)
-        Bv = tl.load(B_ptr + b * sBb + node * sBn + g * sBg + offs_s * sBs, mask=mask_s, other=0.0).to(tl.float32)
-        state = state * tl.exp(dt * A) + (dt * xv)[:, None] * Bv[None, :]
+    if UNROLL > 0:
+        # Short paths (a tree's depth + 1): unrolled over the path's full width with the steps
+        # past `steps` masked to dt = 0 (no change), so every step's loads are independent of
+        # the state and can all be in flight at once instead of one dependent chain per step.
+        # (UNROLL = M, so every path entry read here exists; entries past `steps` are valid
+        # node indices too, as replay's contract pads paths with node indices.)
+        for m in tl.static_range(UNROLL):
+            node = tl.load(path_ptr + b * spb + m * spm)
+            dt = tl.load(dt_ptr + b * sdb + node * sdn + h * sdh).to(tl.float32)
+            dt = tl.where(steps > m, dt, 0.0)
+            xv = tl.load(x_ptr + b * sxb + node * sxn + h * sxh + offs_p * sxp, mask=mask_p, other=0.0).to(tl.float32)
+            Bv = tl.load(B_ptr + b * sBb + node * sBn + g * sBg + offs_s * sBs, mask=mask_s, other=0.0).to(tl.float32)
+            state = state * tl.exp(dt * A) + (dt * xv)[:, None] * Bv[None, :]
+    else:
+        for m in range(0, steps):
+            node = tl.load(path_ptr + b * spb + m * spm)
+            dt = tl.load(dt_ptr + b * sdb + node * sdn + h * sdh).to(tl.float32)
+            xv = tl.load(x_ptr + b * sxb + node * sxn + h * sxh + offs_p * sxp, mask=mask_p, other=0.0).to(tl.float32)
+            Bv = tl.load(B_ptr + b * sBb + node * sBn + g * sBg + offs_s * sBs, mask=mask_s, other=0.0).to(tl.float32)
+            state = state * tl.exp(dt * A) + (dt * xv)[:, None] * Bv[None, :]
     tl.debug_barrier()  # small tiles are replicated across threads: all copies read before any write
     tl.store(h_ptrs, state, mask=mask)
 
@@ -86,7 +100,7 @@ def replay_ssm_state(
         ssm_state, x, dt, A, B, path, path_len,
         heads, head_dim, d_state, steps, heads // groups,
         *ssm_state.stride(), *x.stride(), *dt.stride(), *B.stride(), *path.stride(),
-        BLOCK_P=block_p, BLOCK_S=block_s, num_warps=4,
+        BLOCK_P=block_p, BLOCK_S=block_s, UNROLL=steps if steps <= 16 else 0, num_warps=4,
     )
 
 
