@@ -23,6 +23,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 REPO = Path(__file__).resolve().parents[1]
 
 if not INTERPRETED:
+    from helpers import assert_close
 
     def test_triton_kernels_in_interpreter():
         env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -40,6 +41,53 @@ if not INTERPRETED:
         from ssmspec.ops.tree_scan import triton as kernels
 
         assert isinstance(kernels._tree_scan_kernel, triton.runtime.JITFunction)
+
+    def test_greedy_tree_iteration_matches_step_decoding():
+        """GreedyTreeGraph's device-side acceptance, run eagerly on the CPU (capture=False):
+        full, partial and no acceptance, against greedy step-by-step decoding of a tiny model."""
+        from helpers import tiny_model
+        from ssmspec.decoding.graphs import GreedyTreeGraph
+        from ssmspec.trees import Tree
+
+        model = tiny_model()
+        prompt = torch.randint(0, 64, (1, 6))
+        tree = Tree.from_config((2, 2, 1))
+        first_path = tree.path(max(range(tree.num_nodes), key=lambda i: (tree.depths[i], -i)))
+
+        def fresh_cache():
+            cache = model.new_cache(1, 64)
+            with torch.no_grad():
+                model(prompt, cache)
+            return cache
+
+        root = int(prompt[0, -1])
+        work, tok, chain = fresh_cache(), torch.tensor([[root]]), []
+        with torch.no_grad():
+            for _ in range(tree.max_depth + 1):
+                tok = model.step(tok, work).argmax(-1)
+                chain.append(int(tok))
+        for accept in (3, 1, 0):
+            tokens = torch.randint(0, 64, (1, tree.num_nodes))
+            tokens[0, 0] = root
+            for d, node in enumerate(first_path[1:]):
+                tokens[0, node] = chain[d] if d < accept else (chain[d] + 1) % 64
+            # siblings must not match by chance, or the expected path would differ
+            for node in range(1, tree.num_nodes):
+                if node not in first_path:
+                    tokens[0, node] = (chain[tree.depths[node] - 1] + 2) % 64
+            cache = fresh_cache()
+            out, n = GreedyTreeGraph(model, cache, tree, capture=False)(tokens)
+            assert int(n[0]) == accept + 1
+            assert out[0, : accept + 1].tolist() == chain[: accept + 1]
+            assert int(cache.seqlen[0]) == prompt.shape[1] + accept + 1
+            # the cache equals decoding root + accepted tokens one by one
+            ref = fresh_cache()
+            with torch.no_grad():
+                for t in [root] + chain[:accept]:
+                    model.step(torch.tensor([[t]]), ref)
+            for mine, theirs in zip(cache.layers, ref.layers):
+                assert_close(mine.ssm_state, theirs.ssm_state, atol=1e-5, rtol=1e-4, name=f"accept {accept}")
+                assert_close(mine.conv_state, theirs.conv_state, atol=1e-6, rtol=1e-6, name=f"accept {accept}")
 
 else:
     from helpers import assert_close
