@@ -252,14 +252,16 @@ def test_accelerate_launch_two_gpus_trains_with_near_double_throughput(tmp_path)
     tps = {}
     for n in (1, 2):
         out = tmp_path / f"out{n}"
-        cmd = ["accelerate", "launch", "--num_processes", str(n), "--mixed_precision", "bf16", exe, "distill",
+        multi = ["--multi_gpu"] if n > 1 else []
+        cmd = ["accelerate", "launch", *multi, "--num_processes", str(n), "--mixed_precision", "bf16", exe, "distill",
                "--target", str(tmp_path / "target"), "--student-preset", "drafter-2l", "--data", str(data),
-               "--out", str(out), "--steps", "60", "--seq-len", "512", "--batch-size", "8", "--eval-every", "0",
+               "--out", str(out), "--steps", "60", "--seq-len", "512", "--batch-size", "128", "--eval-every", "0",
                "--log-every", "20", "--precision", "bf16"]
         subprocess.run(cmd, check=True, env={**os.environ, "NCCL_NVLS_ENABLE": "0"})
         steps = [json.loads(line) for line in open(out / "log.jsonl") if '"event": "step"' in line]
         tps[n] = steps[-1]["tokens_per_s"]
         assert steps[-1]["loss"] < steps[0]["loss"]
+    print(f"distill tokens/s: 1 GPU {tps[1]:.0f}, 2 GPUs {tps[2]:.0f}, ratio {tps[2] / tps[1]:.2f}")
     assert tps[2] > 1.6 * tps[1], tps
 
 
