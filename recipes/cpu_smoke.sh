@@ -1,24 +1,35 @@
 #!/usr/bin/env bash
-# CPU smoke run of the whole ssmspec pipeline on tiny random models.
+# CPU smoke run of the whole ssmspec pipeline on tiny models: make a target, distil a drafter from
+# it, profile the target, then decode with and without speculation.
 # Purpose: show every command working end to end, with no GPU and no downloads.
-# Hardware: any CPU (2 cores is enough). Expected time: about a minute.
-# Usage: bash recipes/cpu_smoke.sh [WORKDIR]   (default: runs/cpu-smoke)
+# Hardware: any CPU (2 cores is enough). Expected time: about two minutes.
+# Usage: bash recipes/cpu_smoke.sh [WORKDIR]   (default: runs/cpu-smoke; run from the repository root)
 set -euo pipefail
 
 work="${1:-runs/cpu-smoke}"
+data="ssmspec/data/humaneval/HumanEval.jsonl.gz"   # vendored prompts (MIT), used here as raw text
 mkdir -p "$work"
 
-echo "== 1. a tiny hybrid target and a tiny Mamba-2 drafter (random weights, byte vocabulary)"
+echo "== 1. a tiny hybrid target (Mamba-2 + attention + MLP, random weights, byte vocabulary)"
 ssmspec new-model --preset tiny-hybrid --out "$work/target" --overwrite
-ssmspec new-model --preset tiny --seed 1 --out "$work/drafter" --overwrite
 
-echo "== 2. autoregressive baseline, then chain and tree speculation: exactly the same tokens (random tiny models agree rarely, so few drafts are accepted)"
-ssmspec generate --target "$work/target" --prompt "The quick brown fox" --max-new-tokens 32 --json > "$work/ar.json"
-ssmspec generate --target "$work/target" --prompt "The quick brown fox" --max-new-tokens 32 \
+echo "== 2. distil a tiny Mamba-2 drafter from it (a few dozen steps: enough to see the KL fall)"
+ssmspec distill --target "$work/target" --student-preset tiny --data "$data" --text-field prompt \
+  --out "$work/drafter" --overwrite --steps 40 --seq-len 64 --batch-size 8 --lr 3e-3 \
+  --eval-every 0 --save-every 0
+
+echo "== 3. profile the target's call time against input size, fit the cost models"
+ssmspec profile --target "$work/target" --sizes 1,2,4,8,16 --repeats 3 --warmup 1 --prompt-len 32 \
+  --device cpu --out "$work/profile.json" --plot "$work/profile.png"
+
+echo "== 4. autoregressive baseline, then chain and tree speculation: exactly the same tokens"
+prompt='def fibonacci(n):'
+ssmspec generate --target "$work/target" --prompt "$prompt" --max-new-tokens 48 --json > "$work/ar.json"
+ssmspec generate --target "$work/target" --prompt "$prompt" --max-new-tokens 48 \
   --drafter "$work/drafter" --method chain --draft-len 4 --json > "$work/chain.json"
-ssmspec generate --target "$work/target" --prompt "The quick brown fox" --max-new-tokens 32 \
+ssmspec generate --target "$work/target" --prompt "$prompt" --max-new-tokens 48 \
   --drafter "$work/drafter" --method stree --tree 3,2,1 --json > "$work/stree.json"
-ssmspec generate --target "$work/target" --prompt "abc abc abc abc" --max-new-tokens 32 \
-  --drafter ngram --tree 2,2,1
+ssmspec generate --target "$work/target" --prompt "$prompt" --max-new-tokens 48 \
+  --drafter "$work/drafter" --tree 3,2,1
 
-echo "== done: outputs in $work"
+echo "== done: models, profile.json, profile.png and generations in $work"

@@ -16,6 +16,12 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": self.encode(text)}
+
+    def save_pretrained(self, path) -> None:
+        """Nothing to write: a model saved without tokenizer files falls back to bytes again."""
+
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 

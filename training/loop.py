@@ -470,6 +470,12 @@ def train(cfg: RunConfig, callbacks: TrainCallbacks | None = None, *, target: nn
         target.eval()
         check_vocab(target, student, target_tok or tokenizer, student_tok or (tokenizer if cfg.student_preset else None))
 
+    if tokenizer is None and _vocab_size(student) >= 256:
+        # Tokenizer-less models (e.g. `new-model` tiny presets) read text as UTF-8 bytes, as in generate.
+        from ssmspec.tokenization import ByteTokenizer
+
+        tokenizer = ByteTokenizer()
+
     # Data.
     bad = BadRecords(cfg.data.on_bad_record, report=cb.on_message)
     blocks = Blocks(cfg.data, Tokenize(tokenizer, _vocab_size(student), cfg.data.format, cfg.data.text_field), cfg.optim.seed, bad)
