@@ -58,6 +58,7 @@ def generate_command(
     stop: Optional[List[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the tokenizer's chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token_ids, stats) instead of streaming."),
+    graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="Replay the target's calls as CUDA graphs (default: on for greedy decoding on a GPU)."),
     dtype: Optional[str] = options.DTYPE,
     device: str = options.DEVICE,
     backend: str = options.BACKEND,
@@ -75,7 +76,7 @@ def generate_command(
     text = read_prompt(prompt)
     method_name, shape = resolve_method_and_tree(method, tree, draft_len, drafter)
     config = GenerationConfig(method=method_name, tree=shape, max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_p=top_p, top_k=top_k, seed=seed, stop_strings=tuple(stop or ()))
+                              top_p=top_p, top_k=top_k, seed=seed, stop_strings=tuple(stop or ()), graphs=graphs)
     loaded = load_target(target, dtype=dtype, device=device)
     drafter_obj = load_drafter(drafter, loaded) if drafter is not None else None
 

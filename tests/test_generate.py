@@ -205,3 +205,24 @@ def test_drafter_state_follows_the_produced_text(drafter_layers):
     # Partial acceptance at several depths, so every branch of the state reuse is exercised.
     assert len(set(out.accepted_per_call)) >= 3, out.accepted_per_call
     assert len(checks) == out.stats["target_calls"] and max(checks) < 1e-4, checks
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_device_side_iteration_equals_the_host_loop(arch):
+    # graphs=True on the CPU runs the CUDA-graph code path eagerly: greedy acceptance on the device,
+    # buffers reused across generations. It must give the host loop's tokens and acceptance.
+    target = tiny_model(TARGETS[arch], seed=1)
+    perturbed = tiny_model(TARGETS[arch], seed=1)
+    with torch.no_grad():
+        perturbed.lm_head.weight.add_(torch.randn_like(perturbed.lm_head.weight) * 0.25)
+    for ids in prompts(2, 10, 64):
+        for method, shape in SHAPES:
+            for drafter_model in (target, perturbed):
+                runs = [generate(target, ids, drafter=ModelDrafter(drafter_model),
+                                 config=GenerationConfig(method=method, tree=shape, max_new_tokens=20, graphs=g))
+                        for g in (False, True, True)]  # the second True reuses the kept buffers
+                assert runs[0].token_ids == runs[1].token_ids == runs[2].token_ids
+                assert runs[0].accepted_per_call == runs[1].accepted_per_call == runs[2].accepted_per_call
+        ar = [generate(target, ids, config=GenerationConfig(method="ar", max_new_tokens=12, graphs=g)).token_ids
+              for g in (False, True)]
+        assert ar[0] == ar[1]

@@ -15,6 +15,7 @@ from ssmspec.trees import Tree
 
 from ..errors import InputError
 from ..models.lm import LanguageModel
+from ..ops import dispatch
 from .acceptance import accept_deterministic, accept_greedy, accept_sampled
 from .drafters import Draft
 from .sampling import SamplingParams, probabilities, sample
@@ -39,6 +40,10 @@ class GenerationConfig:
     seed: int | None = None
     eos_token_id: int | Sequence[int] | None = None
     stop_strings: Sequence[str] = ()
+    graphs: bool | None = None
+    """Run the target's decode calls as replayed CUDA graphs, greedy acceptance on the device.
+    None = when the target is on CUDA and decoding is greedy. On the CPU, True runs the same
+    device-side iteration eagerly (it is how the graph path is tested without a GPU)."""
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -106,8 +111,60 @@ class _Output:
         return self.finish_reason is not None
 
 
-def prefill(target: LanguageModel, prompt: torch.Tensor, max_len: int):
-    cache = target.new_cache(1, max_len)
+class _FastPath:
+    """The target's decode calls as CUDA graphs: one per step, one per tree iteration.
+
+    Graphs read and write fixed buffers, so the cache is allocated once per capacity bucket and
+    kept on the model between generations (reset in place), together with its captured graphs.
+    """
+
+    BUCKET = 512
+
+    def __init__(self, target: LanguageModel, max_len: int, capture: bool):
+        self.target, self.capture = target, capture
+        self.cache = target.new_cache(1, max_len)
+        self.step_graph = None
+        self.tree_graphs: dict = {}
+
+    @classmethod
+    def for_target(cls, target: LanguageModel, needed_len: int, capture: bool) -> "_FastPath":
+        capacity = -(-needed_len // cls.BUCKET) * cls.BUCKET
+        store = target.__dict__.setdefault("_ssmspec_fast_paths", {})
+        key = (capacity, capture, str(target.device))
+        if key not in store:
+            store.clear()  # one live set of buffers per model
+            store[key] = cls(target, capacity, capture)
+        fast = store[key]
+        fast.cache.reset_()
+        return fast
+
+    def step(self, token: int) -> torch.Tensor:
+        ids = torch.tensor([[token]], device=self.target.device)
+        if not self.capture:
+            return self.target.step(ids, self.cache)[0, -1]
+        from .graphs import StepGraph
+
+        if self.step_graph is None:
+            self.step_graph = StepGraph(self.target, self.cache)
+        return self.step_graph(ids)[0, -1]
+
+    def iterate(self, draft: Draft) -> tuple[list[int], int]:
+        """verify + greedy accept + replay in one call; returns (path, bonus)."""
+        from .graphs import GreedyTreeGraph
+
+        tree = draft.tree
+        if tree.parents not in self.tree_graphs:
+            self.tree_graphs[tree.parents] = GreedyTreeGraph(self.target, self.cache, tree, capture=self.capture)
+        graph = self.tree_graphs[tree.parents]
+        tokens, n = graph(draft.tokens.to(self.target.device)[None])
+        # One read-back per iteration: accepted length, deepest node, produced tokens.
+        packed = torch.cat([n, graph.out_last, tokens[0]]).tolist()
+        count, last, produced = packed[0], packed[1], packed[2:]
+        return tree.path(last), produced[count - 1]
+
+
+def prefill(target: LanguageModel, prompt: torch.Tensor, max_len: int, fast: _FastPath | None = None):
+    cache = fast.cache if fast is not None else target.new_cache(1, max_len)
     logits = target(prompt, cache, last_only=True)[0, -1]
     return cache, logits
 
@@ -134,6 +191,16 @@ def accept_path(draft: Draft, target_logits: torch.Tensor, cfg: GenerationConfig
 def replay_state(target: LanguageModel, cache, acts, path: list[int]) -> None:
     device = target.device
     target.replay(cache, acts, torch.tensor([path], device=device), torch.tensor([len(path)], device=device))
+
+
+def _fast_path(target: LanguageModel, cfg: GenerationConfig, max_len: int) -> _FastPath | None:
+    on_cuda = target.device.type == "cuda"
+    wanted = cfg.graphs if cfg.graphs is not None else on_cuda
+    if not wanted or not cfg.sampling.greedy:
+        return None
+    if cfg.method != "ar" and on_cuda and dispatch.get_backend() == "reference":
+        return None  # the reference tree ops build masks on the host: they cannot be captured
+    return _FastPath.for_target(target, max_len, capture=on_cuda)
 
 
 @torch.no_grad()
@@ -166,14 +233,18 @@ def generate(
 
     start = time.perf_counter()
     out = _Output(cfg, decode, on_tokens)
-    cache, logits = prefill(target, prompt, max_len)
+    fast = _fast_path(target, cfg, max_len)
+    cache, logits = prefill(target, prompt, max_len, fast)
     root = sample(probabilities(logits, cfg.sampling), generator)
     out.emit([root])
     accepted_per_call: list[int] = []
 
     if cfg.method == "ar":
         while not out.done:
-            logits = target.step(torch.tensor([[root]], device=target.device), cache)[0, -1]
+            if fast is not None:
+                logits = fast.step(root)
+            else:
+                logits = target.step(torch.tensor([[root]], device=target.device), cache)[0, -1]
             root = sample(probabilities(logits, cfg.sampling), generator)
             out.emit([root])
             accepted_per_call.append(1)
@@ -181,9 +252,12 @@ def generate(
         drafter.begin(prompt, max_len)
         while not out.done:
             draft = draft_tree(drafter, root, cfg, generator)
-            logits, acts = verify_tree(target, draft, cache)
-            path, bonus = accept_path(draft, logits[0], cfg, generator)
-            replay_state(target, cache, acts, path)
+            if fast is not None and draft.tree == cfg.tree:
+                path, bonus = fast.iterate(draft)  # verify + accept + replay, one graph
+            else:
+                logits, acts = verify_tree(target, draft, cache)
+                path, bonus = accept_path(draft, logits[0], cfg, generator)
+                replay_state(target, cache, acts, path)
             accepted = draft.tokens[path[1:]].tolist()
             drafter.commit(accepted, path)
             out.emit(accepted + [bonus])

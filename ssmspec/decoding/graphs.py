@@ -92,7 +92,7 @@ class GreedyTreeGraph:
             p = tree.path(i)
             paths[i, : len(p)] = torch.tensor(p)
         self.paths = paths.to(device)
-        self.out_tokens = self.out_len = None
+        self.out_tokens = self.out_len = self.out_last = None  # out_last: (B,) deepest accepted node
 
         def iteration():
             logits, acts = model.verify(self.tokens_in, tree, cache)
@@ -116,7 +116,7 @@ class GreedyTreeGraph:
             out[:, :-1] = torch.where(steps[:, :-1] < path_len[:, None] - 1, out[:, :-1], 0)
             # move the bonus right after the last accepted drafted token
             out = out.scatter(1, (path_len - 1)[:, None], best_tok[rows, last[:, None]])
-            self.out_tokens, self.out_len = out, path_len
+            self.out_tokens, self.out_len, self.out_last = out, path_len, last
 
         self._iteration = iteration
         self.graph = None

@@ -71,5 +71,14 @@ class ModelCache:
                 mine.copy_(theirs)
         self.seqlen.copy_(other.seqlen)
 
+    def reset_(self) -> None:
+        """Empty the cache in place (tensors keep their storage, so captured graphs stay valid)."""
+        for layer in self.layers:
+            if layer is None:
+                continue
+            for t in vars(layer).values():
+                t.zero_()
+        self.seqlen.zero_()
+
     def clone(self) -> "ModelCache":
         return self.select(torch.arange(self.batch_size, device=self.seqlen.device))
