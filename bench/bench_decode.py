@@ -201,8 +201,19 @@ def main() -> int:
             RESULTS.setdefault("profiles", []).append(profile_top(iteration, f"tree iteration graph [{tree.num_nodes} nodes] (+ cache restore copy)"))
         copy_ms = median_ms(lambda: cache.copy_(snapshot), iters=50)
         net = it_ms - copy_ms
+        gemv.ENABLED = False  # the same iteration with cuBLAS projections (no GEMV / skinny GEMM)
+        g_cublas = GreedyTreeGraph(model, cache, tree)
+        gemv.ENABLED = True
+
+        def iteration_cublas():
+            cache.copy_(snapshot)
+            g_cublas(tokens)
+
+        cublas_net = median_ms(iteration_cublas, iters=50) - copy_ms
+        del g_cublas
         record(f"verify eager [{tree.num_nodes} nodes, {spec}]", eager_ms)
         record(f"verify+accept+replay graph [{tree.num_nodes} nodes]", net, ratio_to_ar=net / ar_ms)
+        record(f"  same, cuBLAS projections [{tree.num_nodes} nodes]", cublas_net, ratio_to_ar=cublas_net / ar_ms)
         tree_rows.append({"tree": spec, "nodes": tree.num_nodes, "ms": net, "ratio": net / ar_ms, "accepted": accepted,
                           "greedy_chain_matches": matches, "cache_advanced": advanced})
         print(f"    accepted {accepted}/{tree.max_depth} drafted tokens; produced == step-graph greedy chain: {matches}; "

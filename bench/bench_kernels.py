@@ -21,7 +21,8 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
-from ssmspec.ops.gemv.triton import linear
+from ssmspec.ops.gemv import triton as gemv
+from ssmspec.ops.gemv.triton import GemvConfig, gemv_partials, linear, skinny_linear
 from ssmspec.ops.state_replay.naive import naive_replay_conv_state, naive_replay_ssm_state
 from ssmspec.ops.state_replay.triton import replay_conv_state, replay_ssm_state
 from ssmspec.ops.step_update.naive import naive_mamba_step, naive_rms_norm
@@ -244,16 +245,111 @@ def run_timings() -> None:
               f"{r['packed_extra_bytes'] / 2**20:>8.2f}MiB {r['unrolled_extra_bytes'] / 2**20:>10.2f}MiB")
 
 
+def copy_tbps() -> float:
+    """Device-to-device copy bandwidth (bytes read + written), TB/s: the reference for 'x% of copy'."""
+    src = torch.randn(1 << 28, device=DEV)
+    dst = torch.empty_like(src)
+    us = time_us(lambda: dst.copy_(src))
+    return 2 * src.numel() * 4 / us / 1e6
+
+
+def gemv_sweep(only: str | None = None) -> None:
+    """One-row GEMV and few-row skinny GEMM configs at the mamba2-2.7b projection shapes, against
+    cuBLAS; rotating enough weight copies (>= 200 MB) that L2 cannot hold them. Prints tables
+    and the best config per shape."""
+    bw = copy_tbps()
+    print(f"copy bandwidth {bw:.3f} TB/s (read + written)", flush=True)
+    RESULTS["copy_TBps"] = bw
+    shapes = [("in_proj", 2 * D_INNER + 2 * G * S + H, 2560), ("out_proj", 2560, D_INNER), ("lm_head", 50288, 2560)]
+    gemv_cfgs = [GemvConfig(bn, bk, 4) for bn in (1, 2, 4) for bk in (512, 1024, 2048)]
+    gemv_cfgs += [GemvConfig(bn, bk, 8) for bn, bk in ((2, 1024), (4, 1024), (2, 2048))]
+    gemv_cfgs += [GemvConfig(bn, bk, w, unroll=True) for bn, bk, w in ((1, 1024, 4), (2, 512, 4), (2, 1024, 4), (2, 2048, 8),
+                                                                      (4, 512, 4), (4, 1024, 8), (1, 2048, 8), (2, 1024, 8))]
+    gemv_cfgs += [GemvConfig(bn, bk, 4, persistent=132 * k, unroll=u) for bn, bk in ((1, 1024), (2, 1024), (2, 512))
+                  for k in (4, 16) for u in (False, True)]
+    split_cfgs = [GemvConfig(bn, bk, w, split=sp, unroll=True) for bn, bk, w, sp in
+                  ((2, 1024, 4, 2), (4, 1024, 4, 2), (4, 512, 4, 4), (8, 512, 4, 4), (8, 1024, 8, 2), (2, 512, 4, 2),
+                   (1, 1024, 4, 2))]
+    best = {}
+    for label, n_out, k_in in shapes:
+        if only and label != only:
+            continue
+        nbytes = n_out * k_in * 2
+        copies = max(2, math.ceil(200e6 / nbytes))
+        wts = [torch.randn(n_out, k_in, device=DEV, dtype=BF16) for _ in range(copies)]
+        xin = torch.randn(1, k_in, device=DEV, dtype=BF16)
+        ref = torch.nn.functional.linear(xin, wts[0])
+        rows = [("cuBLAS", time_us(lambda: [torch.nn.functional.linear(xin, w_) for w_ in wts]) / copies)]
+        cfgs = gemv_cfgs + (split_cfgs if label != "lm_head" else [])
+        if label == "lm_head":
+            cfgs = [c for c in cfgs if not c[4] or c[4] == 132 * 4]
+        for cfg in cfgs:
+            try:
+                if cfg[3] > 1:
+                    got = gemv_partials(xin, wts[0], None, cfg[3], cfg).sum(0).to(BF16)
+                    fn = lambda cfg=cfg: [gemv_partials(xin, w_, None, cfg[3], cfg) for w_ in wts]  # noqa: E731
+                else:
+                    got = linear(xin, wts[0], config=cfg)
+                    fn = lambda cfg=cfg: [linear(xin, w_, config=cfg) for w_ in wts]  # noqa: E731
+                check(f"gemv {label} {tuple(cfg)}", got, ref, 4e-3)
+                rows.append((str(tuple(cfg)), time_us(fn) / copies))
+            except Exception as e:  # a config that fails to compile is reported, not fatal
+                print(f"  {label} {tuple(cfg)} failed: {e!r}"[:200], flush=True)
+        rows_sorted = sorted(rows[1:], key=lambda r: r[1])
+        print(f"\n{label} {n_out}x{k_in} ({nbytes / 1e6:.1f} MB), {copies} rotating copies; cuBLAS {rows[0][1]:.2f} us "
+              f"({nbytes / rows[0][1] / 1e6 / bw:.0%} of copy); config = (block_n, block_k, warps, split, persistent, unroll),"
+              " split rows exclude the reduction")
+        for name, us in rows_sorted[:12]:
+            print(f"  {name:<38} {us:7.2f} us  {nbytes / us / 1e6:5.2f} TB/s  {nbytes / us / 1e6 / bw:5.1%} of copy")
+        best[label] = rows_sorted[0]
+        RESULTS["timings"].append({"what": f"gemv sweep {label}", "bytes": nbytes, "rows": rows})
+        del wts
+
+    print("\nskinny GEMM (M rows at once) against cuBLAS; config = (block_n, block_k, warps, stages)")
+    skinny_cfgs = [(16, 128, 4, 4), (32, 128, 4, 4), (32, 64, 4, 6), (64, 64, 4, 4), (16, 256, 4, 3), (32, 256, 4, 3),
+                   (64, 128, 4, 3), (16, 128, 2, 5), (16, 64, 4, 8)]
+    for label, n_out, k_in in shapes[:2]:
+        if only and label != only:
+            continue
+        nbytes = n_out * k_in * 2
+        copies = max(2, math.ceil(200e6 / nbytes))
+        wts = [torch.randn(n_out, k_in, device=DEV, dtype=BF16) for _ in range(copies)]
+
+        for m in (8, 16, 32, 64):
+            xin = torch.randn(m, k_in, device=DEV, dtype=BF16)
+            ref = torch.nn.functional.linear(xin, wts[0])
+            cub = time_us(lambda: [torch.nn.functional.linear(xin, w_) for w_ in wts]) / copies
+            res = []
+            for cfg in skinny_cfgs:
+                try:
+                    check(f"skinny {label} M={m} {cfg}", skinny_linear(xin, wts[0], None, config=cfg), ref, 4e-3)
+                    res.append((cfg, time_us(lambda cfg=cfg: [skinny_linear(xin, w_, None, config=cfg) for w_ in wts]) / copies))
+                except Exception as e:
+                    print(f"  skinny {label} M={m} {cfg} failed: {e!r}"[:200], flush=True)
+            res.sort(key=lambda r: r[1])
+            top = "; ".join(f"{c} {us:.2f}us" for c, us in res[:4])
+            print(f"  {label} M={m:>2}: cuBLAS {cub:7.2f} us ({nbytes / cub / 1e6:.2f} TB/s) | best skinny {top} "
+                  f"({nbytes / res[0][1] / 1e6:.2f} TB/s)", flush=True)
+            RESULTS["timings"].append({"what": f"skinny {label} M={m}", "cublas_us": cub, "rows": [(str(c), u) for c, u in res]})
+        del wts
+    print("\nbest one-row configs: " + "; ".join(f"{k}: {v[0]} {v[1]:.2f} us" for k, v in best.items()))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write all figures as JSON here")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--gemv-sweep", action="store_true", help="only sweep the GEMV / skinny GEMM configs")
+    ap.add_argument("--only", default=None, help="with --gemv-sweep: one of in_proj, out_proj, lm_head")
     args = ap.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
-    if not args.skip_checks:
-        run_checks()
-    run_timings()
+    if args.gemv_sweep:
+        gemv_sweep(args.only)
+    else:
+        if not args.skip_checks:
+            run_checks()
+        run_timings()
     bad = [c["name"] for c in RESULTS["checks"] if not c["ok"]]
     print(f"\nchecks: {len(RESULTS['checks']) - len(bad)}/{len(RESULTS['checks'])} ok" + (f"; FAILED: {bad}" if bad else ""))
     if args.out:

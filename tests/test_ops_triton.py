@@ -238,7 +238,8 @@ else:
 
         kernels = {"tree_scan": TS.tree_scan, "tree_conv": TC.tree_conv, "replay_ssm_state": SR.replay_ssm_state,
                    "replay_conv_state": SR.replay_conv_state, "mamba_step": SU.mamba_step, "rms_norm": SU.rms_norm,
-                   "gated_rms_norm": SU.gated_rms_norm, "time_step": SU.time_step, "linear": GV.linear}
+                   "gated_rms_norm": SU.gated_rms_norm, "time_step": SU.time_step, "linear": GV.linear,
+                   "add_rms_norm": SU.add_rms_norm}
         model = tiny_model()
         prompt = torch.randint(0, 64, (2, 5))
         tree = Tree.from_config((2, 2))
@@ -295,3 +296,32 @@ else:
         x, w, b = torch.randn(1, 1, k), torch.randn(n, k), torch.randn(n)
         assert_close(GV.linear(x, w, b), naive_linear(x, w, b), atol=1e-4, rtol=1e-4)
         assert_close(GV.linear(x[0], w, None, config=(4, 32, 1)), naive_linear(x[0], w), atol=1e-4, rtol=1e-4)
+        # the swept variants: unrolled K loop, persistent grid (fewer programs than tiles), split-K
+        for cfg in (GV.GemvConfig(2, 32, 1, unroll=True), GV.GemvConfig(4, 32, 1, persistent=3),
+                    GV.GemvConfig(2, 32, 1, split=3), GV.GemvConfig(1, 16, 1, split=2, persistent=5, unroll=True)):
+            assert_close(GV.linear(x, w, b, config=cfg), naive_linear(x, w, b), atol=1e-4, rtol=1e-4, name=str(cfg))
+        parts = GV.gemv_partials(x, w, b, 3)
+        assert parts.shape == (3, 1, 1, n)
+        assert_close(parts.sum(0), naive_linear(x, w, b), atol=1e-4, rtol=1e-4, name="partials")
+
+
+    @pytest.mark.parametrize("m", [2, 5, 17])
+    def test_skinny_linear_matches_reference(m, nan_outputs):
+        """The tree-verify projection: m rows (not a power of two, one more than a tile) at once."""
+        from ssmspec.ops.gemv.naive import naive_linear
+
+        n, k = 70, 150  # neither a multiple of the tile
+        x, w, b = torch.randn(1, m, k), torch.randn(n, k), torch.randn(n)
+        assert_close(GV.linear(x, w, b), naive_linear(x, w, b), atol=1e-4, rtol=1e-4, name="dispatch")
+        assert_close(GV.skinny_linear(x, w, None, config=(16, 32, 1, 1)), naive_linear(x, w), atol=1e-4, rtol=1e-4)
+
+
+    def test_add_rms_norm_matches_reference(nan_outputs):
+        from ssmspec.ops.step_update.naive import naive_add_rms_norm
+
+        h, d, w = torch.randn(2, 1, 300), torch.randn(2, 1, 300), torch.randn(300)
+        for got, want in zip(SU.add_rms_norm(d, h, w, 1e-5), naive_add_rms_norm(d, h, w, 1e-5)):
+            assert_close(got, want, atol=1e-5, rtol=1e-5)
+        parts = torch.randn(3, 2, 1, 300)  # split-K partial sums of the sublayer output
+        for got, want in zip(SU.add_rms_norm(parts, h, w, 1e-5), naive_add_rms_norm(parts, h, w, 1e-5)):
+            assert_close(got, want, atol=1e-5, rtol=1e-5, name="partials")

@@ -60,34 +60,58 @@ def _levels(shape: Tree, device) -> list[_Level]:
     return out
 
 
+@dataclass
+class _Plan:
+    """Everything a shape needs, built once: level wiring, per-depth state buffers, a graph."""
+
+    levels: list[_Level]
+    row_of: dict[int, int]  # node -> its row among the nodes of its depth
+    caches: list  # caches[d]: the state after the nodes of depth d, one row each (d >= 1)
+    graph: object = None  # captured greedy draft (CUDA), built on first use
+
+
 class ModelDrafter:
     """Drafts with a model that shares the target's tokenizer.
 
     The drafter's state follows the produced text without recomputation: drafting already ran
-    the drafter on every non-leaf node of the tree, one batch row per node, so after
-    verification `commit` keeps the row of the deepest accepted node it has processed. At most
-    two tokens (a fully accepted leaf, then the bonus token) are fed before the next draft.
+    the drafter on every non-leaf node of the tree, one batch row per node (each row a copy of
+    its parent's state), so after verification `commit` keeps the row of the deepest accepted
+    node it has processed. At most two tokens (a fully accepted leaf, then the bonus token) are
+    fed before the next draft. All states live in buffers allocated once per tree shape, so on
+    a GPU a whole greedy draft is one replayed CUDA graph.
     """
 
-    def __init__(self, model: LanguageModel, sample_children: bool = True):
+    def __init__(self, model: LanguageModel, sample_children: bool = True, graphs: bool | None = None):
         self.model = model
         self.sample_children = sample_children
         """At temperature > 0, draw children i.i.d. from the drafter (exact via multi-step
         speculative sampling); if False, take the top-k (exact via the naive rule)."""
+        self.graphs = graphs
+        """Capture greedy drafts as CUDA graphs; None = when the model is on CUDA."""
         self.cache = None
         self.pending: list[int] = []
         self.steps = 0
         self._plans: dict = {}
-        self._last = None  # (per-depth caches, node -> row) of the last draft
+        self._last = None  # the plan of the last draft, for `commit`
+        self._max_len = 0
 
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
+    @property
+    def _use_graphs(self) -> bool:
+        return self.graphs if self.graphs is not None else self.model.device.type == "cuda"
+
     @torch.no_grad()
     def begin(self, prompt_ids: torch.Tensor, max_len: int) -> None:
         """Prefill on the prompt (1, T)."""
-        self.cache = self.model.new_cache(1, max_len)
+        if self.cache is None or max_len > self._max_len:
+            self.cache = self.model.new_cache(1, max_len)
+            self._max_len = max_len
+            self._plans = {}  # buffers and graphs are tied to the cache
+        else:
+            self.cache.reset_()
         self.model(prompt_ids.to(self.model.device), self.cache, last_only=True)
         self.pending = []
         self._last = None
@@ -101,66 +125,118 @@ class ModelDrafter:
         if path is None or self._last is None:
             self.pending.extend(accepted)
             return
-        depth_caches, row_of = self._last
-        self._last = None
-        processed = min(len(path) - 1, len(depth_caches) - 1)  # deepest accepted depth that was run
+        plan, self._last = self._last, None
+        processed = min(len(path) - 1, len(plan.caches))  # deepest accepted depth that was run
         if processed > 0:
-            node = path[processed]
-            self.cache = depth_caches[processed].select(torch.tensor([row_of[node]], device=self.model.device))
+            row = torch.tensor([plan.row_of[path[processed]]], device=self.model.device)
+            self.cache.copy_(plan.caches[processed - 1].select(row))
         self.pending.extend(accepted[processed:])
 
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         """Advance the committed state over `tokens`; returns the last token's logits (1, V)."""
         device = self.model.device
         self.steps += 1
-        if len(tokens) <= 2:  # the usual case: single-token steps (fused kernels, graph-friendly)
+        if len(tokens) <= 2:  # the usual case: single-token steps (fused kernels)
             for tok in tokens:
                 logits = self.model.step(torch.tensor([[tok]], device=device), self.cache)
             return logits[:, -1]
         return self.model(torch.tensor([tokens], device=device), self.cache, last_only=True)[:, -1]
 
-    @torch.no_grad()
-    def draft(self, root: int, shape: Tree, params: SamplingParams, generator) -> Draft:
-        """Draft `shape` below `root`: each node gets as many children as it has in `shape`.
-
-        Step d runs one batch row per node of depth d, each on a copy of its parent's state.
-        """
+    def _plan(self, shape: Tree) -> _Plan:
         device = self.model.device
-        logits = self._feed(self.pending + [root])  # (1, V): the root's row
-        self.pending = []
         key = (shape.parents, str(device))
         if key not in self._plans:
             levels = _levels(shape, device)
             row_of = {0: 0}
             for level in levels:
                 row_of.update({int(n): r for r, n in enumerate(level.nodes.tolist())})
-            self._plans[key] = (levels, row_of)
-        levels, row_of = self._plans[key]
-        tokens = torch.empty(shape.num_nodes, dtype=torch.long, device=device)
-        tokens[0] = root
-        deterministic = params.greedy or not self.sample_children
-        q = None if deterministic else torch.zeros(shape.num_nodes, self.vocab_size, device=device)
+            # Depths 1 .. g-1 are run (the deepest level's nodes are leaves, never fed).
+            caches = [self.model.new_cache(len(level.nodes), self._max_len) for level in levels[:-1]]
+            self._plans[key] = _Plan(levels, row_of, caches)
+        return self._plans[key]
+
+    def _expand(self, logits, plan: _Plan, tokens, params: SamplingParams, generator, q):
+        """Fill tokens[1:] level by level from the root's logits (1, V); q for sampled children."""
+        deterministic = q is None
         cache = self.cache
-        depth_caches = [cache]  # depth_caches[d]: state after the nodes of depth d, one row each
-        for d, level in enumerate(levels):
+        for d, level in enumerate(plan.levels):
             if deterministic:
                 scores = logits if params.greedy else probabilities(logits, params)
                 best = torch.topk(scores, level.max_children, dim=-1).indices  # (W_prev, k)
                 chosen = best[level.parent_rows, level.ranks]
             else:
                 probs = probabilities(logits, params)[level.parent_rows]  # (W, V): i.i.d. per child
-                chosen = torch.multinomial(probs.cpu(), 1, generator=generator)[:, 0].to(device)
+                chosen = torch.multinomial(probs.cpu(), 1, generator=generator)[:, 0].to(tokens.device)
                 q[level.nodes] = probs
             tokens[level.nodes] = chosen
-            if d + 1 == len(levels):
+            if d + 1 == len(plan.levels):
                 break
-            # Branch the drafter's state: one row per node, copied from its parent's row.
-            cache = cache.select(level.parent_rows)
-            logits = self.model.step(chosen[:, None], cache)[:, -1]
-            depth_caches.append(cache)
-            self.steps += 1
-        self._last = (depth_caches, row_of)
+            # Branch the state: each node's row is a copy of its parent's row.
+            nxt = plan.caches[d]
+            nxt.copy_(cache.select(level.parent_rows))
+            logits = self.model.step(chosen[:, None], nxt)[:, -1]
+            cache = nxt
+        return tokens
+
+    @torch.no_grad()
+    def draft(self, root: int, shape: Tree, params: SamplingParams, generator) -> Draft:
+        """Draft `shape` below `root`: each node gets as many children as it has in `shape`."""
+        device = self.model.device
+        plan = self._plan(shape)
+        self._last = plan
+        deterministic = params.greedy or not self.sample_children
+        if params.greedy and self._use_graphs and shape.max_depth > 0:
+            if self.pending:
+                self._feed(self.pending)
+            self.pending = []
+            self.steps += shape.max_depth
+            return Draft(shape, self._graphed_draft(plan, shape, root).clone(), None)
+        logits = self._feed(self.pending + [root])  # (1, V): the root's row
+        self.pending = []
+        self.steps += max(shape.max_depth - 1, 0)
+        tokens = torch.empty(shape.num_nodes, dtype=torch.long, device=device)
+        tokens[0] = root
+        q = None if deterministic else torch.zeros(shape.num_nodes, self.vocab_size, device=device)
+        self._expand(logits, plan, tokens, params, generator, q)
         return Draft(shape, tokens, q)
+
+    def _graphed_draft(self, plan: _Plan, shape: Tree, root: int) -> torch.Tensor:
+        """Root step + every level as one captured graph (greedy only); returns its static tokens."""
+        if plan.graph is None:
+            plan.graph = _DraftGraph(self, plan, shape)
+        return plan.graph(root)
+
+
+class _DraftGraph:
+    """A greedy draft from the committed state as one replayed CUDA graph (eager on the CPU)."""
+
+    def __init__(self, drafter: ModelDrafter, plan: _Plan, shape: Tree):
+        model = drafter.model
+        device = model.device
+        self.root = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(shape.num_nodes, dtype=torch.long, device=device)
+        greedy = SamplingParams()
+
+        def run():
+            logits = model.step(self.root, drafter.cache)[:, -1]
+            self.tokens[0] = self.root[0, 0]
+            drafter._expand(logits, plan, self.tokens, greedy, None, None)
+
+        self.run = run
+        self.graph = None
+        if device.type == "cuda":
+            from .graphs import _warm_up_and_capture
+
+            with torch.inference_mode():
+                self.graph = _warm_up_and_capture(run, drafter.cache)
+
+    def __call__(self, root: int) -> torch.Tensor:
+        self.root.fill_(root)
+        if self.graph is None:
+            self.run()
+        else:
+            self.graph.replay()
+        return self.tokens
 
 
 class NgramDrafter:

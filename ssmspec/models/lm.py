@@ -28,6 +28,19 @@ class RMSNorm(nn.Module):
         return (self.weight.float() * hf).to(h.dtype)
 
 
+_ADD_NORM_MAX_DIM = 16384  # widest row of the fused add + RMSNorm kernel (one program per row)
+
+
+def _mlp_through_dispatch(mlp: MLP, h: torch.Tensor) -> torch.Tensor:
+    """`MLP.forward` with its projections through `dispatch.linear` (GEMV for one row); same math."""
+    up = dispatch.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
+    if mlp.cfg.gated:
+        up = mlp.act(dispatch.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)) * up
+    else:
+        up = mlp.act(up)
+    return dispatch.linear(up, mlp.down_proj.weight, mlp.down_proj.bias)
+
+
 class Sublayer(nn.Module):
     """h + mixer(norm(h)); `kind` is mamba, attention or mlp."""
 
@@ -114,6 +127,9 @@ class LanguageModel(nn.Module):
 
     def step(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor:
         """One token per row: input_ids (B, 1) -> logits (B, 1, V); cache advanced by one."""
+        if (not torch.is_grad_enabled() and dispatch.uses_kernel("add_rms_norm", input_ids.device)
+                and self.config.d_model <= _ADD_NORM_MAX_DIM):
+            return self._fused_step(input_ids, cache)
         h = self.embeddings(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer.norm(h)
@@ -126,6 +142,30 @@ class LanguageModel(nn.Module):
             h = h + x
         cache.seqlen += 1
         return self._logits(h)
+
+    def _fused_step(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+        """`step` on the kernels, same math: each residual add runs inside the next sublayer's
+        RMSNorm (one launch instead of two: ops/step_update add_rms_norm), MLPs and the LM head
+        through `dispatch.linear` (the one-row GEMV). input_ids (B, 1) -> logits (B, 1, V)."""
+        h = self.embeddings(input_ids)
+        x = None  # the previous sublayer's output, not yet added to h
+        for i, layer in enumerate(self.layers):
+            if x is None:
+                normed = layer.norm(h)
+            else:
+                h, normed = dispatch.add_rms_norm(x, h, layer.norm.weight, layer.norm.eps)
+            if layer.kind == "mamba":
+                x = layer.mixer.step(normed, cache.layers[i])
+            elif layer.kind == "attention":
+                x = layer.mixer.step(normed, cache.layers[i], cache.seqlen)
+            else:
+                x = _mlp_through_dispatch(layer.mixer, normed)
+        if x is None:
+            normed = self.norm_f(h)
+        else:
+            _, normed = dispatch.add_rms_norm(x, h, self.norm_f.weight, self.norm_f.eps)
+        cache.seqlen += 1
+        return dispatch.linear(normed, self.lm_head.weight, self.lm_head.bias).float()
 
     def verify(self, tokens: torch.Tensor, tree, cache: ModelCache):
         """Logits of every node of a packed token tree in one call; the cache is left untouched.

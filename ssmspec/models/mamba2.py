@@ -79,7 +79,12 @@ class Mamba2Mixer(nn.Module):
 
     def _split_projection(self, h: torch.Tensor):
         c = self.cfg
-        return self.in_proj(h).split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)  # z, xBC, dt
+        if not torch.is_grad_enabled() and dispatch.uses_kernel("linear", h.device):
+            # GEMV / skinny GEMM for few rows (tree verify), cuBLAS above: ops/gemv
+            proj = dispatch.linear(h, self.in_proj.weight, self.in_proj.bias)
+        else:
+            proj = self.in_proj(h)
+        return proj.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)  # z, xBC, dt
 
     def _time_step(self, dt_raw: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled() and dispatch.uses_kernel("time_step", dt_raw.device):
@@ -99,7 +104,7 @@ class Mamba2Mixer(nn.Module):
         if not torch.is_grad_enabled() and dispatch.uses_kernel("gated_rms_norm", y.device):
             # one launch: the kernel rounds y to z's dtype itself, as the line below does
             normed = dispatch.gated_rms_norm(y.flatten(-2), z, self.norm.weight, self.norm.group_size, self.norm.eps)
-            return self.out_proj(normed)
+            return dispatch.linear(normed, self.out_proj.weight, self.out_proj.bias)
         y = y.flatten(-2).to(z.dtype)  # (..., H*P)
         return self.out_proj(self.norm(y, z))
 

@@ -13,7 +13,7 @@ import torch
 from .chunk_scan.naive import naive_chunk_scan
 from .gemv.naive import naive_linear
 from .state_replay.naive import naive_replay_conv_state, naive_replay_ssm_state
-from .step_update.naive import naive_gated_rms_norm, naive_mamba_step, naive_rms_norm, naive_time_step
+from .step_update.naive import naive_add_rms_norm, naive_gated_rms_norm, naive_mamba_step, naive_rms_norm, naive_time_step
 from .tree_conv.naive import naive_tree_conv
 from .tree_scan.naive import naive_tree_scan
 
@@ -28,6 +28,7 @@ _REFERENCE = {
     "chunk_scan": naive_chunk_scan,
     "mamba_step": naive_mamba_step,
     "rms_norm": naive_rms_norm,
+    "add_rms_norm": naive_add_rms_norm,
     "gated_rms_norm": naive_gated_rms_norm,
     "time_step": naive_time_step,
     "linear": naive_linear,
@@ -40,6 +41,7 @@ _TRITON = {
     "replay_conv_state": ("ssmspec.ops.state_replay.triton", "replay_conv_state"),
     "mamba_step": ("ssmspec.ops.step_update.triton", "mamba_step"),
     "rms_norm": ("ssmspec.ops.step_update.triton", "rms_norm"),
+    "add_rms_norm": ("ssmspec.ops.step_update.triton", "add_rms_norm"),
     "gated_rms_norm": ("ssmspec.ops.step_update.triton", "gated_rms_norm"),
     "time_step": ("ssmspec.ops.step_update.triton", "time_step"),
     "linear": ("ssmspec.ops.gemv.triton", "linear"),
@@ -122,6 +124,11 @@ def mamba_step(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt
 
 def rms_norm(h, weight, eps):
     return resolve("rms_norm", h.device)(h, weight, eps)
+
+
+def add_rms_norm(delta, h, weight, eps):
+    """(h + delta, rms_norm(h + delta)): a residual add fused into the next sublayer's norm."""
+    return resolve("add_rms_norm", h.device)(delta, h, weight, eps)
 
 
 def gated_rms_norm(y, z, weight, group_size, eps):

@@ -161,3 +161,55 @@ def test_greedy_fast_path_equals_reference_token_for_token():
         assert produced[:20] == want[:20]
     finally:
         dispatch.set_backend("auto")
+
+
+@pytest.mark.parametrize("n, k", [(2 * H * P + 2 * S + H, 2560), (2560, H * P)], ids=["in_proj", "out_proj"])
+def test_gemv_variants_gpu(n, k):
+    """Every GEMV variant of the sweep (unrolled, persistent, split-K) at the projection shapes."""
+    from ssmspec.ops.gemv.triton import GemvConfig, gemv_partials, linear
+
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(1, 1, k, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(n, device=DEV, dtype=torch.bfloat16)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    for cfg in (None, GemvConfig(2, 1024, 4, unroll=True), GemvConfig(1, 1024, 4, persistent=528),
+                GemvConfig(2, 512, 4, persistent=2112, unroll=True)):
+        _poison(n * 4)
+        got = linear(x, w, b, config=cfg)
+        assert got.dtype == torch.bfloat16 and torch.isfinite(got).all() and _rel(got, want) < 5e-3, cfg
+    for split in (2, 4):
+        _poison(n * 4 * split)
+        parts = gemv_partials(x, w, b, split)
+        assert parts.shape == (split, 1, 1, n) and _rel(parts.sum(0), want) < 1e-4
+
+
+@pytest.mark.parametrize("m", [2, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_skinny_linear_gpu(m, dtype):
+    from ssmspec.ops.gemv.triton import linear
+
+    for n, k in ((2 * H * P + 2 * S + H, 2560), (2560, H * P)):
+        w = torch.randn(n, k, device=DEV, dtype=dtype)
+        x = torch.randn(1, m, k, device=DEV, dtype=dtype)
+        b = torch.randn(n, device=DEV, dtype=dtype)
+        want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+        _poison(m * n * 4)
+        got = linear(x, w, b)
+        assert got.shape == (1, m, n) and torch.isfinite(got).all()
+        assert _rel(got, want) < (5e-3 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_add_rms_norm_gpu():
+    from ssmspec.ops.step_update.naive import naive_add_rms_norm
+    from ssmspec.ops.step_update.triton import add_rms_norm
+
+    for dim in (2560, 4096):
+        h = torch.randn(3, 1, dim, device=DEV, dtype=torch.bfloat16)
+        d = torch.randn(3, 1, dim, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(dim, device=DEV, dtype=torch.bfloat16)
+        got, want = add_rms_norm(d, h, w, 1e-5), naive_add_rms_norm(d, h, w, 1e-5)
+        assert torch.equal(got[0], want[0])  # the residual sum rounds exactly as torch's add
+        assert _rel(got[1], want[1]) < 1e-2
+        parts = torch.randn(4, 3, 1, dim, device=DEV)
+        got, want = add_rms_norm(parts, h, w, 1e-5), naive_add_rms_norm(parts, h, w, 1e-5)
+        assert _rel(got[0], want[0]) < 1e-2 and _rel(got[1], want[1]) < 1e-2

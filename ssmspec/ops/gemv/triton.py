@@ -1,11 +1,19 @@
-"""Triton GEMV for batch-1 decode; `naive.py` (F.linear) is the spec.
+"""Triton GEMV and skinny GEMM for decode and tree verification; `naive.py` (F.linear) is the spec.
 
 At one row a linear layer is a pure weight stream: the time is N*K*2 bytes over bandwidth. The
-kernel gives each program a few output rows and streams their full K in wide, coalesced
-chunks, with enough programs (several per SM) to keep many loads in flight. Inputs with more
-than one row go to F.linear (cuBLAS), which wins there.
+GEMV gives each program a few output rows and streams their K in wide, coalesced chunks, with
+enough programs (several per SM) to keep many loads in flight. Knobs (swept on the device by
+`bench/bench_kernels.py --gemv-sweep`): rows per program, columns per load, warps, a fully
+unrolled K loop (all of a program's loads issued before the first add), a persistent grid
+(programs loop over row tiles), and split-K (partial sums over column ranges, fp32).
+
+Inputs of 2..SKINNY_MAX_ROWS rows (the nodes of a verified tree) go to a skinny GEMM: each
+program owns BLOCK_N output columns and streams their weight tile once for all rows, with the
+rows padded to a tensor-core tile. Larger inputs go to F.linear (cuBLAS).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -15,55 +23,178 @@ import triton.language as tl
 ENABLED = True
 """Benchmarks set this False to compare with cuBLAS through the same code path."""
 
+SKINNY_MAX_ROWS = 64
+"""Row counts 2..SKINNY_MAX_ROWS run the skinny GEMM; above it cuBLAS."""
+
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, swn, HAS_BIAS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr):
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    k_lo = split * K_SPLIT
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if UNROLL:
+        # static loop: the compiler can issue every chunk's load before the first multiply-add
+        for k0 in tl.static_range(0, K_SPLIT, BLOCK_K):
+            offs_k = k_lo + k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            w = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                        other=0.0, eviction_policy="evict_first")  # read once per step: keep L2 for activations
+            xv = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+            acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+    else:
+        for k0 in range(0, K_SPLIT, BLOCK_K):
+            offs_k = k_lo + k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            w = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                        other=0.0, eviction_policy="evict_first")
+            xv = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+            acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        # the bias goes into partial 0 only
+        y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32) * tl.where(split == 0, 1.0, 0.0)
+    if PARTIAL:
+        tl.store(y_ptr + split * N + offs_n, y, mask=mask_n)  # fp32 partial sums, reduced by the consumer
+    else:
+        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, swn, tiles, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr,
+                 PERSISTENT: tl.constexpr):
+    split = tl.program_id(1)
+    if PERSISTENT:
+        for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
+            _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS, PARTIAL, BLOCK_N, BLOCK_K,
+                       K_SPLIT, UNROLL)
+    else:
+        _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tl.program_id(0), split, N, K, swn, HAS_BIAS, PARTIAL, BLOCK_N,
+                   BLOCK_K, K_SPLIT, UNROLL)
+
+
+class GemvConfig(tuple):
+    """(block_n, block_k, num_warps, split, persistent, unroll); see the module docstring."""
+
+    def __new__(cls, block_n=2, block_k=1024, num_warps=4, split=1, persistent=0, unroll=False):
+        return super().__new__(cls, (block_n, block_k, num_warps, split, persistent, unroll))
+
+
+# (N, K) -> config, from the sweep on the H100 (bench/results/gemv_sweep-h100.log); other shapes
+# get the default, the best plain config of the first sweep (2 x 1024, 4 warps).
+TUNED: dict[tuple[int, int], GemvConfig] = {}
+DEFAULT = GemvConfig()
+
+
+def _config(n: int, k: int) -> GemvConfig:
+    cfg = TUNED.get((n, k), DEFAULT)
+    return GemvConfig(*cfg)
+
+
+def _launch_gemv(xv, weight, bias, y, cfg: GemvConfig, partial: bool):
+    n, k = weight.shape
+    block_n, block_k, warps, split, persistent, unroll = cfg
+    block_k = min(block_k, triton.next_power_of_2(k))
+    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    tiles = triton.cdiv(n, block_n)
+    grid0 = min(tiles, persistent) if persistent else tiles
+    _gemv_kernel[(grid0, split)](
+        xv, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), tiles,
+        HAS_BIAS=bias is not None, PARTIAL=partial, BLOCK_N=block_n, BLOCK_K=block_k, K_SPLIT=k_split,
+        UNROLL=bool(unroll), PERSISTENT=bool(persistent), num_warps=warps,
+    )
+
+
+def _as_vector(x: torch.Tensor, k: int) -> torch.Tensor:
+    xv = x.reshape(k)
+    return xv if xv.stride(0) == 1 else xv.contiguous()
+
+
+def gemv_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, split: int,
+                  config: GemvConfig | None = None) -> torch.Tensor:
+    """Split-K GEMV of one row: x (..., K) with one row, weight (N, K) -> (split, ..., N) fp32
+    partial sums over `split` column ranges (the bias in partial 0); their sum is x W^T + b. For a
+    consumer that reduces them anyway (ops.step_update.add_rms_norm)."""
+    n, k = weight.shape
+    cfg = GemvConfig(*(config or _config(n, k)))
+    cfg = GemvConfig(cfg[0], cfg[1], cfg[2], split, cfg[4], cfg[5])
+    y = torch.empty((split,) + tuple(x.shape[:-1]) + (n,), device=x.device, dtype=torch.float32)
+    _launch_gemv(_as_vector(x, k), weight, bias, y, cfg, partial=True)
+    return y
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr,
+                   IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        w = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
-                    eviction_policy="evict_first")  # read once per step: keep L2 for activations
-        xv = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
-        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)
+        xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        wt = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                     eviction_policy="evict_first")
+        if IEEE:  # fp32 weights: full fp32 products, as cuBLAS (no TF32) computes them
+            acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, tl.trans(wt), acc)
     if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _config(n: int, k: int):
-    """(BLOCK_N, BLOCK_K, num_warps). Two rows x 1024 columns per program, 4 warps: the best of
-    the tile shapes swept by bench/bench_kernels.py on the H100 for the mamba2-2.7b projections
-    (2.73 / 2.48 / 3.10 TB/s of weights for in_proj / out_proj / lm_head, against cuBLAS's
-    2.47 / 1.84 / 2.73)."""
-    return 2, min(1024, triton.next_power_of_2(k)), 4
+SKINNY_DEFAULT = (32, 128, 4, 4)
+"""(BLOCK_N, BLOCK_K, num_warps, num_stages) of the skinny GEMM."""
+SKINNY_TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None) -> torch.Tensor:
+    """x (..., K) with M rows in all, weight (N, K) -> (..., N) for small M (any M works; the
+    tile pads M up to a power of two >= 16, so it pays only for few rows)."""
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    y = torch.empty((m, n), device=x.device, dtype=torch.result_type(x, weight))
+    block_n, block_k, warps, stages = config or SKINNY_TUNED.get((n, k), SKINNY_DEFAULT)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    _skinny_kernel[(triton.cdiv(n, block_n),)](
+        rows, weight, bias if bias is not None else weight, y, m, n, k, rows.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        num_stages=stages,
+    )
+    return y.reshape(tuple(x.shape[:-1]) + (n,))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None) -> torch.Tensor:
-    """x (..., K), weight (N, K), bias (N,) or None -> (..., N), as nn.Linear; one row runs the
-    Triton GEMV, more rows go to F.linear. `config` = (BLOCK_N, BLOCK_K, num_warps) overrides
-    the heuristic (for benchmarks)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not ENABLED or rows != 1 or weight.stride(-1) != 1 or (x.device.type != "cuda" and not _interpreting()):
+    """x (..., K), weight (N, K), bias (N,) or None -> (..., N), as nn.Linear. One row runs the
+    GEMV, 2..SKINNY_MAX_ROWS rows the skinny GEMM, more rows F.linear. `config` (a GemvConfig
+    or tuple) overrides the GEMV's tuned config (benchmarks)."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if (not ENABLED or rows == 0 or rows > SKINNY_MAX_ROWS or weight.stride(-1) != 1
+            or (x.device.type != "cuda" and not _interpreting())):
         return F.linear(x, weight, bias)
-    n, k = weight.shape
-    xv = x.reshape(k)
-    if xv.stride(0) != 1:
-        xv = xv.contiguous()
+    if rows > 1:
+        return skinny_linear(x, weight, bias)
+    n = weight.shape[0]
+    cfg = GemvConfig(*(config or _config(n, k)))
+    if cfg[3] > 1:
+        # split-K for a plain linear needs a reduction; kept for the sweep, tuned tables avoid it here
+        return gemv_partials(x, weight, bias, cfg[3], cfg).sum(0).to(torch.result_type(x, weight))
     y = torch.empty(x.shape[:-1] + (n,), device=x.device, dtype=torch.result_type(x, weight))
-    block_n, block_k, warps = config or _config(n, k)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        xv, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-    )
+    _launch_gemv(_as_vector(x, k), weight, bias, y, cfg, partial=False)
     return y
 
 
 def _interpreting() -> bool:
-    import os
-
+    # CPU tensors reach the kernel only under Triton's interpreter (the CPU tests)
     return os.environ.get("TRITON_INTERPRET") == "1"

@@ -75,6 +75,24 @@ def naive_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (weight.float() * hf).to(h.dtype)
 
 
+def naive_add_rms_norm(delta: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The residual add of one sublayer and the next sublayer's RMSNorm, as `LanguageModel.step`
+    does them: h + delta in h's dtype, then RMSNorm.
+
+    Args:
+        delta: (..., D) the sublayer output, or (SPLIT, ..., D) fp32 partial sums of it (a
+            split-K projection); partials are summed and rounded to h's dtype first, as the
+            projection's own output would be.
+        h: (..., D) residual stream; weight: (D,).
+    Returns:
+        (h + delta, rms_norm(h + delta)), both (..., D) in h's dtype.
+    """
+    if delta.dim() == h.dim() + 1:
+        delta = delta.sum(0).to(h.dtype)
+    h = h + delta
+    return h, naive_rms_norm(h, weight, eps)
+
+
 def naive_gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
     """RMSNorm of y * silu(z) over groups of channels, as `ssmspec.models.mamba2.GatedRMSNorm`
     applied to y rounded to z's dtype (as `Mamba2Mixer._output` does before the norm).

@@ -334,3 +334,57 @@ def time_step(dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, dt_max
             BLOCK_R=block_r, BLOCK_H=block_h,
         )
     return out
+
+
+@triton.jit
+def _add_rms_norm_kernel(d_ptr, h_ptr, w_ptr, hout_ptr, out_ptr, D, eps, sdr, sds, shr, shor, sor,
+                         SPLIT: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr):
+    # one program per row; the row fits one block, so the sum is stored once and normalised from registers
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    m = offs < D
+    h_dtype = h_ptr.dtype.element_ty
+    d = tl.load(d_ptr + row * sdr + offs, mask=m, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, SPLIT):
+        d += tl.load(d_ptr + s * sds + row * sdr + offs, mask=m, other=0.0)
+    if ROUND:  # partial sums: round as the projection's own output would be
+        d = d.to(h_dtype).to(tl.float32)
+    hv = tl.load(h_ptr + row * shr + offs, mask=m, other=0.0).to(tl.float32)
+    s_new = (hv + d).to(h_dtype)  # torch's h + x in h's dtype
+    tl.store(hout_ptr + row * shor + offs, s_new, mask=m)
+    sf = s_new.to(tl.float32)
+    r = tl.rsqrt(tl.sum(sf * sf, axis=0) / D + eps)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * sor + offs, (w * (sf * r)).to(out_ptr.dtype.element_ty), mask=m)
+
+
+ADD_RMS_NORM_MAX_DIM = 16384
+"""Rows up to this width fit one program's registers; the model falls back to add + rms_norm above."""
+
+
+def add_rms_norm(delta: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float):
+    """h + delta and the RMSNorm of the sum in one launch (inference only); same contract as
+    `naive_add_rms_norm`: delta (..., D) or fp32 partials (SPLIT, ..., D); h (..., D).
+    Returns (h + delta, normed), both new tensors in h's dtype."""
+    dim = h.shape[-1]
+    if dim > ADD_RMS_NORM_MAX_DIM:
+        raise ValueError(f"add_rms_norm: width {dim} > {ADD_RMS_NORM_MAX_DIM}")
+    partial = delta.dim() == h.dim() + 1
+    split = delta.shape[0] if partial else 1
+    if tuple(delta.shape[partial:]) != tuple(h.shape):
+        raise ValueError(f"add_rms_norm: delta {tuple(delta.shape)} does not match h {tuple(h.shape)}")
+    h2 = h.reshape(-1, dim)
+    d2 = delta.reshape(split, -1, dim)
+    if h2.stride(-1) != 1:
+        h2 = h2.contiguous()
+    if d2.stride(-1) != 1:
+        d2 = d2.contiguous()
+    h_out = torch.empty(h2.shape, device=h.device, dtype=h.dtype)
+    out = torch.empty(h2.shape, device=h.device, dtype=h.dtype)
+    if h2.shape[0]:
+        _add_rms_norm_kernel[(h2.shape[0],)](
+            d2, h2, weight, h_out, out, dim, float(eps), d2.stride(1), d2.stride(0), h2.stride(0), h_out.stride(0),
+            out.stride(0), SPLIT=split, ROUND=partial, BLOCK=triton.next_power_of_2(dim),
+            num_warps=4 if dim <= 4096 else 8,
+        )
+    return h_out.reshape(h.shape), out.reshape(h.shape)
