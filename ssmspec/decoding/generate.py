@@ -169,6 +169,13 @@ def prefill(target: LanguageModel, prompt: torch.Tensor, max_len: int, fast: _Fa
     return cache, logits
 
 
+def next_token(logits: torch.Tensor, cfg: GenerationConfig, generator) -> int:
+    """The target's own next token from (V,) logits: argmax, or a draw from the processed distribution."""
+    if cfg.sampling.greedy:
+        return int(logits.argmax())
+    return sample(probabilities(logits, cfg.sampling), generator)
+
+
 def draft_tree(drafter, root: int, cfg: GenerationConfig, generator) -> Draft:
     return drafter.draft(root, cfg.tree, cfg.sampling, generator)
 
@@ -235,7 +242,7 @@ def generate(
     out = _Output(cfg, decode, on_tokens)
     fast = _fast_path(target, cfg, max_len)
     cache, logits = prefill(target, prompt, max_len, fast)
-    root = sample(probabilities(logits, cfg.sampling), generator)
+    root = next_token(logits, cfg, generator)
     out.emit([root])
     accepted_per_call: list[int] = []
 
@@ -245,7 +252,7 @@ def generate(
                 logits = fast.step(root)
             else:
                 logits = target.step(torch.tensor([[root]], device=target.device), cache)[0, -1]
-            root = sample(probabilities(logits, cfg.sampling), generator)
+            root = next_token(logits, cfg, generator)
             out.emit([root])
             accepted_per_call.append(1)
     else:
