@@ -21,7 +21,7 @@ import torch
 
 from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
-from ssmspec.ops import dispatch
+from ssmspec.ops import dispatch, pdl
 from ssmspec.ops.gemv import triton as gemv
 from ssmspec.trees.tree import Tree
 
@@ -162,6 +162,11 @@ def main() -> int:
             graph2 = StepGraph(model, cache2)
             record("AR step CUDA graph [triton, cuBLAS GEMV]", median_ms(lambda: graph2(ids), iters=100))
             gemv.ENABLED = True
+            pdl.ENABLED = False  # the same kernels launched without programmatic dependent launch
+            cache2 = prefilled_cache(model, prompt, 256)
+            graph2 = StepGraph(model, cache2)
+            record("AR step CUDA graph [triton, no PDL]", median_ms(lambda: graph2(ids), iters=100))
+            pdl.ENABLED = True
             del graph2, cache2
         if args.profile and backend == "triton":
             RESULTS.setdefault("profiles", []).append(profile_top(lambda: graph(ids), "AR step graph [triton]"))
@@ -211,9 +216,20 @@ def main() -> int:
 
         cublas_net = median_ms(iteration_cublas, iters=50) - copy_ms
         del g_cublas
+        pdl.ENABLED = False
+        g_nopdl = GreedyTreeGraph(model, cache, tree)
+        pdl.ENABLED = True
+
+        def iteration_nopdl():
+            cache.copy_(snapshot)
+            g_nopdl(tokens)
+
+        nopdl_net = median_ms(iteration_nopdl, iters=50) - copy_ms
+        del g_nopdl
         record(f"verify eager [{tree.num_nodes} nodes, {spec}]", eager_ms)
         record(f"verify+accept+replay graph [{tree.num_nodes} nodes]", net, ratio_to_ar=net / ar_ms)
         record(f"  same, cuBLAS projections [{tree.num_nodes} nodes]", cublas_net, ratio_to_ar=cublas_net / ar_ms)
+        record(f"  same, no PDL [{tree.num_nodes} nodes]", nopdl_net, ratio_to_ar=nopdl_net / ar_ms)
         tree_rows.append({"tree": spec, "nodes": tree.num_nodes, "ms": net, "ratio": net / ar_ms, "accepted": accepted,
                           "greedy_chain_matches": matches, "cache_advanced": advanced})
         print(f"    accepted {accepted}/{tree.max_depth} drafted tokens; produced == step-graph greedy chain: {matches}; "

@@ -72,10 +72,13 @@ def speed(rows, new_tokens):
     for name, d, cfg in cases:
         out, secs = timed(target, ids, d, cfg)
         n = out.stats["new_tokens"]
+        decode_ms = 1000 / out.stats["decode_tokens_per_s"]
         rows.append({"case": name, "new_tokens": n, "seconds": secs, "tokens_per_s": n / secs,
-                     "ms_per_token": 1000 * secs / n, "mean_accepted": out.stats["mean_accepted"],
+                     "ms_per_token": 1000 * secs / n, "prefill_ms": 1000 * out.stats["prefill_s"],
+                     "decode_ms_per_token": decode_ms, "mean_accepted": out.stats["mean_accepted"],
                      "target_calls": out.stats["target_calls"]})
-        print(f"{name:28s} {n / secs:8.1f} tok/s {1000 * secs / n:7.2f} ms/token  accepted/call {out.stats['mean_accepted']:.2f}", flush=True)
+        print(f"{name:28s} {n / secs:8.1f} tok/s {1000 * secs / n:7.2f} ms/token (prefill {1000 * out.stats['prefill_s']:6.1f} ms, "
+              f"decode {decode_ms:6.2f} ms/token)  accepted/call {out.stats['mean_accepted']:.2f}", flush=True)
 
 
 def main():

@@ -21,6 +21,7 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
+from ssmspec.ops import pdl
 from ssmspec.ops.gemv import triton as gemv
 from ssmspec.ops.gemv.triton import GemvConfig, gemv_partials, linear, skinny_linear
 from ssmspec.ops.state_replay.naive import naive_replay_conv_state, naive_replay_ssm_state
@@ -258,7 +259,7 @@ def gemv_sweep(only: str | None = None) -> None:
     cuBLAS; rotating enough weight copies (>= 200 MB) that L2 cannot hold them. Prints tables
     and the best config per shape."""
     bw = copy_tbps()
-    print(f"copy bandwidth {bw:.3f} TB/s (read + written)", flush=True)
+    print(f"copy bandwidth {bw:.3f} TB/s (read + written); PDL {'on' if pdl.enabled(torch.device(DEV)) else 'off'}", flush=True)
     RESULTS["copy_TBps"] = bw
     shapes = [("in_proj", 2 * D_INNER + 2 * G * S + H, 2560), ("out_proj", 2560, D_INNER), ("lm_head", 50288, 2560)]
     gemv_cfgs = [GemvConfig(bn, bk, 4) for bn in (1, 2, 4) for bk in (512, 1024, 2048)]
@@ -267,6 +268,7 @@ def gemv_sweep(only: str | None = None) -> None:
                                                                       (4, 512, 4), (4, 1024, 8), (1, 2048, 8), (2, 1024, 8))]
     gemv_cfgs += [GemvConfig(bn, bk, 4, persistent=132 * k, unroll=u) for bn, bk in ((1, 1024), (2, 1024), (2, 512))
                   for k in (4, 16) for u in (False, True)]
+    gemv_cfgs += [GemvConfig(bn, 0, w, preload=True) for bn, w in ((1, 4), (1, 8), (2, 4), (2, 8))]
     split_cfgs = [GemvConfig(bn, bk, w, split=sp, unroll=True) for bn, bk, w, sp in
                   ((2, 1024, 4, 2), (4, 1024, 4, 2), (4, 512, 4, 4), (8, 512, 4, 4), (8, 1024, 8, 2), (2, 512, 4, 2),
                    (1, 1024, 4, 2))]
@@ -295,11 +297,15 @@ def gemv_sweep(only: str | None = None) -> None:
                 rows.append((str(tuple(cfg)), time_us(fn) / copies))
             except Exception as e:  # a config that fails to compile is reported, not fatal
                 print(f"  {label} {tuple(cfg)} failed: {e!r}"[:200], flush=True)
+        for cfg in (gemv.DEFAULT, GemvConfig(1, 0, 4, preload=True), GemvConfig(1, 0, 8, preload=True)):
+            pdl.ENABLED = False  # the same configs without programmatic dependent launch
+            rows.append((str(tuple(cfg)) + " no PDL", time_us(lambda cfg=cfg: [linear(xin, w_, config=cfg) for w_ in wts]) / copies))
+            pdl.ENABLED = True
         rows_sorted = sorted(rows[1:], key=lambda r: r[1])
         print(f"\n{label} {n_out}x{k_in} ({nbytes / 1e6:.1f} MB), {copies} rotating copies; cuBLAS {rows[0][1]:.2f} us "
               f"({nbytes / rows[0][1] / 1e6 / bw:.0%} of copy); config = (block_n, block_k, warps, split, persistent, unroll),"
               " split rows exclude the reduction")
-        for name, us in rows_sorted[:12]:
+        for name, us in rows_sorted[:10] + [r for r in rows_sorted[10:] if "PDL" in r[0] or "True)" in r[0][-6:]]:
             print(f"  {name:<38} {us:7.2f} us  {nbytes / us / 1e6:5.2f} TB/s  {nbytes / us / 1e6 / bw:5.1%} of copy")
         best[label] = rows_sorted[0]
         RESULTS["timings"].append({"what": f"gemv sweep {label}", "bytes": nbytes, "rows": rows})

@@ -231,8 +231,11 @@ else:
         assert_close(SU.rms_norm(h, w, 1e-5), naive_rms_norm(h, w, 1e-5), atol=1e-5, rtol=1e-5)
 
 
-    def test_model_step_and_verify_through_kernels_match_reference(monkeypatch):
-        """The mixer's fused step and its tree verify+replay through the kernels equal the reference."""
+    @pytest.mark.parametrize("layers", [("mamba", "mamba"), ("mamba", "mlp", "attention", "mlp", "mamba")],
+                             ids=["mamba", "hybrid"])
+    def test_model_step_and_verify_through_kernels_match_reference(monkeypatch, layers):
+        """The fused step (residual adds inside the next norm, GEMV projections) and the tree
+        verify+replay through the kernels equal the reference, for Mamba-only and hybrid stacks."""
         from helpers import tiny_model
         from ssmspec.ops import dispatch
 
@@ -240,7 +243,7 @@ else:
                    "replay_conv_state": SR.replay_conv_state, "mamba_step": SU.mamba_step, "rms_norm": SU.rms_norm,
                    "gated_rms_norm": SU.gated_rms_norm, "time_step": SU.time_step, "linear": GV.linear,
                    "add_rms_norm": SU.add_rms_norm}
-        model = tiny_model()
+        model = tiny_model(layers)
         prompt = torch.randint(0, 64, (2, 5))
         tree = Tree.from_config((2, 2))
         tokens = torch.randint(0, 64, (2, tree.num_nodes))
@@ -298,7 +301,8 @@ else:
         assert_close(GV.linear(x[0], w, None, config=(4, 32, 1)), naive_linear(x[0], w), atol=1e-4, rtol=1e-4)
         # the swept variants: unrolled K loop, persistent grid (fewer programs than tiles), split-K
         for cfg in (GV.GemvConfig(2, 32, 1, unroll=True), GV.GemvConfig(4, 32, 1, persistent=3),
-                    GV.GemvConfig(2, 32, 1, split=3), GV.GemvConfig(1, 16, 1, split=2, persistent=5, unroll=True)):
+                    GV.GemvConfig(2, 32, 1, split=3), GV.GemvConfig(1, 16, 1, split=2, persistent=5, unroll=True),
+                    GV.GemvConfig(2, 0, 1, preload=True), GV.GemvConfig(1, 0, 1, split=2, preload=True)):
             assert_close(GV.linear(x, w, b, config=cfg), naive_linear(x, w, b), atol=1e-4, rtol=1e-4, name=str(cfg))
         parts = GV.gemv_partials(x, w, b, 3)
         assert parts.shape == (3, 1, 1, n)

@@ -242,7 +242,8 @@ def generate(
     out = _Output(cfg, decode, on_tokens)
     fast = _fast_path(target, cfg, max_len)
     cache, logits = prefill(target, prompt, max_len, fast)
-    root = next_token(logits, cfg, generator)
+    root = next_token(logits, cfg, generator)  # reading it back also waits for the prefill
+    prefill_s = time.perf_counter() - start
     out.emit([root])
     accepted_per_call: list[int] = []
 
@@ -283,6 +284,9 @@ def generate(
         "mean_accepted": (new_tokens - 1) / calls if calls else 0.0,
         "tokens_per_s": new_tokens / elapsed if elapsed > 0 else 0.0,
         "elapsed_s": elapsed,
+        "prefill_s": prefill_s,
+        # Decoding alone: the tokens after the first, over the time after the prefill.
+        "decode_tokens_per_s": (new_tokens - 1) / (elapsed - prefill_s) if elapsed > prefill_s and new_tokens > 1 else 0.0,
         "temperature": cfg.temperature,
         "finish_reason": out.finish_reason,
     }

@@ -178,6 +178,9 @@ class LanguageModel(nn.Module):
             logits (B, N, V) fp32, and TreeActivations for `replay`.
         """
         device = tokens.device
+        if (not torch.is_grad_enabled() and dispatch.uses_kernel("add_rms_norm", device)
+                and self.config.d_model <= _ADD_NORM_MAX_DIM):
+            return self._fused_verify(tokens, tree, cache)
         parents = tree.parents_tensor(device)
         depth = tree.depth_tensor(device)
         mask = tree.mask_tensor(device)
@@ -194,6 +197,34 @@ class LanguageModel(nn.Module):
             acts.append(a)
             h = h + x
         return self._logits(h), TreeActivations(acts)
+
+    def _fused_verify(self, tokens: torch.Tensor, tree, cache: ModelCache):
+        """`verify` on the kernels, same math: residual adds fused into the next RMSNorm, MLPs and
+        the LM head through `dispatch.linear` (skinny GEMM for few nodes). Same contract."""
+        device = tokens.device
+        parents = tree.parents_tensor(device)
+        depth = tree.depth_tensor(device)
+        mask = tree.mask_tensor(device)
+        h = self.embeddings(tokens)
+        acts = []
+        x = None
+        for i, layer in enumerate(self.layers):
+            if x is None:
+                normed = layer.norm(h)
+            else:
+                h, normed = dispatch.add_rms_norm(x, h, layer.norm.weight, layer.norm.eps)
+            if layer.kind == "mamba":
+                x, a = layer.mixer.verify(normed, cache.layers[i], parents)
+            elif layer.kind == "attention":
+                x, a = layer.mixer.verify(normed, cache.layers[i], cache.seqlen, depth, mask)
+            else:
+                x, a = _mlp_through_dispatch(layer.mixer, normed), None
+            acts.append(a)
+        if x is None:
+            normed = self.norm_f(h)
+        else:
+            _, normed = dispatch.add_rms_norm(x, h, self.norm_f.weight, self.norm_f.eps)
+        return dispatch.linear(normed, self.lm_head.weight, self.lm_head.bias).float(), TreeActivations(acts)
 
     def replay(self, cache: ModelCache, acts: TreeActivations, path: torch.Tensor, path_len: torch.Tensor) -> None:
         """Advance the cache along the accepted path: (B, M) node indices (root first), (B,) lengths."""

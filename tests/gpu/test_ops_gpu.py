@@ -173,7 +173,8 @@ def test_gemv_variants_gpu(n, k):
     b = torch.randn(n, device=DEV, dtype=torch.bfloat16)
     want = torch.nn.functional.linear(x.double(), w.double(), b.double())
     for cfg in (None, GemvConfig(2, 1024, 4, unroll=True), GemvConfig(1, 1024, 4, persistent=528),
-                GemvConfig(2, 512, 4, persistent=2112, unroll=True)):
+                GemvConfig(2, 512, 4, persistent=2112, unroll=True),
+                GemvConfig(1, 0, 8, preload=True), GemvConfig(2, 0, 8, split=2, preload=True)):
         _poison(n * 4)
         got = linear(x, w, b, config=cfg)
         assert got.dtype == torch.bfloat16 and torch.isfinite(got).all() and _rel(got, want) < 5e-3, cfg

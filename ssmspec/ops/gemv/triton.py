@@ -20,22 +20,40 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .. import pdl
+from ..pdl import gdc_launch_dependents, gdc_wait
+
 ENABLED = True
 """Benchmarks set this False to compare with cuBLAS through the same code path."""
 
-SKINNY_MAX_ROWS = 64
-"""Row counts 2..SKINNY_MAX_ROWS run the skinny GEMM; above it cuBLAS."""
+SKINNY_MAX_ROWS = 16
+"""Row counts 2..SKINNY_MAX_ROWS run the skinny GEMM; above it cuBLAS, which the sweep on the
+H100 found equal or faster from 32 rows on (out_proj at 64 rows: 12.9 us against 15.7)."""
 
 
 @triton.jit
 def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr,
+               PRELOAD: tl.constexpr, USE_PDL: tl.constexpr):
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     k_lo = split * K_SPLIT
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if UNROLL:
+    if PRELOAD:
+        # the tile's whole K range in one load (K_SPLIT == BLOCK_K), issued before waiting on the
+        # previous kernel: the weights are never written, so their stream overlaps its tail
+        offs_k = k_lo + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        w = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                    other=0.0, eviction_policy="evict_first")
+        if USE_PDL:
+            gdc_wait()
+        xv = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+    elif UNROLL:
         # static loop: the compiler can issue every chunk's load before the first multiply-add
+        if USE_PDL:
+            gdc_wait()
         for k0 in tl.static_range(0, K_SPLIT, BLOCK_K):
             offs_k = k_lo + k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
@@ -44,6 +62,8 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.
             xv = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
             acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
     else:
+        if USE_PDL:
+            gdc_wait()
         for k0 in range(0, K_SPLIT, BLOCK_K):
             offs_k = k_lo + k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
@@ -64,46 +84,59 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, swn, tiles, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr,
-                 PERSISTENT: tl.constexpr):
+                 PERSISTENT: tl.constexpr, PRELOAD: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        gdc_launch_dependents()  # see ops/pdl.py: nothing is written before gdc_wait
     split = tl.program_id(1)
     if PERSISTENT:
         for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
             _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS, PARTIAL, BLOCK_N, BLOCK_K,
-                       K_SPLIT, UNROLL)
+                       K_SPLIT, UNROLL, PRELOAD, USE_PDL)
     else:
         _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tl.program_id(0), split, N, K, swn, HAS_BIAS, PARTIAL, BLOCK_N,
-                   BLOCK_K, K_SPLIT, UNROLL)
+                   BLOCK_K, K_SPLIT, UNROLL, PRELOAD, USE_PDL)
 
 
 class GemvConfig(tuple):
-    """(block_n, block_k, num_warps, split, persistent, unroll); see the module docstring."""
+    """(block_n, block_k, num_warps, split, persistent, unroll, preload); see the module
+    docstring. preload: one load of the tile's whole K range (block_k is raised to it), issued
+    before the PDL wait (ops/pdl.py)."""
 
-    def __new__(cls, block_n=2, block_k=1024, num_warps=4, split=1, persistent=0, unroll=False):
-        return super().__new__(cls, (block_n, block_k, num_warps, split, persistent, unroll))
+    def __new__(cls, block_n=2, block_k=1024, num_warps=4, split=1, persistent=0, unroll=False, preload=False):
+        return super().__new__(cls, (block_n, block_k, num_warps, split, persistent, unroll, preload))
 
 
 # (N, K) -> config, from the sweep on the H100 (bench/results/gemv_sweep-h100.log); other shapes
-# get the default, the best plain config of the first sweep (2 x 1024, 4 warps).
+# get DEFAULT, or PRELOAD_DEFAULT under PDL when one program's K range fits its registers.
 TUNED: dict[tuple[int, int], GemvConfig] = {}
 DEFAULT = GemvConfig()
+PRELOAD_MAX_K = 8192
 
 
-def _config(n: int, k: int) -> GemvConfig:
-    cfg = TUNED.get((n, k), DEFAULT)
-    return GemvConfig(*cfg)
+def _config(n: int, k: int, device: torch.device) -> GemvConfig:
+    if (n, k) in TUNED:
+        return GemvConfig(*TUNED[(n, k)])
+    if pdl.enabled(device) and triton.next_power_of_2(k) <= PRELOAD_MAX_K:
+        return GemvConfig(1, triton.next_power_of_2(k), 4 if k <= 4096 else 8, preload=True)
+    return DEFAULT
 
 
 def _launch_gemv(xv, weight, bias, y, cfg: GemvConfig, partial: bool):
     n, k = weight.shape
-    block_n, block_k, warps, split, persistent, unroll = cfg
-    block_k = min(block_k, triton.next_power_of_2(k))
-    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    block_n, block_k, warps, split, persistent, unroll, preload = cfg
+    if preload:
+        block_k = k_split = triton.next_power_of_2(triton.cdiv(k, split))
+    else:
+        block_k = min(block_k, triton.next_power_of_2(k))
+        k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     tiles = triton.cdiv(n, block_n)
     grid0 = min(tiles, persistent) if persistent else tiles
+    use_pdl = pdl.enabled(xv.device)
     _gemv_kernel[(grid0, split)](
         xv, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), tiles,
         HAS_BIAS=bias is not None, PARTIAL=partial, BLOCK_N=block_n, BLOCK_K=block_k, K_SPLIT=k_split,
-        UNROLL=bool(unroll), PERSISTENT=bool(persistent), num_warps=warps,
+        UNROLL=bool(unroll), PERSISTENT=bool(persistent), PRELOAD=bool(preload), USE_PDL=use_pdl, num_warps=warps,
+        **({"launch_pdl": True} if use_pdl else {}),
     )
 
 
@@ -118,8 +151,9 @@ def gemv_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     partial sums over `split` column ranges (the bias in partial 0); their sum is x W^T + b. For a
     consumer that reduces them anyway (ops.step_update.add_rms_norm)."""
     n, k = weight.shape
-    cfg = GemvConfig(*(config or _config(n, k)))
-    cfg = GemvConfig(cfg[0], cfg[1], cfg[2], split, cfg[4], cfg[5])
+    cfg = list(GemvConfig(*(config or _config(n, k, x.device))))
+    cfg[3] = split
+    cfg = GemvConfig(*cfg)
     y = torch.empty((split,) + tuple(x.shape[:-1]) + (n,), device=x.device, dtype=torch.float32)
     _launch_gemv(_as_vector(x, k), weight, bias, y, cfg, partial=True)
     return y
@@ -127,7 +161,11 @@ def gemv_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr,
-                   IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    if USE_PDL:  # ops/pdl.py
+        gdc_launch_dependents()
+        gdc_wait()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     mask_n = offs_n < N
@@ -151,7 +189,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
 
 SKINNY_DEFAULT = (32, 128, 4, 4)
 """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the skinny GEMM."""
-SKINNY_TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+# (N, K) -> config: the best of the H100 sweep at 8 and 16 rows (bench/results/gemv_sweep-h100.log)
+SKINNY_TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {(2560, 5120): (16, 128, 2, 5)}
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None) -> torch.Tensor:
@@ -169,7 +208,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         rows, weight, bias if bias is not None else weight, y, m, n, k, rows.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=stages,
+        num_stages=stages, USE_PDL=pdl.enabled(x.device), **({"launch_pdl": True} if pdl.enabled(x.device) else {}),
     )
     return y.reshape(tuple(x.shape[:-1]) + (n,))
 
@@ -186,7 +225,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if rows > 1:
         return skinny_linear(x, weight, bias)
     n = weight.shape[0]
-    cfg = GemvConfig(*(config or _config(n, k)))
+    cfg = GemvConfig(*(config or _config(n, k, x.device)))
     if cfg[3] > 1:
         # split-K for a plain linear needs a reduction; kept for the sweep, tuned tables avoid it here
         return gemv_partials(x, weight, bias, cfg[3], cfg).sum(0).to(torch.result_type(x, weight))

@@ -18,6 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import pdl
+from ..pdl import gdc_launch_dependents, gdc_wait
+
+
+def _pdl_args(device: torch.device) -> dict:
+    """Launch arguments for PDL (ops/pdl.py) on devices that have it, none elsewhere."""
+    return {"USE_PDL": True, "launch_pdl": True} if pdl.enabled(device) else {}
+
 
 @triton.jit
 def _softplus(x):
@@ -61,7 +69,11 @@ def _step_ssm_kernel(
     sgb,
     K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     grp = h // heads_per_group
@@ -120,7 +132,11 @@ def _gated_norm_kernel(
     group_size, d_inner, S, G, eps,
     sgb, sob, sxb, sxc, scb, scc, sck,
     K: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
+        gdc_launch_dependents()
+        gdc_wait()
     # grid (B, norm groups, chunks): every program reduces its whole group (L2-resident, one
     # wide load) and normalises only its own chunk, so the launch is one short pass instead of
     # one long serial program per group.
@@ -209,7 +225,7 @@ def mamba_step(
         *conv_weight.stride(), gated.stride(0),
         K=kernel_size, HAS_BIAS=conv_bias is not None,
         BLOCK_P=block_p, BLOCK_S=max(16, triton.next_power_of_2(d_state)), BLOCK_K=block_k,
-        num_warps=4,
+        num_warps=4, **_pdl_args(z.device),
     )
     group_size = d_inner // norm_groups
     chunk = min(1024, triton.next_power_of_2(group_size))
@@ -219,12 +235,16 @@ def mamba_step(
         gated.stride(0), out.stride(0), *xBC.stride(), *conv_state.stride(),
         K=kernel_size, BLOCK_R=min(8192, triton.next_power_of_2(group_size)), CHUNK=chunk,
         BLOCK_S=max(16, triton.next_power_of_2(d_state)), BLOCK_K=block_k, num_warps=8,
+        **_pdl_args(z.device),
     )
     return out
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, sxr, sor, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, sxr, sor, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0)
     sq = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, D, BLOCK):
@@ -250,14 +270,17 @@ def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](
             rows, weight, out, dim, float(eps), rows.stride(0), out.stride(0),
-            BLOCK=min(4096, triton.next_power_of_2(dim)), num_warps=8,
+            BLOCK=min(4096, triton.next_power_of_2(dim)), num_warps=8, **_pdl_args(h.device),
         )
     return out.reshape(h.shape)
 
 
 @triton.jit
 def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, D, group_size, eps, syr, szr, sor,
-                           BLOCK_R: tl.constexpr, CHUNK: tl.constexpr):
+                           BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
+        gdc_launch_dependents()
+        gdc_wait()
     # grid (rows, groups, chunks): each program reduces the whole group, writes its chunk.
     row = tl.program_id(0)
     base = tl.program_id(1) * group_size
@@ -300,13 +323,17 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
         chunk = min(1024, triton.next_power_of_2(group_size))
         _gated_rms_norm_kernel[(y2.shape[0], dim // group_size, triton.cdiv(group_size, chunk))](
             y2, z2, weight, out, dim, group_size, float(eps), y2.stride(0), z2.stride(0), out.stride(0),
-            BLOCK_R=min(8192, triton.next_power_of_2(group_size)), CHUNK=chunk, num_warps=8,
+            BLOCK_R=min(8192, triton.next_power_of_2(group_size)), CHUNK=chunk, num_warps=8, **_pdl_args(y.device),
         )
     return out.reshape(y.shape)
 
 
 @triton.jit
-def _time_step_kernel(dt_ptr, bias_ptr, out_ptr, rows, H, sdr, dt_min, dt_max, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+def _time_step_kernel(dt_ptr, bias_ptr, out_ptr, rows, H, sdr, dt_min, dt_max, BLOCK_R: tl.constexpr,
+                      BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
+        gdc_launch_dependents()
+        gdc_wait()
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_h = tl.arange(0, BLOCK_H)
     m = (offs_r < rows)[:, None] & (offs_h < H)[None, :]
@@ -331,14 +358,17 @@ def time_step(dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, dt_max
         block_r = max(1, 1024 // block_h)
         _time_step_kernel[(triton.cdiv(rows, block_r),)](
             rows2d, dt_bias, out, rows, heads, rows2d.stride(0), float(dt_min), float(dt_max),
-            BLOCK_R=block_r, BLOCK_H=block_h,
+            BLOCK_R=block_r, BLOCK_H=block_h, **_pdl_args(dt_raw.device),
         )
     return out
 
 
 @triton.jit
 def _add_rms_norm_kernel(d_ptr, h_ptr, w_ptr, hout_ptr, out_ptr, D, eps, sdr, sds, shr, shor, sor,
-                         SPLIT: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr):
+                         SPLIT: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
+        gdc_launch_dependents()
+        gdc_wait()
     # one program per row; the row fits one block, so the sum is stored once and normalised from registers
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -385,6 +415,6 @@ def add_rms_norm(delta: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps
         _add_rms_norm_kernel[(h2.shape[0],)](
             d2, h2, weight, h_out, out, dim, float(eps), d2.stride(1), d2.stride(0), h2.stride(0), h_out.stride(0),
             out.stride(0), SPLIT=split, ROUND=partial, BLOCK=triton.next_power_of_2(dim),
-            num_warps=4 if dim <= 4096 else 8,
+            num_warps=4 if dim <= 4096 else 8, **_pdl_args(h.device),
         )
     return h_out.reshape(h.shape), out.reshape(h.shape)
