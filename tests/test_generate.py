@@ -229,3 +229,19 @@ def test_device_side_iteration_equals_the_host_loop(arch):
         ar = [generate(target, ids, config=GenerationConfig(method="ar", max_new_tokens=12, graphs=g)).token_ids
               for g in (False, True)]
         assert ar[0] == ar[1]
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+@pytest.mark.parametrize("length", [1, 5, 64, 150])
+def test_prefill_by_chunks_equals_the_full_forward(arch, length):
+    # The GPU prefill (chains of 64 through verify + replay) must leave the cache and logits of
+    # the plain forward, across chunk boundaries.
+    from ssmspec.decoding.generate import prefill
+
+    target = tiny_model(TARGETS[arch], seed=4)
+    prompt = torch.randint(0, 64, (1, length))
+    cache_a, logits_a = prefill(target, prompt, 200, by_chunks=False)
+    cache_b, logits_b = prefill(target, prompt, 200, by_chunks=True)
+    torch.testing.assert_close(logits_b, logits_a, atol=1e-4, rtol=1e-4)
+    nxt = torch.tensor([[7]])
+    torch.testing.assert_close(target.step(nxt, cache_b), target.step(nxt, cache_a), atol=1e-4, rtol=1e-4)

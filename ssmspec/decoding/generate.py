@@ -163,10 +163,39 @@ class _FastPath:
         return tree.path(last), produced[count - 1]
 
 
-def prefill(target: LanguageModel, prompt: torch.Tensor, max_len: int, fast: _FastPath | None = None):
+PREFILL_CHUNK = 64
+
+
+def prefill(target: LanguageModel, prompt: torch.Tensor, max_len: int, fast: _FastPath | None = None,
+            by_chunks: bool | None = None):
+    """Run the prompt (1, T) into a fresh cache; returns (cache, last position's logits (V,)).
+
+    With the tree kernels available (a GPU), the prompt goes through `verify` + `replay` as
+    chains of PREFILL_CHUNK tokens: the same kernels as decoding, instead of the plain-torch
+    chunked scan. Both give the state of stepping the prompt token by token.
+    """
     cache = fast.cache if fast is not None else target.new_cache(1, max_len)
-    logits = target(prompt, cache, last_only=True)[0, -1]
-    return cache, logits
+    if by_chunks is None:
+        by_chunks = dispatch.uses_kernel("tree_scan", target.device)
+    if not by_chunks:
+        return cache, target(prompt, cache, last_only=True)[0, -1]
+    for start in range(0, prompt.shape[1], PREFILL_CHUNK):
+        chunk = prompt[:, start:start + PREFILL_CHUNK]
+        n = chunk.shape[1]
+        logits, acts = target.verify(chunk, _chain(n), cache)
+        path = torch.arange(n, device=target.device)[None]
+        target.replay(cache, acts, path, torch.full((1,), n, device=target.device))
+    return cache, logits[0, -1]
+
+
+_CHAINS: dict[int, Tree] = {}
+
+
+def _chain(nodes: int) -> Tree:
+    """A chain tree of `nodes` nodes, kept so its device tensors are built once."""
+    if nodes not in _CHAINS:
+        _CHAINS[nodes] = Tree.chain(nodes - 1)
+    return _CHAINS[nodes]
 
 
 def next_token(logits: torch.Tensor, cfg: GenerationConfig, generator) -> int:
