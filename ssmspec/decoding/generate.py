@@ -148,8 +148,8 @@ class _FastPath:
             self.step_graph = StepGraph(self.target, self.cache)
         return self.step_graph(ids)[0, -1]
 
-    def iterate(self, draft: Draft) -> tuple[list[int], int]:
-        """verify + greedy accept + replay in one call; returns (path, bonus)."""
+    def iterate(self, draft: Draft) -> tuple[list[int], list[int], int]:
+        """verify + greedy accept + replay in one call; returns (path, accepted tokens, bonus)."""
         from .graphs import GreedyTreeGraph
 
         tree = draft.tree
@@ -160,7 +160,7 @@ class _FastPath:
         # One read-back per iteration: accepted length, deepest node, produced tokens.
         packed = torch.cat([n, graph.out_last, tokens[0]]).tolist()
         count, last, produced = packed[0], packed[1], packed[2:]
-        return tree.path(last), produced[count - 1]
+        return tree.path(last), produced[:count - 1], produced[count - 1]
 
 
 PREFILL_CHUNK = 64
@@ -290,12 +290,12 @@ def generate(
         while not out.done:
             draft = draft_tree(drafter, root, cfg, generator)
             if fast is not None and draft.tree == cfg.tree:
-                path, bonus = fast.iterate(draft)  # verify + accept + replay, one graph
+                path, accepted, bonus = fast.iterate(draft)  # verify + accept + replay, one graph
             else:
                 logits, acts = verify_tree(target, draft, cache)
                 path, bonus = accept_path(draft, logits[0], cfg, generator)
                 replay_state(target, cache, acts, path)
-            accepted = draft.tokens[path[1:]].tolist()
+                accepted = draft.tokens[path[1:]].tolist()
             drafter.commit(accepted, path)
             out.emit(accepted + [bonus])
             accepted_per_call.append(len(accepted) + 1)
