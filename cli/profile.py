@@ -72,7 +72,12 @@ def profile_command(
     no_plot: bool = typer.Option(False, "--no-plot", help="Do not draw the PNG."),
     seed: int = typer.Option(_D.seed, "--seed", help="Seed of the random prompt and tokens."),
 ) -> None:
-    """Measure target (and drafter) runtime against input size, fit t = kN + C / aN^2 + bN + c, write profile.json."""
+    """Measure target (and drafter) runtime against input size, fit t = kN + C / aN^2 + bN + c, write profile.json.
+
+    Examples:
+        ssmspec profile --target runs/target --drafter runs/drafter --out profile.json --plot profile.png
+        ssmspec profile --target-preset mamba2-2.7b --drafter-preset drafter-2l --device cuda --dtype bf16
+    """
     import torch
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn

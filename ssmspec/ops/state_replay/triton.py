@@ -11,6 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import gdc_launch_dependents, gdc_wait
+from ..step_update.triton import _pdl_args
+
 
 @triton.jit
 def _replay_ssm_kernel(
@@ -22,7 +25,11 @@ def _replay_ssm_kernel(
     sBb, sBn, sBg, sBs,
     spb, spm,
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
+        gdc_launch_dependents()
+        gdc_wait()
     pid_bh = tl.program_id(0)
     b = pid_bh // H
     h = pid_bh % H
@@ -101,6 +108,7 @@ def replay_ssm_state(
         heads, head_dim, d_state, steps, heads // groups,
         *ssm_state.stride(), *x.stride(), *dt.stride(), *B.stride(), *path.stride(),
         BLOCK_P=block_p, BLOCK_S=block_s, UNROLL=steps if steps <= 16 else 0, num_warps=4,
+        **_pdl_args(ssm_state.device),
     )
 
 
@@ -112,7 +120,11 @@ def _replay_conv_kernel(
     sxb, sxn, sxc,
     spb, spm,
     HIST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_t = tl.arange(0, BLOCK_H)
@@ -159,4 +171,5 @@ def replay_conv_state(conv_state: torch.Tensor, xBC: torch.Tensor, path: torch.T
         channels, path.shape[1],
         *conv_state.stride(), *xBC.stride(), *path.stride(),
         HIST=history, BLOCK_H=triton.next_power_of_2(history), BLOCK_C=block_c, num_warps=4,
+        **_pdl_args(conv_state.device),
     )

@@ -11,6 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import gdc_launch_dependents, gdc_wait
+from ..step_update.triton import _pdl_args
+
 
 @triton.jit
 def _tree_conv_kernel(
@@ -22,7 +25,11 @@ def _tree_conv_kernel(
     sob, son, soc,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -102,6 +109,6 @@ def tree_conv(
         n, channels,
         *xBC.stride(), *conv_state.stride(), *weight.stride(), *out.stride(),
         K=kernel_size, HAS_BIAS=bias is not None, SILU=activation == "silu",
-        BLOCK_N=block_n, BLOCK_C=block_c, num_warps=1,
+        BLOCK_N=block_n, BLOCK_C=block_c, num_warps=1, **_pdl_args(out.device),
     )
     return out

@@ -16,6 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import gdc_launch_dependents, gdc_wait
+from ..step_update.triton import _pdl_args
+
 
 @triton.jit
 def _tree_scan_kernel(
@@ -30,7 +33,11 @@ def _tree_scan_kernel(
     HAS_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
+        gdc_launch_dependents()
+        gdc_wait()
     pid_bh = tl.program_id(0)
     pid_p = tl.program_id(1)
     b = pid_bh // H
@@ -162,6 +169,6 @@ def tree_scan(
         HAS_D=D is not None,
         BLOCK_N=block_n, BLOCK_P=block_p, BLOCK_S=block_s,
         PRECISION=precision,
-        num_warps=4 if block_n <= 32 else 8,
+        num_warps=4 if block_n <= 32 else 8, **_pdl_args(y.device),
     )
     return y
