@@ -622,8 +622,7 @@ def _draft_closure(drafter, s: ProfileSettings, dtimer: _Timer, device):
         ModelDrafter = None
     if ModelDrafter is not None and s.batch == 1:
         md = ModelDrafter(drafter, sample_children=False)
-        md.cache = dtimer.base.clone()
-        md.pending = []
+        md.start_from(dtimer.base.clone())
         seqlen0 = md.cache.seqlen.clone()
         params = SamplingParams()
         root = int(dtimer.prompt[0, -1])

@@ -116,6 +116,13 @@ class ModelDrafter:
         self.pending = []
         self._last = None
 
+    def start_from(self, cache) -> None:
+        """Continue from an existing committed cache (batch 1) instead of a prompt (profiling)."""
+        capacities = [c.keys.shape[2] for c in cache.layers if hasattr(c, "keys")]
+        self.cache = cache
+        self._max_len = max(capacities) if capacities else int(cache.seqlen.max()) + 1
+        self._plans, self.pending, self._last = {}, [], None
+
     def commit(self, accepted: list[int], path: list[int] | None = None) -> None:
         """The target accepted `accepted` (tokens of `path[1:]`, path = tree nodes from the root).
 
