@@ -23,6 +23,7 @@ from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch, pdl
 from ssmspec.ops.gemv import triton as gemv
+from ssmspec.ops.step_update import triton as step_kernels
 from ssmspec.trees.tree import Tree
 
 RESULTS: dict = {}
@@ -167,6 +168,18 @@ def main() -> int:
             graph2 = StepGraph(model, cache2)
             record("AR step CUDA graph [triton, no PDL]", median_ms(lambda: graph2(ids), iters=100))
             pdl.ENABLED = True
+            step_kernels.FUSE_OUT_PROJ = True  # the gated norm folded into the out_proj GEMV (off by default)
+            cache2 = prefilled_cache(model, prompt, 256)
+            graph2 = StepGraph(model, cache2)
+            record("AR step CUDA graph [triton, norm in out_proj]", median_ms(lambda: graph2(ids), iters=100))
+            step_kernels.FUSE_OUT_PROJ = False
+            for flag, label in (("PRELOAD_STATE", "state read after the PDL wait"),
+                                ("NORM_FROM_PARTS", "gated norm re-reduces its group")):
+                setattr(step_kernels, flag, False)
+                cache2 = prefilled_cache(model, prompt, 256)
+                graph2 = StepGraph(model, cache2)
+                record(f"AR step CUDA graph [triton, {label}]", median_ms(lambda: graph2(ids), iters=100))
+                setattr(step_kernels, flag, True)
             del graph2, cache2
         if args.profile and backend == "triton":
             RESULTS.setdefault("profiles", []).append(profile_top(lambda: graph(ids), "AR step graph [triton]"))

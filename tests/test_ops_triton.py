@@ -20,6 +20,20 @@ import torch
 pytest.importorskip("triton")
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _tiny_model_with_head_dim(layers, head_dim):
+    """helpers.tiny_model with another Mamba head size (16 takes the folded out_proj path)."""
+    import dataclasses
+
+    from helpers import tiny_config
+    from ssmspec.models import LanguageModel, MambaConfig
+    from ssmspec.models.init import init_weights
+
+    cfg = dataclasses.replace(tiny_config(layers), mamba=MambaConfig(n_heads=4, head_dim=head_dim, d_state=8, n_groups=2,
+                                                                     chunk_size=8))
+    return init_weights(LanguageModel(cfg), seed=0, std=0.2).eval()
+
 REPO = Path(__file__).resolve().parents[1]
 
 if not INTERPRETED:
@@ -231,27 +245,28 @@ else:
         assert_close(SU.rms_norm(h, w, 1e-5), naive_rms_norm(h, w, 1e-5), atol=1e-5, rtol=1e-5)
 
 
-    @pytest.mark.parametrize("layers", [("mamba", "mamba"), ("mamba", "mlp", "attention", "mlp", "mamba")],
-                             ids=["mamba", "hybrid"])
-    def test_model_step_and_verify_through_kernels_match_reference(monkeypatch, layers):
+    @pytest.mark.parametrize("layers, batch, head_dim", [(("mamba", "mamba"), 2, 8),
+                                                         (("mamba", "mlp", "attention", "mlp", "mamba"), 2, 8),
+                                                         (("mamba", "mlp", "mamba"), 1, 16)],
+                             ids=["mamba", "hybrid", "batch1-P16"])  # the last takes the folded out_proj
+    def test_model_step_and_verify_through_kernels_match_reference(monkeypatch, layers, batch, head_dim):
         """The fused step (residual adds inside the next norm, GEMV projections) and the tree
         verify+replay through the kernels equal the reference, for Mamba-only and hybrid stacks."""
-        from helpers import tiny_model
         from ssmspec.ops import dispatch
 
         kernels = {"tree_scan": TS.tree_scan, "tree_conv": TC.tree_conv, "replay_ssm_state": SR.replay_ssm_state,
                    "replay_conv_state": SR.replay_conv_state, "mamba_step": SU.mamba_step, "rms_norm": SU.rms_norm,
                    "gated_rms_norm": SU.gated_rms_norm, "time_step": SU.time_step, "linear": GV.linear,
-                   "add_rms_norm": SU.add_rms_norm}
-        model = tiny_model(layers)
-        prompt = torch.randint(0, 64, (2, 5))
+                   "add_rms_norm": SU.add_rms_norm, "mamba_step_out": SU.mamba_step_out}
+        model = _tiny_model_with_head_dim(layers, head_dim)
+        prompt = torch.randint(0, 64, (batch, 5))
         tree = Tree.from_config((2, 2))
-        tokens = torch.randint(0, 64, (2, tree.num_nodes))
-        path = torch.tensor([[0, 1, 3], [0, 2, 6]])
-        path_len = torch.tensor([3, 2])
+        tokens = torch.randint(0, 64, (batch, tree.num_nodes))
+        path = torch.tensor([[0, 1, 3], [0, 2, 6]])[:batch]
+        path_len = torch.tensor([3, 2])[:batch]
 
         def run():
-            cache = model.new_cache(2, 32)
+            cache = model.new_cache(batch, 32)
             with torch.no_grad():
                 model(prompt, cache)
                 step_logits = model.step(prompt[:, -1:], cache)
@@ -261,6 +276,7 @@ else:
 
         ref = run()
         monkeypatch.setattr(dispatch, "resolve", lambda op, device: kernels.get(op, dispatch._REFERENCE[op]))
+        monkeypatch.setattr(SU, "FUSE_OUT_PROJ", True)  # off by default (slower on the H100), still kept right
         got = run()
         assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4, name="step logits")
         assert_close(got[1], ref[1], atol=1e-4, rtol=1e-4, name="tree logits")
@@ -333,3 +349,29 @@ else:
         parts = torch.randn(3, 2, 1, 300)  # split-K partial sums of the sublayer output
         for got, want in zip(SU.add_rms_norm(parts, h, w, 1e-5), naive_add_rms_norm(parts, h, w, 1e-5)):
             assert_close(got, want, atol=1e-5, rtol=1e-5, name="partials")
+
+
+    @pytest.mark.parametrize("shape", [(1, 4, 16, 16, 1, 1, 4), (1, 6, 16, 8, 2, 3, 3), (1, 3, 8, 16, 1, 1, 4),
+                                       (2, 4, 16, 16, 2, 2, 4)],
+                             ids=["fused", "fused-G2-norm3-K3", "fallback-P8", "fallback-batch2"])
+    def test_mamba_step_out_matches_reference(shape, nan_outputs):
+        """The step with the gated norm folded into the out_proj GEMV (batch 1), and its fallbacks."""
+        from ssmspec.ops.step_update.naive import naive_mamba_step_out
+
+        batch, heads, head_dim, d_state, groups, norm_groups, kernel_size = shape
+        channels, d_inner, d_model = heads * head_dim + 2 * groups * d_state, heads * head_dim, 40
+        xbc = torch.randn(batch, channels)
+        dt_raw = torch.randn(batch, heads)
+        z = torch.randn(batch, d_inner)
+        conv_state = torch.randn(batch, channels, kernel_size - 1)
+        ssm_state = torch.randn(batch, heads, head_dim, d_state)
+        args = (torch.randn(channels, kernel_size), torch.randn(channels), torch.randn(heads), torch.randn(heads),
+                torch.randn(heads), torch.randn(d_inner), groups, norm_groups, 0.01, 5.0, 1e-5,
+                torch.randn(d_model, d_inner) / 8, torch.randn(d_model))
+        cs_want, ss_want = conv_state.clone(), ssm_state.clone()
+        want = naive_mamba_step_out(xbc, dt_raw, z, cs_want, ss_want, *args)
+        got = SU.mamba_step_out(xbc, dt_raw, z, conv_state, ssm_state, *args, fold_norm=True)
+        assert got.shape == (batch, d_model)
+        assert_close(got, want, atol=1e-4, rtol=1e-4, name="out")
+        assert_close(ssm_state, ss_want, atol=1e-5, rtol=1e-5, name="ssm_state")
+        assert torch.equal(conv_state, cs_want), "conv state shift differs"

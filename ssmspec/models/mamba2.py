@@ -162,6 +162,15 @@ class Mamba2Mixer(nn.Module):
         c = self.cfg
         zxbcdt = dispatch.linear(h, self.in_proj.weight, self.in_proj.bias)
         z, xBC, dt_raw = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
+        if dispatch.uses_kernel("mamba_step_out", h.device):
+            # the gated norm folded into the out_proj GEMV: two launches after in_proj
+            out = dispatch.mamba_step_out(
+                xBC[:, 0], dt_raw[:, 0], z[:, 0], cache.conv_state, cache.ssm_state, self.conv_weight,
+                self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight, c.n_groups,
+                c.d_inner // self.norm.group_size, c.dt_min, c.dt_max, self.norm.eps, self.out_proj.weight,
+                self.out_proj.bias,
+            )
+            return out[:, None]
         out = dispatch.mamba_step(
             xBC[:, 0], dt_raw[:, 0], z[:, 0], cache.conv_state, cache.ssm_state, self.conv_weight,
             self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight, c.n_groups,

@@ -13,7 +13,14 @@ import torch
 from .chunk_scan.naive import naive_chunk_scan
 from .gemv.naive import naive_linear
 from .state_replay.naive import naive_replay_conv_state, naive_replay_ssm_state
-from .step_update.naive import naive_add_rms_norm, naive_gated_rms_norm, naive_mamba_step, naive_rms_norm, naive_time_step
+from .step_update.naive import (
+    naive_add_rms_norm,
+    naive_gated_rms_norm,
+    naive_mamba_step,
+    naive_mamba_step_out,
+    naive_rms_norm,
+    naive_time_step,
+)
 from .tree_conv.naive import naive_tree_conv
 from .tree_scan.naive import naive_tree_scan
 
@@ -27,6 +34,7 @@ _REFERENCE = {
     "replay_conv_state": naive_replay_conv_state,
     "chunk_scan": naive_chunk_scan,
     "mamba_step": naive_mamba_step,
+    "mamba_step_out": naive_mamba_step_out,
     "rms_norm": naive_rms_norm,
     "add_rms_norm": naive_add_rms_norm,
     "gated_rms_norm": naive_gated_rms_norm,
@@ -40,6 +48,7 @@ _TRITON = {
     "replay_ssm_state": ("ssmspec.ops.state_replay.triton", "replay_ssm_state"),
     "replay_conv_state": ("ssmspec.ops.state_replay.triton", "replay_conv_state"),
     "mamba_step": ("ssmspec.ops.step_update.triton", "mamba_step"),
+    "mamba_step_out": ("ssmspec.ops.step_update.triton", "mamba_step_out"),
     "rms_norm": ("ssmspec.ops.step_update.triton", "rms_norm"),
     "add_rms_norm": ("ssmspec.ops.step_update.triton", "add_rms_norm"),
     "gated_rms_norm": ("ssmspec.ops.step_update.triton", "gated_rms_norm"),
@@ -119,6 +128,15 @@ def mamba_step(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt
     return resolve("mamba_step", xBC.device)(
         xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,
         n_groups, norm_groups, dt_min, dt_max, eps,
+    )
+
+
+def mamba_step_out(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,
+                   n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias):
+    """`mamba_step` followed by out_proj (at batch 1 the gated norm runs inside the out_proj GEMV)."""
+    return resolve("mamba_step_out", xBC.device)(
+        xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,
+        n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias,
     )
 
 

@@ -22,6 +22,19 @@ def _poison(nbytes):
     del del_me
 
 
+def _tiny_model_with_head_dim(layers, head_dim):
+    """helpers.tiny_model with another Mamba head size (16 takes the folded out_proj path)."""
+    import dataclasses
+
+    from helpers import tiny_config
+    from ssmspec.models import LanguageModel, MambaConfig
+    from ssmspec.models.init import init_weights
+
+    cfg = dataclasses.replace(tiny_config(layers), mamba=MambaConfig(n_heads=4, head_dim=head_dim, d_state=8, n_groups=2,
+                                                                     chunk_size=8))
+    return init_weights(LanguageModel(cfg), seed=0, std=0.2).eval()
+
+
 def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -108,13 +121,21 @@ def test_mamba_step_gpu(batch):
     assert torch.equal(cs2, cs)
 
 
-def test_greedy_fast_path_equals_reference_token_for_token():
+@pytest.mark.parametrize("variant", ["tiny", "P16-hybrid"])
+def test_greedy_fast_path_equals_reference_token_for_token(variant, monkeypatch):
     """fp32 tiny model: the CUDA-graph step and the greedy tree graph (Triton) reproduce the
-    reference path's greedy tokens exactly."""
+    reference path's greedy tokens exactly. P16-hybrid: head_dim 16 takes the out_proj with the
+    folded gated norm at batch 1, and MLP / attention sublayers the fused residual norms."""
     from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
     from ssmspec.ops import dispatch
 
-    model = tiny_model().to(DEV)
+    if variant == "tiny":
+        model = tiny_model().to(DEV)
+    else:
+        from ssmspec.ops.step_update import triton as step_kernels
+
+        monkeypatch.setattr(step_kernels, "FUSE_OUT_PROJ", True)  # off by default, kept right
+        model = _tiny_model_with_head_dim(("mamba", "mlp", "attention", "mamba"), 16).to(DEV)
     prompt = torch.randint(0, 64, (1, 7), device=DEV)
 
     def reference_greedy(steps):
@@ -214,3 +235,31 @@ def test_add_rms_norm_gpu():
         parts = torch.randn(4, 3, 1, dim, device=DEV)
         got, want = add_rms_norm(parts, h, w, 1e-5), naive_add_rms_norm(parts, h, w, 1e-5)
         assert _rel(got[0], want[0]) < 1e-2 and _rel(got[1], want[1]) < 1e-2
+
+
+
+@pytest.mark.parametrize("heads, groups, norm_groups", [(80, 1, 1), (128, 8, 8)], ids=["2.7b", "8b"])
+def test_mamba_step_out_gpu(heads, groups, norm_groups):
+    """The gated norm folded into out_proj at the mamba2-2.7b and hybrid-8b mixer shapes (batch 1)."""
+    from ssmspec.ops.step_update.naive import naive_mamba_step_out
+    from ssmspec.ops.step_update.triton import mamba_step_out
+
+    d_inner, channels = heads * P, heads * P + 2 * groups * S
+    d_model = d_inner // 2
+    bf = torch.bfloat16
+    xbc = torch.randn(1, channels, device=DEV, dtype=bf)
+    dt_raw = torch.randn(1, heads, device=DEV, dtype=bf)
+    z = torch.randn(1, d_inner, device=DEV, dtype=bf)
+    cs = torch.randn(1, channels, K - 1, device=DEV, dtype=bf)
+    ss = torch.randn(1, heads, P, S, device=DEV)
+    args = (torch.randn(channels, K, device=DEV, dtype=bf), torch.randn(channels, device=DEV, dtype=bf),
+            torch.randn(heads, device=DEV), torch.randn(heads, device=DEV), torch.randn(heads, device=DEV),
+            torch.randn(d_inner, device=DEV, dtype=bf), groups, norm_groups, 0.0, math.inf, 1e-5,
+            torch.randn(d_model, d_inner, device=DEV, dtype=bf) / 64, None)
+    cs2, ss2 = cs.clone(), ss.clone()
+    want = naive_mamba_step_out(xbc, dt_raw, z, cs, ss, *args)
+    _poison(d_model * 4)
+    got = mamba_step_out(xbc, dt_raw, z, cs2, ss2, *args, fold_norm=True)
+    assert torch.isfinite(got).all() and _rel(got, want) < 1e-2
+    assert_close(ss2, ss, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cs2, cs)

@@ -106,8 +106,9 @@ class GemvConfig(tuple):
         return super().__new__(cls, (block_n, block_k, num_warps, split, persistent, unroll, preload))
 
 
-# (N, K) -> config, from the sweep on the H100 (bench/results/gemv_sweep-h100.log); other shapes
-# get DEFAULT, or PRELOAD_DEFAULT under PDL when one program's K range fits its registers.
+# (N, K) -> config. Empty: in the H100 sweeps (bench/results/gemv_sweep-h100.log, -out_proj-pdl-)
+# no per-shape tile beat the defaults by more than ~3%: under PDL one row per program with its
+# whole K range preloaded (when next_pow2(K) <= PRELOAD_MAX_K), else DEFAULT (2 rows x 1024).
 TUNED: dict[tuple[int, int], GemvConfig] = {}
 DEFAULT = GemvConfig()
 PRELOAD_MAX_K = 8192
@@ -163,7 +164,9 @@ def gemv_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr,
                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    USE_PDL: tl.constexpr):
-    if USE_PDL:  # ops/pdl.py
+    # Launched without PDL (USE_PDL False): its early-launched instances held their pipeline's
+    # shared memory while waiting and ran 1.4x slower in the H100 sweep (13.7 -> 20.5 us at 8 rows).
+    if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -208,7 +211,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         rows, weight, bias if bias is not None else weight, y, m, n, k, rows.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=stages, USE_PDL=pdl.enabled(x.device), **({"launch_pdl": True} if pdl.enabled(x.device) else {}),
+        num_stages=stages, USE_PDL=False,
     )
     return y.reshape(tuple(x.shape[:-1]) + (n,))
 

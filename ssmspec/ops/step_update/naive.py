@@ -117,3 +117,12 @@ def naive_time_step(dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, 
         dt_raw: (..., H); dt_bias: (H,). Returns (..., H) fp32.
     """
     return F.softplus(dt_raw.float() + dt_bias.float()).clamp(dt_min, dt_max)
+
+
+def naive_mamba_step_out(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
+                         norm_weight, n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias):
+    """`naive_mamba_step` followed by the mixer's out_proj: out_weight (d_model, H*P), out_bias
+    (d_model,) or None. Returns (B, d_model) in z's dtype; states updated in place."""
+    out = naive_mamba_step(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
+                           norm_weight, n_groups, norm_groups, dt_min, dt_max, eps)
+    return F.linear(out, out_weight, out_bias)

@@ -11,8 +11,16 @@ two launches:
 2. `_gated_norm_kernel`, one program per (batch row, norm group): the RMSNorm over the group and
    the norm weight; it also shifts the conv state of the B and C channels, which could not be
    done in (1) without racing with other heads still reading the old window.
+
+Also here: `add_rms_norm` (a residual add fused into the next sublayer's RMSNorm, used by
+`LanguageModel._fused_step` / `_fused_verify`), `mamba_step_out` (the step plus out_proj, with an
+optional variant that folds the gated norm into the out_proj GEMV: off, see FUSE_OUT_PROJ) and
+the one-launch RMSNorm, gated RMSNorm and time step of the verify path. Every kernel launches
+with programmatic dependent launch on Hopper (ops/pdl.py).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -22,9 +30,20 @@ from .. import pdl
 from ..pdl import gdc_launch_dependents, gdc_wait
 
 
-def _pdl_args(device: torch.device) -> dict:
+PRELOAD_STATE = True
+"""Under PDL the step kernel reads its SSM state before waiting on in_proj (see the kernel)."""
+NORM_FROM_PARTS = True
+"""The gated norm reads per-block sums of squares written by the step kernel (n_parts floats)
+instead of re-reducing the whole group, and normalises in NORM_CHUNK-wide programs."""
+NORM_CHUNK = 512
+
+
+def _pdl_args(device: torch.device, preload_state: bool = False) -> dict:
     """Launch arguments for PDL (ops/pdl.py) on devices that have it, none elsewhere."""
-    return {"USE_PDL": True, "launch_pdl": True} if pdl.enabled(device) else {}
+    if not pdl.enabled(device):
+        return {}
+    extra = {"PRELOAD_STATE": True} if preload_state and PRELOAD_STATE else {}
+    return {"USE_PDL": True, "launch_pdl": True, **extra}
 
 
 @triton.jit
@@ -60,7 +79,7 @@ def _shift_in(state_row, ch, mask_c, new, scc, sck, K: tl.constexpr, BLOCK_K: tl
 
 @triton.jit
 def _step_ssm_kernel(
-    xbc_ptr, dtr_ptr, z_ptr, cs_ptr, h_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr,
+    xbc_ptr, dtr_ptr, z_ptr, cs_ptr, h_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr, sq_ptr,
     H, P, S, G, heads_per_group, dt_min, dt_max,
     sxb, sxc, sdb, sdh, szb, szc,
     scb, scc, sck,
@@ -69,11 +88,14 @@ def _step_ssm_kernel(
     sgb,
     K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+    WRITE_SQ: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
+    PRELOAD_STATE: tl.constexpr = False,
 ):
-    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
+    if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
-        gdc_wait()
+        if not PRELOAD_STATE:
+            gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     grp = h // heads_per_group
@@ -90,6 +112,11 @@ def _step_ssm_kernel(
     h_ptrs = h_ptr + b * shb + h * shh + offs_p[:, None] * shp + offs_s[None, :] * shs
     mask_ps = mask_p[:, None] & mask_s[None, :]
     state = tl.load(h_ptrs, mask=mask_ps, other=0.0)
+    if USE_PDL and PRELOAD_STATE:
+        # The state was last written by this same kernel in the previous step (or by replay),
+        # and every step begins with the embedding lookup, a plain (non-PDL) launch that waits
+        # for all earlier work: so the state may be read before waiting on in_proj.
+        gdc_wait()
 
     state_row = cs_ptr + b * scb
     in_dtype = xbc_ptr.dtype.element_ty
@@ -120,6 +147,9 @@ def _step_ssm_kernel(
     out_dtype = z_ptr.dtype.element_ty
     gated = y.to(out_dtype).to(tl.float32) * (zv * tl.sigmoid(zv))
     tl.store(g_ptr + b * sgb + cx, gated, mask=mask_p)
+    if WRITE_SQ:  # this block's sum of squares, for the norm folded into out_proj (batch 1)
+        tl.store(sq_ptr + (b * H + h) * tl.num_programs(2) + tl.program_id(2),
+                 tl.sum(tl.where(mask_p, gated * gated, 0.0), axis=0))
     # In-place writes last; the barrier in _shift_in also orders every replicated copy of the
     # state tile's loads before these stores.
     _shift_in(state_row, cx, mask_p, new_x, scc, sck, K, BLOCK_K)  # this program owns these x channels
@@ -133,23 +163,33 @@ def _gated_norm_kernel(
     sgb, sob, sxb, sxc, scb, scc, sck,
     K: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    sq_ptr=None, n_parts=0, parts_per_head=1, head_dim=1,
+    FROM_PARTS: tl.constexpr = False, BLOCK_Q: tl.constexpr = 16, BLOCK_PB: tl.constexpr = 16,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
         gdc_launch_dependents()
         gdc_wait()
     # grid (B, norm groups, chunks): every program reduces its whole group (L2-resident, one
     # wide load) and normalises only its own chunk, so the launch is one short pass instead of
-    # one long serial program per group.
+    # one long serial program per group. FROM_PARTS: the group's sum of squares from the step
+    # kernel's per-block sums instead (n_parts floats rather than the group's values).
     b = tl.program_id(0)
     ng = tl.program_id(1)
     chunk = tl.program_id(2)
     base = ng * group_size
-    sq = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for start in range(0, group_size, BLOCK_R):
-        offs = start + tl.arange(0, BLOCK_R)
-        v = tl.load(g_ptr + b * sgb + base + offs, mask=offs < group_size, other=0.0)
-        sq += v * v
-    r = tl.rsqrt(tl.sum(sq, axis=0) / group_size + eps)
+    if FROM_PARTS:
+        offs_q = tl.arange(0, BLOCK_Q)
+        part = tl.load(sq_ptr + b * n_parts + offs_q, mask=offs_q < n_parts, other=0.0)
+        q_group = ((offs_q // parts_per_head) * head_dim + (offs_q % parts_per_head) * BLOCK_PB) // group_size
+        total = tl.sum(tl.where((q_group == ng) & (offs_q < n_parts), part, 0.0), axis=0)
+    else:
+        sq = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for start in range(0, group_size, BLOCK_R):
+            offs = start + tl.arange(0, BLOCK_R)
+            v = tl.load(g_ptr + b * sgb + base + offs, mask=offs < group_size, other=0.0)
+            sq += v * v
+        total = tl.sum(sq, axis=0)
+    r = tl.rsqrt(total / group_size + eps)
     out_dtype = out_ptr.dtype.element_ty
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     m = offs < group_size
@@ -215,27 +255,33 @@ def mamba_step(
     gated = torch.empty(batch, d_inner, device=z.device, dtype=torch.float32)
     out = torch.empty(batch, d_inner, device=z.device, dtype=z.dtype)
     block_p = 16
+    group_size = d_inner // norm_groups
+    from_parts = NORM_FROM_PARTS and head_dim % block_p == 0 and group_size % block_p == 0
+    parts_per_head = triton.cdiv(head_dim, block_p)
+    n_parts = heads * parts_per_head
+    sq = torch.empty(batch, n_parts, device=z.device, dtype=torch.float32) if from_parts else gated
     block_k = max(2, triton.next_power_of_2(kernel_size - 1))
     # (batch, head, block of P): 4 programs per head at P = 64 keeps every SM busy at batch 1.
     _step_ssm_kernel[(batch, heads, triton.cdiv(head_dim, block_p))](
         xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias if conv_bias is not None else conv_weight,
-        dt_bias, A_log, D, gated,
+        dt_bias, A_log, D, gated, sq,
         heads, head_dim, d_state, n_groups, heads // n_groups, float(dt_min), float(dt_max),
         *xBC.stride(), *dt_raw.stride(), *z.stride(), *conv_state.stride(), *ssm_state.stride(),
         *conv_weight.stride(), gated.stride(0),
         K=kernel_size, HAS_BIAS=conv_bias is not None,
-        BLOCK_P=block_p, BLOCK_S=max(16, triton.next_power_of_2(d_state)), BLOCK_K=block_k,
-        num_warps=4, **_pdl_args(z.device),
+        BLOCK_P=block_p, BLOCK_S=max(16, triton.next_power_of_2(d_state)), BLOCK_K=block_k, WRITE_SQ=from_parts,
+        num_warps=4, **_pdl_args(z.device, preload_state=True),
     )
-    group_size = d_inner // norm_groups
-    chunk = min(1024, triton.next_power_of_2(group_size))
+    chunk = min(NORM_CHUNK if from_parts else 1024, triton.next_power_of_2(group_size))
     _gated_norm_kernel[(batch, norm_groups, triton.cdiv(group_size, chunk))](
         gated, norm_weight, out, xBC, conv_state,
         group_size, d_inner, d_state, n_groups, float(eps),
         gated.stride(0), out.stride(0), *xBC.stride(), *conv_state.stride(),
         K=kernel_size, BLOCK_R=min(8192, triton.next_power_of_2(group_size)), CHUNK=chunk,
-        BLOCK_S=max(16, triton.next_power_of_2(d_state)), BLOCK_K=block_k, num_warps=8,
-        **_pdl_args(z.device),
+        BLOCK_S=max(16, triton.next_power_of_2(d_state)), BLOCK_K=block_k,
+        sq_ptr=sq, n_parts=n_parts, parts_per_head=parts_per_head, head_dim=head_dim, FROM_PARTS=from_parts,
+        BLOCK_Q=max(16, triton.next_power_of_2(n_parts)), BLOCK_PB=block_p,
+        num_warps=4 if from_parts else 8, **_pdl_args(z.device),
     )
     return out
 
@@ -418,3 +464,138 @@ def add_rms_norm(delta: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps
             num_warps=4 if dim <= 4096 else 8, **_pdl_args(h.device),
         )
     return h_out.reshape(h.shape), out.reshape(h.shape)
+
+
+FUSE_OUT_PROJ = False
+"""Batch 1: fold the gated RMSNorm into the out_proj GEMV (`mamba_step_out`). Off: on the H100
+the folded step measured 2.875 ms against 2.740 ms for the three-launch version (step kernel,
+gated norm kernel, GEMV) under PDL: every one of the 2560 out_proj programs rebuilding the normed
+8192-wide input costs more than the norm kernel it saves. Benchmarks and tests turn it on."""
+
+
+@triton.jit
+def _gated_out_proj_kernel(
+    g_ptr, sq_ptr, nw_ptr, w_ptr, bias_ptr, y_ptr, xbc_ptr, cs_ptr,
+    N, K, swn, group_size, n_parts, parts_per_head, head_dim, eps, d_inner, S, G,
+    sxc, scc, sck,
+    HAS_BIAS: tl.constexpr, NORM_GROUPS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_PB: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CONV: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_KC: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """out_proj of one row whose input is the gated RMSNorm of g (B = 1): the weights are loaded
+    first (before the PDL wait), then each program rebuilds the normed input from g, the norm
+    weight and the step kernel's per-block sums of squares, rounding as the norm kernel does."""
+    if USE_PDL:
+        gdc_launch_dependents()
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    w = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                eviction_policy="evict_first")
+    if USE_PDL:
+        gdc_wait()
+    # per-column 1/rms: block q of the step kernel covers channels from q's head and P block on
+    offs_q = tl.arange(0, BLOCK_Q)
+    part = tl.load(sq_ptr + offs_q, mask=offs_q < n_parts, other=0.0)
+    q_group = ((offs_q // parts_per_head) * head_dim + (offs_q % parts_per_head) * BLOCK_PB) // group_size
+    k_group = offs_k // group_size
+    r_col = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for gi in tl.static_range(NORM_GROUPS):
+        total = tl.sum(tl.where((q_group == gi) & (offs_q < n_parts), part, 0.0), axis=0)
+        r_col = tl.where(k_group == gi, tl.rsqrt(total / group_size + eps), r_col)
+    out_dtype = y_ptr.dtype.element_ty
+    gv = tl.load(g_ptr + offs_k, mask=mask_k, other=0.0)
+    nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    xv = (nw * (gv * r_col).to(out_dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
+    y = tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, y.to(out_dtype), mask=mask_n)
+    # The deferred conv-state shift of the B and C channels (see the module docstring): after
+    # the wait every step-kernel program that read the old window is done.
+    if tl.program_id(0) == 0:
+        offs_s = tl.arange(0, BLOCK_S)
+        mask_s = offs_s < S
+        for grp in range(0, G):
+            for which in tl.static_range(2):
+                ch = d_inner + which * G * S + grp * S + offs_s
+                new = tl.load(xbc_ptr + ch * sxc, mask=mask_s, other=0.0)
+                _shift_in(cs_ptr, ch, mask_s, new, scc, sck, K_CONV, BLOCK_KC)
+
+
+def mamba_step_out(
+    xBC: torch.Tensor,
+    dt_raw: torch.Tensor,
+    z: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    A_log: torch.Tensor,
+    D: torch.Tensor,
+    norm_weight: torch.Tensor,
+    n_groups: int,
+    norm_groups: int,
+    dt_min: float,
+    dt_max: float,
+    eps: float,
+    out_weight: torch.Tensor,
+    out_bias: torch.Tensor | None,
+    fold_norm: bool | None = None,
+) -> torch.Tensor:
+    """`mamba_step` followed by out_proj; same contract as `naive_mamba_step_out`. With fold_norm
+    (default: FUSE_OUT_PROJ) at batch 1 (and P, group size multiples of 16, d_inner <= 8192) two
+    launches: the step kernel, which also writes per-block sums of squares, and an out_proj GEMV
+    that applies the gated norm to its input itself. Otherwise `mamba_step` and `gemv.linear`.
+
+    Returns: (B, d_model) in z's dtype.
+    """
+    from ..gemv.triton import linear
+
+    batch, heads, head_dim, d_state = ssm_state.shape
+    channels, kernel_size = conv_weight.shape
+    d_inner = heads * head_dim
+    group_size = d_inner // norm_groups
+    block_p = 16
+    fused = ((FUSE_OUT_PROJ if fold_norm is None else fold_norm) and batch == 1 and head_dim % block_p == 0 and group_size % block_p == 0
+             and d_inner <= 8192 and out_weight.stride(-1) == 1 and tuple(out_weight.shape[1:]) == (d_inner,)
+             and (z.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
+    if not fused:
+        out = mamba_step(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
+                         norm_weight, n_groups, norm_groups, dt_min, dt_max, eps)
+        return linear(out, out_weight, out_bias)
+    if kernel_size < 2 or ssm_state.dtype != torch.float32 or tuple(xBC.shape) != (batch, channels) \
+            or channels != d_inner + 2 * n_groups * d_state or tuple(z.shape) != (batch, d_inner) \
+            or tuple(conv_state.shape) != (batch, channels, kernel_size - 1):
+        raise ValueError(f"mamba_step_out: shapes do not match (xBC {tuple(xBC.shape)}, state {tuple(ssm_state.shape)})")
+    parts_per_head = head_dim // block_p
+    n_parts = heads * parts_per_head
+    gated = torch.empty(batch, d_inner, device=z.device, dtype=torch.float32)
+    sq = torch.empty(n_parts, device=z.device, dtype=torch.float32)
+    block_k = max(2, triton.next_power_of_2(kernel_size - 1))
+    block_s = max(16, triton.next_power_of_2(d_state))
+    _step_ssm_kernel[(batch, heads, parts_per_head)](
+        xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias if conv_bias is not None else conv_weight,
+        dt_bias, A_log, D, gated, sq,
+        heads, head_dim, d_state, n_groups, heads // n_groups, float(dt_min), float(dt_max),
+        *xBC.stride(), *dt_raw.stride(), *z.stride(), *conv_state.stride(), *ssm_state.stride(),
+        *conv_weight.stride(), gated.stride(0),
+        K=kernel_size, HAS_BIAS=conv_bias is not None,
+        BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_K=block_k, WRITE_SQ=True,
+        num_warps=4, **_pdl_args(z.device, preload_state=True),
+    )
+    n_out = out_weight.shape[0]
+    y = torch.empty(batch, n_out, device=z.device, dtype=torch.result_type(z, out_weight))
+    use_pdl = pdl.enabled(z.device)
+    _gated_out_proj_kernel[(n_out,)](
+        gated, sq, norm_weight, out_weight, out_bias if out_bias is not None else out_weight, y, xBC, conv_state,
+        n_out, d_inner, out_weight.stride(0), group_size, n_parts, parts_per_head, head_dim, float(eps), d_inner,
+        d_state, n_groups, xBC.stride(1), conv_state.stride(1), conv_state.stride(2),
+        HAS_BIAS=out_bias is not None, NORM_GROUPS=norm_groups, BLOCK_Q=max(16, triton.next_power_of_2(n_parts)),
+        BLOCK_PB=block_p, BLOCK_N=1, BLOCK_K=triton.next_power_of_2(d_inner), K_CONV=kernel_size, BLOCK_S=block_s,
+        BLOCK_KC=block_k, USE_PDL=use_pdl, num_warps=4 if d_inner <= 4096 else 8,
+        **({"launch_pdl": True} if use_pdl else {}),
+    )
+    return y
