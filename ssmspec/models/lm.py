@@ -143,29 +143,41 @@ class LanguageModel(nn.Module):
         cache.seqlen += 1
         return self._logits(h)
 
-    def _fused_step(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor:
-        """`step` on the kernels, same math: each residual add runs inside the next sublayer's
-        RMSNorm (one launch instead of two: ops/step_update add_rms_norm), MLPs and the LM head
-        through `dispatch.linear` (the one-row GEMV). input_ids (B, 1) -> logits (B, 1, V)."""
-        h = self.embeddings(input_ids)
+    def _fused_stack(self, h: torch.Tensor, run_mixer):
+        """The sublayers on the kernel path: each residual add runs inside the next sublayer's
+        RMSNorm (one launch instead of two: ops/step_update add_rms_norm) and the LM head goes
+        through `dispatch.linear` (one-row GEMV or skinny GEMM).
+
+        run_mixer(i, layer, normed) -> (output, activations or None). Returns (logits, acts).
+        """
         x = None  # the previous sublayer's output, not yet added to h
+        acts = []
         for i, layer in enumerate(self.layers):
             if x is None:
                 normed = layer.norm(h)
             else:
                 h, normed = dispatch.add_rms_norm(x, h, layer.norm.weight, layer.norm.eps)
-            if layer.kind == "mamba":
-                x = layer.mixer.step(normed, cache.layers[i])
-            elif layer.kind == "attention":
-                x = layer.mixer.step(normed, cache.layers[i], cache.seqlen)
-            else:
-                x = _mlp_through_dispatch(layer.mixer, normed)
+            x, a = run_mixer(i, layer, normed)
+            acts.append(a)
         if x is None:
             normed = self.norm_f(h)
         else:
             _, normed = dispatch.add_rms_norm(x, h, self.norm_f.weight, self.norm_f.eps)
+        return dispatch.linear(normed, self.lm_head.weight, self.lm_head.bias).float(), acts
+
+    def _fused_step(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+        """`step` on the kernels, same math (see `_fused_stack`). input_ids (B, 1) -> logits (B, 1, V)."""
+
+        def run_mixer(i, layer, normed):
+            if layer.kind == "mamba":
+                return layer.mixer.step(normed, cache.layers[i]), None
+            if layer.kind == "attention":
+                return layer.mixer.step(normed, cache.layers[i], cache.seqlen), None
+            return _mlp_through_dispatch(layer.mixer, normed), None
+
+        logits, _ = self._fused_stack(self.embeddings(input_ids), run_mixer)
         cache.seqlen += 1
-        return dispatch.linear(normed, self.lm_head.weight, self.lm_head.bias).float()
+        return logits
 
     def verify(self, tokens: torch.Tensor, tree, cache: ModelCache):
         """Logits of every node of a packed token tree in one call; the cache is left untouched.
@@ -199,32 +211,21 @@ class LanguageModel(nn.Module):
         return self._logits(h), TreeActivations(acts)
 
     def _fused_verify(self, tokens: torch.Tensor, tree, cache: ModelCache):
-        """`verify` on the kernels, same math: residual adds fused into the next RMSNorm, MLPs and
-        the LM head through `dispatch.linear` (skinny GEMM for few nodes). Same contract."""
+        """`verify` on the kernels, same math and contract (see `_fused_stack`)."""
         device = tokens.device
         parents = tree.parents_tensor(device)
         depth = tree.depth_tensor(device)
         mask = tree.mask_tensor(device)
-        h = self.embeddings(tokens)
-        acts = []
-        x = None
-        for i, layer in enumerate(self.layers):
-            if x is None:
-                normed = layer.norm(h)
-            else:
-                h, normed = dispatch.add_rms_norm(x, h, layer.norm.weight, layer.norm.eps)
+
+        def run_mixer(i, layer, normed):
             if layer.kind == "mamba":
-                x, a = layer.mixer.verify(normed, cache.layers[i], parents)
-            elif layer.kind == "attention":
-                x, a = layer.mixer.verify(normed, cache.layers[i], cache.seqlen, depth, mask)
-            else:
-                x, a = _mlp_through_dispatch(layer.mixer, normed), None
-            acts.append(a)
-        if x is None:
-            normed = self.norm_f(h)
-        else:
-            _, normed = dispatch.add_rms_norm(x, h, self.norm_f.weight, self.norm_f.eps)
-        return dispatch.linear(normed, self.lm_head.weight, self.lm_head.bias).float(), TreeActivations(acts)
+                return layer.mixer.verify(normed, cache.layers[i], parents)
+            if layer.kind == "attention":
+                return layer.mixer.verify(normed, cache.layers[i], cache.seqlen, depth, mask)
+            return _mlp_through_dispatch(layer.mixer, normed), None
+
+        logits, acts = self._fused_stack(self.embeddings(tokens), run_mixer)
+        return logits, TreeActivations(acts)
 
     def replay(self, cache: ModelCache, acts: TreeActivations, path: torch.Tensor, path_len: torch.Tensor) -> None:
         """Advance the cache along the accepted path: (B, M) node indices (root first), (B,) lengths."""
