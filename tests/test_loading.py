@@ -245,3 +245,16 @@ def test_model_fingerprint():
     assert model_fingerprint(a) != model_fingerprint(tiny_model(("mamba", "mamba")))
     assert model_fingerprint(a) != model_fingerprint(tiny_model(HYBRID).to(torch.bfloat16))
     assert len(model_fingerprint(a)) == 16
+
+
+def test_a_model_that_does_not_fit_the_gpu_is_refused_before_allocation(monkeypatch):
+    from ssmspec.errors import ModelLoadError
+    from ssmspec.models.loading import check_fits
+    from ssmspec.models.presets import preset_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * 2**30, 80 * 2**30))
+    with pytest.raises(ModelLoadError, match=r"needs 15\.1 GiB .* 4\.0 GiB free"):
+        check_fits(preset_config("hybrid-8b"), "cuda", torch.bfloat16)
+    check_fits(preset_config("mamba2-130m"), "cuda", torch.bfloat16)  # 0.3 GiB: fits
+    check_fits(preset_config("hybrid-8b"), "cpu", torch.float32)  # host memory is not checked

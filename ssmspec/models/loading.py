@@ -96,6 +96,22 @@ def _require_silu(cfg: dict, key: str, fmt: str) -> None:
         raise ModelLoadError(f"{fmt} config has {key}={act!r}; ssmspec's Mamba-2 mixer only implements silu")
 
 
+def check_fits(cfg: ModelConfig, device, dtype: torch.dtype) -> None:
+    """Refuse, before allocating, a model whose weights alone exceed the GPU's free memory."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return
+    needed = cfg.num_parameters() * torch.empty((), dtype=dtype).element_size()
+    free, total = torch.cuda.mem_get_info(device)
+    if needed > free:
+        gib = 2**30
+        raise ModelLoadError(
+            f"the model needs {needed / gib:.1f} GiB for its weights in {str(dtype).removeprefix('torch.')} but "
+            f"{device} has {free / gib:.1f} GiB free of {total / gib:.1f} GiB; use --dtype bf16, a smaller model, "
+            "or a GPU with more memory"
+        )
+
+
 def empty_model(cfg: ModelConfig, device="cpu", dtype: torch.dtype = torch.float32) -> LanguageModel:
     """A LanguageModel with uninitialised storage on `device` (no wasted init, no CPU detour).
 
@@ -628,6 +644,7 @@ def load_model(path, *, dtype=None, device="cpu") -> LoadedModel:
     if dtype is None:
         floats = [t.dtype for t in state.values() if t.is_floating_point()]
         dtype = floats[0] if floats else torch.float32
+    check_fits(cfg, device, dtype)
     model = empty_model(cfg, device=device, dtype=dtype)
     state = _check_and_fill(state, model, path)
     model.load_state_dict(state, strict=True)

@@ -137,9 +137,10 @@ def build_model(
         dtype: parameter dtype (torch dtype or "fp32" / "bf16").
         std: init scale of linear and embedding weights.
     """
-    from .loading import empty_model, resolve_dtype
+    from .loading import check_fits, empty_model, resolve_dtype
 
     cfg = preset_config(name, vocab_size)
+    check_fits(cfg, device, resolve_dtype(dtype) or torch.float32)
     model = empty_model(cfg, device=device, dtype=resolve_dtype(dtype) or torch.float32)
     # Storage is uninitialised: poison it, set what init_weights leaves alone (norm gains), init,
     # then check that nothing was left behind.
