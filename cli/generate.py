@@ -92,7 +92,8 @@ def generate_command(
     s = result.stats
     tree_part = f", tree {s['tree']}" if s["tree"] else ""
     print(
-        f"[{s['method']}{tree_part}] {s['new_tokens']} tokens in {s['elapsed_s']:.2f}s ({s['tokens_per_s']:.1f} tok/s), "
+        f"[{s['method']}{tree_part}] {s['new_tokens']} tokens in {s['elapsed_s']:.2f}s ({s['tokens_per_s']:.1f} tok/s; "
+        f"prefill {1000 * s['prefill_s']:.0f} ms, then {s['decode_tokens_per_s']:.1f} tok/s), "
         f"{s['target_calls']} target calls, {s['mean_accepted']:.2f} tokens per call, stop: {s['finish_reason']}",
         file=sys.stderr,
     )
