@@ -92,7 +92,16 @@ class Tree:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
     def children(self, node: int) -> list[int]:
-        return [i for i, p in enumerate(self.parents) if p == node]
+        return self.child_lists()[node]
+
+    def child_lists(self) -> list[list[int]]:
+        """children of every node, in packed order (built once per tree)."""
+        if "children" not in self._tensors:
+            out: list[list[int]] = [[] for _ in self.parents]
+            for i, p in enumerate(self.parents[1:], start=1):
+                out[p].append(i)
+            self._tensors["children"] = out
+        return self._tensors["children"]
 
     def path(self, node: int) -> list[int]:
         """Nodes from the root to `node`, both included."""

@@ -37,7 +37,7 @@ def accept_deterministic(tree: Tree, tokens: list[int], p: torch.Tensor, generat
 
 
 def _walk(tree: Tree, tokens: list[int], draw) -> tuple[list[int], int]:
-    children = _children(tree)
+    children = tree.child_lists()
     node, path = 0, [0]
     while True:
         x = draw(node)
@@ -60,7 +60,7 @@ def accept_sampled(tree: Tree, tokens: list[int], p: torch.Tensor, q: torch.Tens
         p: (N, V) processed target distributions at every node.
         q: (N, V) q[c] is the drafter distribution node c was drawn from (its parent's).
     """
-    children = _children(tree)
+    children = tree.child_lists()
     node, path = 0, [0]
     while True:
         residual = p[node]
@@ -79,10 +79,3 @@ def accept_sampled(tree: Tree, tokens: list[int], p: torch.Tensor, q: torch.Tens
                 residual = new_residual / total
         else:
             return path, sample(residual, generator)
-
-
-def _children(tree: Tree) -> list[list[int]]:
-    out: list[list[int]] = [[] for _ in range(tree.num_nodes)]
-    for i, parent in enumerate(tree.parents[1:], start=1):
-        out[parent].append(i)
-    return out

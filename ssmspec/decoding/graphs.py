@@ -8,7 +8,7 @@ produced tokens.
 
 Capture needs every op of the captured region to avoid host syncs: use the Triton backend
 (the plain-torch tree references build their masks on the host). Attention layers must have
-their KV capacity allocated before capture (`AttentionLayerCache.ensure_capacity`).
+their KV capacity allocated before capture (`new_cache(batch, max_len)` with max_len large enough).
 """
 from __future__ import annotations
 

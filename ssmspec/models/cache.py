@@ -39,16 +39,6 @@ class AttentionLayerCache:
         self.keys.copy_(other.keys)
         self.values.copy_(other.values)
 
-    def ensure_capacity(self, needed: int) -> None:
-        """Grow the buffers (doubling) so that `needed` positions fit."""
-        capacity = self.keys.shape[2]
-        if needed <= capacity:
-            return
-        new_capacity = max(needed, 2 * capacity)
-        pad = new_capacity - capacity
-        self.keys = torch.nn.functional.pad(self.keys, (0, 0, 0, pad))
-        self.values = torch.nn.functional.pad(self.values, (0, 0, 0, pad))
-
 
 @dataclass
 class ModelCache:
