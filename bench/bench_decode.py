@@ -13,6 +13,7 @@ without a graph. mamba_ssm is timed only if it is importable.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -23,7 +24,6 @@ from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch, pdl
 from ssmspec.ops.gemv import triton as gemv
-from ssmspec.ops.step_update import triton as step_kernels
 from ssmspec.trees.tree import Tree
 
 RESULTS: dict = {}
@@ -114,11 +114,37 @@ def profile_top(fn, label: str, reps: int = 5, rows: int = 14) -> dict:
     return {"label": label, "kernel_ms": total / 1000, "top": [(name, t, count) for t, count, name in events[:rows]]}
 
 
+def time_tree_iteration(model, prompt, tree: Tree, vocab: int) -> dict:
+    """One greedy tree iteration (verify + device-side accept + replay) as a CUDA graph, timed
+    from the same prefilled state every time (the cache restore's own time subtracted)."""
+    cache = prefilled_cache(model, prompt, 256)
+    root = int(prompt[0, -1])
+    tokens, chain = tree_tokens_following(model, cache, root, tree, vocab)
+    seqlen_before = int(cache.seqlen[0])
+    g = GreedyTreeGraph(model, cache, tree)
+    out, n = g(tokens)
+    produced = out[0, : int(n[0])].tolist()
+    info = {"accepted": int(n[0]) - 1, "greedy_chain_matches": produced == chain[: len(produced)],
+            "cache_advanced": int(cache.seqlen[0]) - seqlen_before}
+    snapshot = cache.clone()
+
+    def iteration():
+        cache.copy_(snapshot)  # same start every time
+        g(tokens)
+
+    copy_ms = median_ms(lambda: cache.copy_(snapshot), iters=50)
+    info["ms"] = median_ms(iteration, iters=50) - copy_ms
+    info["iteration"] = iteration
+    return info
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="mamba2-2.7b")
     ap.add_argument("--trees", default="3,2,1;3,4,2,1", help="tree configurations separated by ';'")
     ap.add_argument("--skip-reference", action="store_true", help="skip the slow reference-backend rows")
+    ap.add_argument("--skip-unfolded", action="store_true",
+                    help="time only the model with its norm weights folded (models/fold.py), not also the original")
     ap.add_argument("--profile", action="store_true", help="print per-kernel device time of the graphs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -135,119 +161,86 @@ def main() -> int:
     RESULTS.update(preset=args.preset, param_bytes=nbytes, copy_bw_TBps=bw / 1e12, floor_ms=floor_ms)
     print(f"{args.preset}: {nbytes / 1e9:.2f} GB of bf16 weights (built in {time.time() - t0:.0f}s); "
           f"copy {bw / 1e12:.2f} TB/s -> floor {floor_ms:.3f} ms", flush=True)
+    # The same weights with the norm weights folded into the projections (the fused-norm kernel
+    # path): a copy, so both variants are timed in this process.
+    variants = {"folded": copy.deepcopy(model).fold_norm_weights_()}
+    if not args.skip_unfolded:
+        variants["unfolded"] = model
+    else:
+        del model
 
-    vocab = model.config.vocab_size
+    vocab = variants["folded"].config.vocab_size
     prompt = torch.randint(0, vocab, (1, 32), device="cuda")
     ids = torch.randint(0, vocab, (1, 1), device="cuda")
     rows = []
 
     def record(name, ms, **extra):
         rows.append({"what": name, "ms": ms, **extra})
-        print(f"  {name:<48} {ms:8.3f} ms", flush=True)
+        print(f"  {name:<56} {ms:8.3f} ms", flush=True)
 
-    logits_by_backend = {}
-    for backend in (["triton"] if args.skip_reference else ["reference", "triton"]):
-        dispatch.set_backend(backend)
-        cache = prefilled_cache(model, prompt, 256)
-        with torch.inference_mode():
-            record(f"AR step eager [{backend}]", median_ms(lambda: model.step(ids, cache), iters=10 if backend == "reference" else 30))
-        cache = prefilled_cache(model, prompt, 256)
-        graph = StepGraph(model, cache)
-        logits_by_backend[backend] = graph(ids).clone()
-        cache = prefilled_cache(model, prompt, 256)
-        graph = StepGraph(model, cache)
-        record(f"AR step CUDA graph [{backend}]", median_ms(lambda: graph(ids), iters=100))
-        if backend == "triton":
-            gemv.ENABLED = False  # the same fused step with cuBLAS projections
-            cache2 = prefilled_cache(model, prompt, 256)
-            graph2 = StepGraph(model, cache2)
-            record("AR step CUDA graph [triton, cuBLAS GEMV]", median_ms(lambda: graph2(ids), iters=100))
+    def step_graph_ms(m):
+        cache = prefilled_cache(m, prompt, 256)
+        graph = StepGraph(m, cache)
+        return median_ms(lambda: graph(ids), iters=100), graph
+
+    step_logits = {}
+    if not args.skip_reference:
+        dispatch.set_backend("reference")
+        m = variants.get("unfolded", variants["folded"])
+        ms, graph = step_graph_ms(m)
+        record("AR step CUDA graph [reference ops]", ms)
+        cache = prefilled_cache(m, prompt, 256)
+        step_logits["reference"] = StepGraph(m, cache)(ids).clone()
+        del graph, cache
+    dispatch.set_backend("triton")
+    ar_ms = None
+    for name, m in variants.items():
+        cache = prefilled_cache(m, prompt, 256)
+        step_logits[name] = StepGraph(m, cache)(ids).clone()
+        del cache
+        ms, graph = step_graph_ms(m)
+        ar_ms = ar_ms or ms
+        record(f"AR step CUDA graph [{name}]", ms)
+        if args.profile:
+            RESULTS.setdefault("profiles", []).append(profile_top(lambda: graph(ids), f"AR step graph [{name}]"))
+        graph = None  # free its buffers before the next capture
+        if name == "folded":
+            gemv.ENABLED = False  # the same step with cuBLAS projections
+            record("AR step CUDA graph [folded, cuBLAS projections]", step_graph_ms(m)[0])
             gemv.ENABLED = True
             pdl.ENABLED = False  # the same kernels launched without programmatic dependent launch
-            cache2 = prefilled_cache(model, prompt, 256)
-            graph2 = StepGraph(model, cache2)
-            record("AR step CUDA graph [triton, no PDL]", median_ms(lambda: graph2(ids), iters=100))
+            record("AR step CUDA graph [folded, no PDL]", step_graph_ms(m)[0])
             pdl.ENABLED = True
-            step_kernels.FUSE_OUT_PROJ = True  # the gated norm folded into the out_proj GEMV (off by default)
-            cache2 = prefilled_cache(model, prompt, 256)
-            graph2 = StepGraph(model, cache2)
-            record("AR step CUDA graph [triton, norm in out_proj]", median_ms(lambda: graph2(ids), iters=100))
-            step_kernels.FUSE_OUT_PROJ = False
-            for flag, label in (("PRELOAD_STATE", "state read after the PDL wait"),
-                                ("NORM_FROM_PARTS", "gated norm re-reduces its group")):
-                setattr(step_kernels, flag, False)
-                cache2 = prefilled_cache(model, prompt, 256)
-                graph2 = StepGraph(model, cache2)
-                record(f"AR step CUDA graph [triton, {label}]", median_ms(lambda: graph2(ids), iters=100))
-                setattr(step_kernels, flag, True)
-            del graph2, cache2
-        if args.profile and backend == "triton":
-            RESULTS.setdefault("profiles", []).append(profile_top(lambda: graph(ids), "AR step graph [triton]"))
-        del graph, cache
-    if "reference" in logits_by_backend:
-        a, b = logits_by_backend["reference"].double(), logits_by_backend["triton"].double()
-        rel = ((a - b).norm() / a.norm()).item()
-        same = bool((a.argmax(-1) == b.argmax(-1)).all())
-        RESULTS["step_logits_rel_err_triton_vs_reference"] = rel
-        print(f"  step logits triton vs reference: rel err {rel:.2e}, same argmax {same}")
+    base = step_logits.get("reference", step_logits.get("unfolded"))
+    for name in variants:
+        if base is not None and base is not step_logits[name]:
+            a, b = base.double(), step_logits[name].double()
+            rel = ((a - b).norm() / a.norm()).item()
+            same = bool((a.argmax(-1) == b.argmax(-1)).all())
+            RESULTS[f"step_logits_rel_err_{name}"] = rel
+            print(f"  step logits [{name}] vs {'reference' if 'reference' in step_logits else 'unfolded'}: "
+                  f"rel err {rel:.2e}, same argmax {same}")
 
-    dispatch.set_backend("triton")
-    ar_ms = next(r["ms"] for r in rows if r["what"] == "AR step CUDA graph [triton]")
     tree_rows = []
     for spec in args.trees.split(";"):
         tree = Tree.from_config(tuple(int(v) for v in spec.split(",")))
-        cache = prefilled_cache(model, prompt, 256)
-        root = int(prompt[0, -1])
-        tokens, chain = tree_tokens_following(model, cache, root, tree, vocab)
-        with torch.inference_mode():
-            eager_ms = median_ms(lambda: model.verify(tokens, tree, cache), iters=20)
-        seqlen_before = int(cache.seqlen[0])
-        g = GreedyTreeGraph(model, cache, tree)
-        out, n = g(tokens)
-        accepted = int(n[0]) - 1
-        produced = out[0, : int(n[0])].tolist()
-        matches = produced == chain[: len(produced)]
-        advanced = int(cache.seqlen[0]) - seqlen_before
-        snapshot = cache.clone()
-
-        def iteration():
-            cache.copy_(snapshot)  # same start every time: times verify+accept+replay of one iteration
-            g(tokens)
-
-        it_ms = median_ms(iteration, iters=50)
-        if args.profile:
-            RESULTS.setdefault("profiles", []).append(profile_top(iteration, f"tree iteration graph [{tree.num_nodes} nodes] (+ cache restore copy)"))
-        copy_ms = median_ms(lambda: cache.copy_(snapshot), iters=50)
-        net = it_ms - copy_ms
-        gemv.ENABLED = False  # the same iteration with cuBLAS projections (no GEMV / skinny GEMM)
-        g_cublas = GreedyTreeGraph(model, cache, tree)
-        gemv.ENABLED = True
-
-        def iteration_cublas():
-            cache.copy_(snapshot)
-            g_cublas(tokens)
-
-        cublas_net = median_ms(iteration_cublas, iters=50) - copy_ms
-        del g_cublas
-        pdl.ENABLED = False
-        g_nopdl = GreedyTreeGraph(model, cache, tree)
-        pdl.ENABLED = True
-
-        def iteration_nopdl():
-            cache.copy_(snapshot)
-            g_nopdl(tokens)
-
-        nopdl_net = median_ms(iteration_nopdl, iters=50) - copy_ms
-        del g_nopdl
-        record(f"verify eager [{tree.num_nodes} nodes, {spec}]", eager_ms)
-        record(f"verify+accept+replay graph [{tree.num_nodes} nodes]", net, ratio_to_ar=net / ar_ms)
-        record(f"  same, cuBLAS projections [{tree.num_nodes} nodes]", cublas_net, ratio_to_ar=cublas_net / ar_ms)
-        record(f"  same, no PDL [{tree.num_nodes} nodes]", nopdl_net, ratio_to_ar=nopdl_net / ar_ms)
-        tree_rows.append({"tree": spec, "nodes": tree.num_nodes, "ms": net, "ratio": net / ar_ms, "accepted": accepted,
-                          "greedy_chain_matches": matches, "cache_advanced": advanced})
-        print(f"    accepted {accepted}/{tree.max_depth} drafted tokens; produced == step-graph greedy chain: {matches}; "
-              f"cache advanced by {advanced}", flush=True)
-        del g, cache, snapshot
+        for name, m in variants.items():
+            info = time_tree_iteration(m, prompt, tree, vocab)
+            record(f"verify+accept+replay graph [{tree.num_nodes} nodes, {name}]", info["ms"], ratio_to_ar=info["ms"] / ar_ms)
+            if args.profile and name == "folded":
+                RESULTS.setdefault("profiles", []).append(
+                    profile_top(info["iteration"], f"tree iteration [{tree.num_nodes} nodes, {name}] (+ cache restore copy)"))
+            if name == "folded":
+                gemv.ENABLED = False
+                record(f"  same, cuBLAS projections [{tree.num_nodes} nodes, {name}]",
+                       time_tree_iteration(m, prompt, tree, vocab)["ms"])
+                gemv.ENABLED = True
+            tree_rows.append({"tree": spec, "nodes": tree.num_nodes, "variant": name, "ms": info["ms"],
+                              "ratio": info["ms"] / ar_ms, "accepted": info["accepted"],
+                              "greedy_chain_matches": info["greedy_chain_matches"],
+                              "cache_advanced": info["cache_advanced"]})
+            print(f"    accepted {info['accepted']}/{tree.max_depth} drafted tokens; produced == step-graph greedy chain: "
+                  f"{info['greedy_chain_matches']}; cache advanced by {info['cache_advanced']}", flush=True)
     RESULTS["rows"] = rows
     RESULTS["trees"] = tree_rows
 
@@ -258,11 +251,11 @@ def main() -> int:
     except ImportError:
         RESULTS["mamba_ssm"] = "not installed on this machine: baseline skipped"
 
-    print(f"\n{dev}; {args.preset} random bf16 weights, fp32 states, batch 1")
+    print(f"\n{dev}; {args.preset} random bf16 weights, fp32 states, batch 1; x AR = over the folded AR step")
     print(f"weight-read floor {floor_ms:.3f} ms ({nbytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s)")
-    print(f"{'what':<50} {'ms':>8} {'x floor':>8} {'x AR':>6}")
+    print(f"{'what':<58} {'ms':>8} {'x floor':>8} {'x AR':>6}")
     for r in rows:
-        print(f"{r['what']:<50} {r['ms']:8.3f} {r['ms'] / floor_ms:8.2f} {r['ms'] / ar_ms:6.2f}")
+        print(f"{r['what']:<58} {r['ms']:8.3f} {r['ms'] / floor_ms:8.2f} {r['ms'] / ar_ms:6.2f}")
     print(f"mamba_ssm: {RESULTS['mamba_ssm']}")
     if args.out:
         with open(args.out, "w") as f:

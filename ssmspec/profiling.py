@@ -755,6 +755,9 @@ def run_profile(
     s.validate()
     started = time.perf_counter()
     device = target.device
+    from .models.fold import fold_for_kernels
+
+    fold_for_kernels(target, drafter)  # time the path that generate runs (see decoding/generate.py)
     if drafter is not None and drafter.config.vocab_size != target.config.vocab_size:
         raise InputError(
             f"drafter vocabulary ({drafter.config.vocab_size}) differs from the target's "

@@ -99,3 +99,50 @@ def test_bf16_model_runs_with_fp32_state():
     assert torch.isfinite(logits).all()
     model.replay(cache, acts, torch.tensor([[0, 2, 6]]), torch.tensor([3]))
     assert cache.seqlen.item() == 8
+
+
+@pytest.mark.parametrize("layers", [("mamba", "mamba"), ("mamba", "mlp", "attention", "mlp", "mamba")],
+                         ids=["mamba", "hybrid"])
+def test_folding_norm_weights_keeps_the_function(layers):
+    """models/fold.py moves every Mamba / MLP sublayer's norm weights into the projections after
+    them: forward, step and verify give the same logits (fp32), the folded norms are ones and
+    marked, and touching a folded norm's weight clears the mark (the fused routes are then off)."""
+    import copy
+
+    from ssmspec.models.fold import is_folded
+
+    model = tiny_model(layers)
+    with torch.no_grad():  # norm weights away from one, or folding would be a no-op
+        for layer in model.layers:
+            layer.norm.weight.uniform_(0.5, 1.5)
+            if layer.kind == "mamba":
+                layer.mixer.norm.weight.uniform_(0.5, 1.5)
+    folded = copy.deepcopy(model).fold_norm_weights_()
+    for layer, orig in zip(folded.layers, model.layers):
+        assert layer.norms_folded == (layer.kind != "attention")
+        if layer.kind != "attention":
+            assert torch.equal(layer.norm.weight, torch.ones_like(layer.norm.weight))
+            proj = "in_proj" if layer.kind == "mamba" else "up_proj"
+            assert not torch.equal(getattr(layer.mixer, proj).weight, getattr(orig.mixer, proj).weight)
+    before = [p.clone() for p in folded.parameters()]
+    folded.fold_norm_weights_()  # idempotent
+    assert all(torch.equal(a, b) for a, b in zip(before, folded.parameters()))
+
+    prompt = torch.randint(0, 64, (2, 6))
+    tree = Tree.from_config((2, 2))
+    tokens = torch.randint(0, 64, (2, tree.num_nodes))
+    outs = []
+    for m in (model, folded):
+        cache = m.new_cache(2, 32)
+        with torch.no_grad():
+            logits = m(prompt, cache)
+            step = m.step(prompt[:, -1:], cache)
+            tree_logits, _ = m.verify(tokens, tree, cache)
+        outs.append((logits, step, tree_logits))
+    for name, a, b in zip(("forward", "step", "verify"), *outs):
+        assert_close(b, a, atol=1e-5, rtol=1e-4, name=name)
+
+    first = next(layer for layer in folded.layers if layer.kind == "mamba")
+    with torch.no_grad():
+        first.norm.weight.mul_(2.0)
+    assert not is_folded(first.norm) and not first.norms_folded

@@ -245,19 +245,23 @@ else:
         assert_close(SU.rms_norm(h, w, 1e-5), naive_rms_norm(h, w, 1e-5), atol=1e-5, rtol=1e-5)
 
 
+    @pytest.mark.parametrize("folded", [False, True], ids=["norm-kernels", "folded-norms"])
     @pytest.mark.parametrize("layers, batch, head_dim", [(("mamba", "mamba"), 2, 8),
                                                          (("mamba", "mlp", "attention", "mlp", "mamba"), 2, 8),
                                                          (("mamba", "mlp", "mamba"), 1, 16)],
-                             ids=["mamba", "hybrid", "batch1-P16"])  # the last takes the folded out_proj
-    def test_model_step_and_verify_through_kernels_match_reference(monkeypatch, layers, batch, head_dim):
+                             ids=["mamba", "hybrid", "batch1-P16"])
+    def test_model_step_and_verify_through_kernels_match_reference(monkeypatch, layers, batch, head_dim, folded):
         """The fused step (residual adds inside the next norm, GEMV projections) and the tree
-        verify+replay through the kernels equal the reference, for Mamba-only and hybrid stacks."""
+        verify+replay through the kernels equal the reference, for Mamba-only and hybrid stacks;
+        folded: the kernels on the model with its norm weights folded (norms and residual adds
+        inside the projections) against the reference on the original model."""
         from ssmspec.ops import dispatch
 
         kernels = {"tree_scan": TS.tree_scan, "tree_conv": TC.tree_conv, "replay_ssm_state": SR.replay_ssm_state,
                    "replay_conv_state": SR.replay_conv_state, "mamba_step": SU.mamba_step, "rms_norm": SU.rms_norm,
                    "gated_rms_norm": SU.gated_rms_norm, "time_step": SU.time_step, "linear": GV.linear,
-                   "add_rms_norm": SU.add_rms_norm, "mamba_step_out": SU.mamba_step_out}
+                   "add_rms_norm": SU.add_rms_norm, "mamba_step_out": SU.mamba_step_out,
+                   "norm_linear": GV.norm_linear, "tree_scan_gated": TS.tree_scan_gated, "replay_states": SR.replay_states}
         model = _tiny_model_with_head_dim(layers, head_dim)
         prompt = torch.randint(0, 64, (batch, 5))
         tree = Tree.from_config((2, 2))
@@ -276,7 +280,8 @@ else:
 
         ref = run()
         monkeypatch.setattr(dispatch, "resolve", lambda op, device: kernels.get(op, dispatch._REFERENCE[op]))
-        monkeypatch.setattr(SU, "FUSE_OUT_PROJ", True)  # off by default (slower on the H100), still kept right
+        if folded:  # the same function with the norm weights in the projections: the fused-norm routes
+            model.fold_norm_weights_()
         got = run()
         assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4, name="step logits")
         assert_close(got[1], ref[1], atol=1e-4, rtol=1e-4, name="tree logits")
@@ -351,11 +356,33 @@ else:
             assert_close(got, want, atol=1e-5, rtol=1e-5, name="partials")
 
 
+    @pytest.mark.parametrize("rows", [1, 3, 20], ids=["gemv", "skinny", "norm-then-cublas"])
+    @pytest.mark.parametrize("norm_groups", [0, 1, 3])
+    def test_norm_linear_matches_reference(rows, norm_groups, nan_outputs):
+        """A projection with the weightless RMSNorm before it and the residual add after it (the
+        norms folded into the weights: models/fold.py), every route and GEMV variant."""
+        from ssmspec.ops.gemv.naive import naive_norm_linear
+
+        n, k = 70, 150  # neither a multiple of a tile; 150 = 3 groups of 50
+        x, w, b = torch.randn(1, rows, k) * 3, torch.randn(n, k) / 8, torch.randn(n)
+        res = torch.randn(1, rows, n)
+        for bias, residual in ((b, None), (None, res), (b, res)):
+            want = naive_norm_linear(x, w, bias, norm_groups, 1e-5, residual)
+            got = GV.norm_linear(x, w, bias, norm_groups, 1e-5, residual)
+            assert_close(got, want, atol=1e-4, rtol=1e-4, name=f"bias {bias is not None}, residual {residual is not None}")
+        if rows == 1:
+            for cfg in (GV.GemvConfig(1, 0, 1, preload=True), GV.GemvConfig(2, 32, 1, unroll=True),
+                        GV.GemvConfig(4, 64, 1, persistent=3)):
+                assert_close(GV.norm_linear(x, w, b, norm_groups, 1e-5, res, config=cfg),
+                             naive_norm_linear(x, w, b, norm_groups, 1e-5, res), atol=1e-4, rtol=1e-4, name=str(cfg))
+
+
     @pytest.mark.parametrize("shape", [(1, 4, 16, 16, 1, 1, 4), (1, 6, 16, 8, 2, 3, 3), (1, 3, 8, 16, 1, 1, 4),
                                        (2, 4, 16, 16, 2, 2, 4)],
-                             ids=["fused", "fused-G2-norm3-K3", "fallback-P8", "fallback-batch2"])
+                             ids=["G1", "G2-norm3-K3", "P8", "fallback-batch2"])
     def test_mamba_step_out_matches_reference(shape, nan_outputs):
-        """The step with the gated norm folded into the out_proj GEMV (batch 1), and its fallbacks."""
+        """The step with the gated norm (weight folded into out_proj) and the residual add inside
+        the out_proj GEMV (batch 1), and the fallback (batch 2, or a norm weight)."""
         from ssmspec.ops.step_update.naive import naive_mamba_step_out
 
         batch, heads, head_dim, d_state, groups, norm_groups, kernel_size = shape
@@ -365,13 +392,17 @@ else:
         z = torch.randn(batch, d_inner)
         conv_state = torch.randn(batch, channels, kernel_size - 1)
         ssm_state = torch.randn(batch, heads, head_dim, d_state)
-        args = (torch.randn(channels, kernel_size), torch.randn(channels), torch.randn(heads), torch.randn(heads),
-                torch.randn(heads), torch.randn(d_inner), groups, norm_groups, 0.01, 5.0, 1e-5,
-                torch.randn(d_model, d_inner) / 8, torch.randn(d_model))
-        cs_want, ss_want = conv_state.clone(), ssm_state.clone()
-        want = naive_mamba_step_out(xbc, dt_raw, z, cs_want, ss_want, *args)
-        got = SU.mamba_step_out(xbc, dt_raw, z, conv_state, ssm_state, *args, fold_norm=True)
-        assert got.shape == (batch, d_model)
-        assert_close(got, want, atol=1e-4, rtol=1e-4, name="out")
-        assert_close(ssm_state, ss_want, atol=1e-5, rtol=1e-5, name="ssm_state")
-        assert torch.equal(conv_state, cs_want), "conv state shift differs"
+        residual = torch.randn(batch, d_model)
+        for norm_weight, res in ((None, residual), (None, None), (torch.randn(d_inner), residual)):
+            args = (torch.randn(channels, kernel_size), torch.randn(channels), torch.randn(heads), torch.randn(heads),
+                    torch.randn(heads), norm_weight, groups, norm_groups, 0.01, 5.0, 1e-5,
+                    torch.randn(d_model, d_inner) / 8, torch.randn(d_model))
+            cs_want, ss_want = conv_state.clone(), ssm_state.clone()
+            cs_got, ss_got = conv_state.clone(), ssm_state.clone()
+            want = naive_mamba_step_out(xbc, dt_raw, z, cs_want, ss_want, *args, residual=res)
+            got = SU.mamba_step_out(xbc, dt_raw, z, cs_got, ss_got, *args, residual=res)
+            label = f"norm weight {norm_weight is not None}, residual {res is not None}"
+            assert got.shape == (batch, d_model)
+            assert_close(got, want, atol=1e-4, rtol=1e-4, name=label)
+            assert_close(ss_got, ss_want, atol=1e-5, rtol=1e-5, name="ssm_state")
+            assert torch.equal(cs_got, cs_want), f"conv state shift differs ({label})"

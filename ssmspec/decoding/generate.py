@@ -14,6 +14,7 @@ import torch
 from ssmspec.trees import Tree
 
 from ..errors import InputError
+from ..models.fold import fold_for_kernels
 from ..models.lm import LanguageModel
 from ..ops import dispatch
 from .acceptance import accept_deterministic, accept_greedy, accept_sampled
@@ -269,6 +270,9 @@ def generate(
 
     start = time.perf_counter()
     out = _Output(cfg, decode, on_tokens)
+    # On the kernel path the norms run inside the projections once their weights are folded into
+    # them (models/fold.py): the same function, fewer launches per layer; done once, in place.
+    fold_for_kernels(target, getattr(drafter, "model", None))
     fast = _fast_path(target, cfg, max_len)
     cache, logits = prefill(target, prompt, max_len, fast)
     root = next_token(logits, cfg, generator)  # reading it back also waits for the prefill

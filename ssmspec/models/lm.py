@@ -10,6 +10,7 @@ from ..ops import dispatch
 from .attention import Attention
 from .cache import ModelCache
 from .config import ModelConfig
+from .fold import is_folded
 from .mamba2 import Mamba2Mixer
 from .mlp import MLP
 
@@ -41,6 +42,17 @@ def _mlp_through_dispatch(mlp: MLP, h: torch.Tensor) -> torch.Tensor:
     return dispatch.linear(up, mlp.down_proj.weight, mlp.down_proj.bias)
 
 
+def _folded_mlp_residual(mlp: MLP, h: torch.Tensor, eps: float) -> torch.Tensor:
+    """h + MLP(norm(h)) with the pre-norm folded into the up/gate projections (models/fold.py):
+    the norm runs inside those projections and the residual add inside the down projection."""
+    up = dispatch.norm_linear(h, mlp.up_proj.weight, mlp.up_proj.bias, 1, eps)
+    if mlp.cfg.gated:
+        up = mlp.act(dispatch.norm_linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias, 1, eps)) * up
+    else:
+        up = mlp.act(up)
+    return dispatch.norm_linear(up, mlp.down_proj.weight, mlp.down_proj.bias, 0, residual=h)
+
+
 class Sublayer(nn.Module):
     """h + mixer(norm(h)); `kind` is mamba, attention or mlp."""
 
@@ -54,6 +66,14 @@ class Sublayer(nn.Module):
             self.mixer = Attention(cfg.d_model, cfg.attention)
         else:
             self.mixer = MLP(cfg.d_model, cfg.mlp)
+
+    @property
+    def norms_folded(self) -> bool:
+        """Whether this sublayer's norm weights are folded into its projections (models/fold.py),
+        so that the kernel paths run it as h -> h + sublayer(h) with the norms inside them."""
+        if self.kind == "mamba":
+            return is_folded(self.norm) and is_folded(self.mixer.norm)
+        return self.kind == "mlp" and is_folded(self.norm)
 
 
 @dataclass
@@ -79,6 +99,13 @@ class LanguageModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embeddings.weight.device
+
+    def fold_norm_weights_(self) -> "LanguageModel":
+        """Fold the norm weights into the projections after them (models/fold.py), in place: the
+        same function, and the kernel paths fuse the norms into the projections."""
+        from .fold import fold_norm_weights_
+
+        return fold_norm_weights_(self)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -143,21 +170,30 @@ class LanguageModel(nn.Module):
         cache.seqlen += 1
         return self._logits(h)
 
-    def _fused_stack(self, h: torch.Tensor, run_mixer):
+    def _fused_stack(self, h: torch.Tensor, run_mixer, run_folded):
         """The sublayers on the kernel path: each residual add runs inside the next sublayer's
         RMSNorm (one launch instead of two: ops/step_update add_rms_norm) and the LM head goes
-        through `dispatch.linear` (one-row GEMV or skinny GEMM).
+        through `dispatch.linear` (one-row GEMV or skinny GEMM). Sublayers whose norms are folded
+        into their projections (models/fold.py) run whole, norms and residual add inside their
+        projections.
 
-        run_mixer(i, layer, normed) -> (output, activations or None). Returns (logits, acts).
+        run_mixer(i, layer, normed) -> (output, activations or None);
+        run_folded(i, layer, h) -> (h + sublayer(h), activations or None).
+        Returns (logits, acts).
         """
         x = None  # the previous sublayer's output, not yet added to h
         acts = []
         for i, layer in enumerate(self.layers):
-            if x is None:
-                normed = layer.norm(h)
+            if layer.norms_folded:
+                if x is not None:
+                    h, x = h + x, None
+                h, a = run_folded(i, layer, h)
             else:
-                h, normed = dispatch.add_rms_norm(x, h, layer.norm.weight, layer.norm.eps)
-            x, a = run_mixer(i, layer, normed)
+                if x is None:
+                    normed = layer.norm(h)
+                else:
+                    h, normed = dispatch.add_rms_norm(x, h, layer.norm.weight, layer.norm.eps)
+                x, a = run_mixer(i, layer, normed)
             acts.append(a)
         if x is None:
             normed = self.norm_f(h)
@@ -175,7 +211,12 @@ class LanguageModel(nn.Module):
                 return layer.mixer.step(normed, cache.layers[i], cache.seqlen), None
             return _mlp_through_dispatch(layer.mixer, normed), None
 
-        logits, _ = self._fused_stack(self.embeddings(input_ids), run_mixer)
+        def run_folded(i, layer, h):
+            if layer.kind == "mamba":
+                return layer.mixer.folded_residual_step(h, cache.layers[i], layer.norm.eps), None
+            return _folded_mlp_residual(layer.mixer, h, layer.norm.eps), None
+
+        logits, _ = self._fused_stack(self.embeddings(input_ids), run_mixer, run_folded)
         cache.seqlen += 1
         return logits
 
@@ -224,7 +265,12 @@ class LanguageModel(nn.Module):
                 return layer.mixer.verify(normed, cache.layers[i], cache.seqlen, depth, mask)
             return _mlp_through_dispatch(layer.mixer, normed), None
 
-        logits, acts = self._fused_stack(self.embeddings(tokens), run_mixer)
+        def run_folded(i, layer, h):
+            if layer.kind == "mamba":
+                return layer.mixer.folded_residual_verify(h, cache.layers[i], parents, layer.norm.eps)
+            return _folded_mlp_residual(layer.mixer, h, layer.norm.eps), None
+
+        logits, acts = self._fused_stack(self.embeddings(tokens), run_mixer, run_folded)
         return logits, TreeActivations(acts)
 
     def replay(self, cache: ModelCache, acts: TreeActivations, path: torch.Tensor, path_len: torch.Tensor) -> None:

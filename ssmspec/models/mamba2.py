@@ -162,21 +162,28 @@ class Mamba2Mixer(nn.Module):
         c = self.cfg
         zxbcdt = dispatch.linear(h, self.in_proj.weight, self.in_proj.bias)
         z, xBC, dt_raw = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
-        if dispatch.uses_kernel("mamba_step_out", h.device):
-            # the gated norm folded into the out_proj GEMV: two launches after in_proj
-            out = dispatch.mamba_step_out(
-                xBC[:, 0], dt_raw[:, 0], z[:, 0], cache.conv_state, cache.ssm_state, self.conv_weight,
-                self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight, c.n_groups,
-                c.d_inner // self.norm.group_size, c.dt_min, c.dt_max, self.norm.eps, self.out_proj.weight,
-                self.out_proj.bias,
-            )
-            return out[:, None]
         out = dispatch.mamba_step(
             xBC[:, 0], dt_raw[:, 0], z[:, 0], cache.conv_state, cache.ssm_state, self.conv_weight,
             self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight, c.n_groups,
             c.d_inner // self.norm.group_size, c.dt_min, c.dt_max, self.norm.eps,
         )
         return dispatch.linear(out[:, None], self.out_proj.weight, self.out_proj.bias)
+
+    def folded_residual_step(self, h: torch.Tensor, cache: MambaLayerCache, pre_norm_eps: float) -> torch.Tensor:
+        """h + step(pre_norm(h)) with both norms' weights folded into in_proj and out_proj
+        (models/fold.py), on the kernels: in_proj with the pre-norm inside it, then the fused
+        step with the gated norm and the residual add inside out_proj (at batch 1 three launches
+        for the whole sublayer). h (B, 1, D) -> (B, 1, D); cache updated in place."""
+        c = self.cfg
+        zxbcdt = dispatch.norm_linear(h, self.in_proj.weight, self.in_proj.bias, 1, pre_norm_eps)
+        z, xBC, dt_raw = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
+        out = dispatch.mamba_step_out(
+            xBC[:, 0], dt_raw[:, 0], z[:, 0], cache.conv_state, cache.ssm_state, self.conv_weight,
+            self.conv1d.bias, self.dt_bias, self.A_log, self.D, None, c.n_groups,
+            c.d_inner // self.norm.group_size, c.dt_min, c.dt_max, self.norm.eps, self.out_proj.weight,
+            self.out_proj.bias, residual=h[:, 0],
+        )
+        return out[:, None]
 
     # -- packed tree -------------------------------------------------------------------------
     def verify(self, h: torch.Tensor, cache: MambaLayerCache, parents: torch.Tensor):
@@ -198,7 +205,24 @@ class Mamba2Mixer(nn.Module):
         y = dispatch.tree_scan(x, dt, self.A, B, C, self.D, parents, cache.ssm_state)
         return self._output(y, z), MambaTreeActivations(xBC=xBC, x=x, dt=dt, B=B)
 
+    def folded_residual_verify(self, h: torch.Tensor, cache: MambaLayerCache, parents: torch.Tensor,
+                               pre_norm_eps: float):
+        """h + verify(pre_norm(h)) with both norms' weights folded into in_proj and out_proj
+        (models/fold.py), on the kernels: the pre-norm inside in_proj, the time step and the gate
+        inside the tree scan, the gated norm and the residual add inside out_proj.
+        h (B, N, D) -> (B, N, D), and the activations for `replay`."""
+        c = self.cfg
+        zxbcdt = dispatch.norm_linear(h, self.in_proj.weight, self.in_proj.bias, 1, pre_norm_eps)
+        z, xBC, dt_raw = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
+        xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
+        x, B, C = self._split_conv_out(xBC_conv)
+        gated, dt = dispatch.tree_scan_gated(x, dt_raw, self.dt_bias, c.dt_min, c.dt_max, self.A, B, C, self.D, z,
+                                             parents, cache.ssm_state)
+        out = dispatch.norm_linear(gated, self.out_proj.weight, self.out_proj.bias, c.d_inner // self.norm.group_size,
+                                   self.norm.eps, residual=h)
+        return out, MambaTreeActivations(xBC=xBC, x=x, dt=dt, B=B)
+
     def replay(self, cache: MambaLayerCache, acts: MambaTreeActivations, path: torch.Tensor, path_len: torch.Tensor):
         """Advance the cache over the accepted path (B, M) of valid length path_len (B,)."""
-        dispatch.replay_conv_state(cache.conv_state, acts.xBC, path, path_len)
-        dispatch.replay_ssm_state(cache.ssm_state, acts.x, acts.dt, self.A, acts.B, path, path_len)
+        dispatch.replay_states(cache.conv_state, cache.ssm_state, acts.xBC, acts.x, acts.dt, self.A, acts.B,
+                               path, path_len)

@@ -11,8 +11,8 @@ import importlib
 import torch
 
 from .chunk_scan.naive import naive_chunk_scan
-from .gemv.naive import naive_linear
-from .state_replay.naive import naive_replay_conv_state, naive_replay_ssm_state
+from .gemv.naive import naive_linear, naive_norm_linear
+from .state_replay.naive import naive_replay_conv_state, naive_replay_ssm_state, naive_replay_states
 from .step_update.naive import (
     naive_add_rms_norm,
     naive_gated_rms_norm,
@@ -22,16 +22,18 @@ from .step_update.naive import (
     naive_time_step,
 )
 from .tree_conv.naive import naive_tree_conv
-from .tree_scan.naive import naive_tree_scan
+from .tree_scan.naive import naive_tree_scan, naive_tree_scan_gated
 
 BACKENDS = ("auto", "reference", "triton")
 _backend = "auto"
 
 _REFERENCE = {
     "tree_scan": naive_tree_scan,
+    "tree_scan_gated": naive_tree_scan_gated,
     "tree_conv": naive_tree_conv,
     "replay_ssm_state": naive_replay_ssm_state,
     "replay_conv_state": naive_replay_conv_state,
+    "replay_states": naive_replay_states,
     "chunk_scan": naive_chunk_scan,
     "mamba_step": naive_mamba_step,
     "mamba_step_out": naive_mamba_step_out,
@@ -40,13 +42,16 @@ _REFERENCE = {
     "gated_rms_norm": naive_gated_rms_norm,
     "time_step": naive_time_step,
     "linear": naive_linear,
+    "norm_linear": naive_norm_linear,
 }
 # op name -> (module, function) of its Triton kernel, filled in as kernels land.
 _TRITON = {
     "tree_scan": ("ssmspec.ops.tree_scan.triton", "tree_scan"),
+    "tree_scan_gated": ("ssmspec.ops.tree_scan.triton", "tree_scan_gated"),
     "tree_conv": ("ssmspec.ops.tree_conv.triton", "tree_conv"),
     "replay_ssm_state": ("ssmspec.ops.state_replay.triton", "replay_ssm_state"),
     "replay_conv_state": ("ssmspec.ops.state_replay.triton", "replay_conv_state"),
+    "replay_states": ("ssmspec.ops.state_replay.triton", "replay_states"),
     "mamba_step": ("ssmspec.ops.step_update.triton", "mamba_step"),
     "mamba_step_out": ("ssmspec.ops.step_update.triton", "mamba_step_out"),
     "rms_norm": ("ssmspec.ops.step_update.triton", "rms_norm"),
@@ -54,6 +59,7 @@ _TRITON = {
     "gated_rms_norm": ("ssmspec.ops.step_update.triton", "gated_rms_norm"),
     "time_step": ("ssmspec.ops.step_update.triton", "time_step"),
     "linear": ("ssmspec.ops.gemv.triton", "linear"),
+    "norm_linear": ("ssmspec.ops.gemv.triton", "norm_linear"),
 }
 
 
@@ -107,6 +113,11 @@ def tree_scan(x, dt, A, B, C, D, parents, initial_state):
     return resolve("tree_scan", x.device)(x, dt, A, B, C, D, parents, initial_state)
 
 
+def tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, initial_state):
+    """Time step, tree scan and silu(z) gate of the verify path: returns (g, dt)."""
+    return resolve("tree_scan_gated", x.device)(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, initial_state)
+
+
 def tree_conv(xBC, conv_state, weight, bias, parents, activation="silu"):
     return resolve("tree_conv", xBC.device)(xBC, conv_state, weight, bias, parents, activation)
 
@@ -117,6 +128,11 @@ def replay_ssm_state(ssm_state, x, dt, A, B, path, path_len):
 
 def replay_conv_state(conv_state, xBC, path, path_len):
     return resolve("replay_conv_state", xBC.device)(conv_state, xBC, path, path_len)
+
+
+def replay_states(conv_state, ssm_state, xBC, x, dt, A, B, path, path_len):
+    """replay_conv_state and replay_ssm_state of one layer (one launch with kernels)."""
+    return resolve("replay_states", x.device)(conv_state, ssm_state, xBC, x, dt, A, B, path, path_len)
 
 
 def chunk_scan(x, dt, A, B, C, D, chunk_size=64, initial_state=None):
@@ -132,11 +148,12 @@ def mamba_step(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt
 
 
 def mamba_step_out(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,
-                   n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias):
-    """`mamba_step` followed by out_proj (at batch 1 the gated norm runs inside the out_proj GEMV)."""
+                   n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias, residual=None):
+    """`mamba_step`, out_proj and the residual add (at batch 1 with the norm weight folded into
+    out_proj, the gated norm and the add run inside the out_proj GEMV)."""
     return resolve("mamba_step_out", xBC.device)(
         xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,
-        n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias,
+        n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias, residual,
     )
 
 
@@ -159,3 +176,8 @@ def time_step(dt_raw, dt_bias, dt_min, dt_max):
 
 def linear(x, weight, bias=None):
     return resolve("linear", x.device)(x, weight, bias)
+
+
+def norm_linear(x, weight, bias=None, norm_groups=1, eps=1e-5, residual=None):
+    """[residual +] linear(RMSNorm(x), weight, bias), the norm's weight folded into `weight`."""
+    return resolve("norm_linear", x.device)(x, weight, bias, norm_groups, eps, residual)

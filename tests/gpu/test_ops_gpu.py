@@ -121,21 +121,20 @@ def test_mamba_step_gpu(batch):
     assert torch.equal(cs2, cs)
 
 
-@pytest.mark.parametrize("variant", ["tiny", "P16-hybrid"])
+@pytest.mark.parametrize("variant", ["tiny", "tiny-folded", "P16-hybrid-folded"])
 def test_greedy_fast_path_equals_reference_token_for_token(variant, monkeypatch):
     """fp32 tiny model: the CUDA-graph step and the greedy tree graph (Triton) reproduce the
-    reference path's greedy tokens exactly. P16-hybrid: head_dim 16 takes the out_proj with the
-    folded gated norm at batch 1, and MLP / attention sublayers the fused residual norms."""
+    reference path's greedy tokens exactly. folded: norm weights folded into the projections
+    (models/fold.py), so the norms and residual adds run inside the projections."""
     from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
     from ssmspec.ops import dispatch
 
-    if variant == "tiny":
+    if variant.startswith("tiny"):
         model = tiny_model().to(DEV)
     else:
-        from ssmspec.ops.step_update import triton as step_kernels
-
-        monkeypatch.setattr(step_kernels, "FUSE_OUT_PROJ", True)  # off by default, kept right
         model = _tiny_model_with_head_dim(("mamba", "mlp", "attention", "mamba"), 16).to(DEV)
+    if variant.endswith("folded"):
+        model.fold_norm_weights_()
     prompt = torch.randint(0, 64, (1, 7), device=DEV)
 
     def reference_greedy(steps):
@@ -240,7 +239,8 @@ def test_add_rms_norm_gpu():
 
 @pytest.mark.parametrize("heads, groups, norm_groups", [(80, 1, 1), (128, 8, 8)], ids=["2.7b", "8b"])
 def test_mamba_step_out_gpu(heads, groups, norm_groups):
-    """The gated norm folded into out_proj at the mamba2-2.7b and hybrid-8b mixer shapes (batch 1)."""
+    """The gated norm (weight folded into out_proj) and the residual add inside the out_proj GEMV
+    at the mamba2-2.7b and hybrid-8b mixer shapes (batch 1)."""
     from ssmspec.ops.step_update.naive import naive_mamba_step_out
     from ssmspec.ops.step_update.triton import mamba_step_out
 
@@ -252,14 +252,37 @@ def test_mamba_step_out_gpu(heads, groups, norm_groups):
     z = torch.randn(1, d_inner, device=DEV, dtype=bf)
     cs = torch.randn(1, channels, K - 1, device=DEV, dtype=bf)
     ss = torch.randn(1, heads, P, S, device=DEV)
+    residual = torch.randn(1, d_model, device=DEV, dtype=bf)
     args = (torch.randn(channels, K, device=DEV, dtype=bf), torch.randn(channels, device=DEV, dtype=bf),
             torch.randn(heads, device=DEV), torch.randn(heads, device=DEV), torch.randn(heads, device=DEV),
-            torch.randn(d_inner, device=DEV, dtype=bf), groups, norm_groups, 0.0, math.inf, 1e-5,
+            None, groups, norm_groups, 0.0, math.inf, 1e-5,
             torch.randn(d_model, d_inner, device=DEV, dtype=bf) / 64, None)
     cs2, ss2 = cs.clone(), ss.clone()
-    want = naive_mamba_step_out(xbc, dt_raw, z, cs, ss, *args)
+    want = naive_mamba_step_out(xbc, dt_raw, z, cs, ss, *args, residual=residual)
     _poison(d_model * 4)
-    got = mamba_step_out(xbc, dt_raw, z, cs2, ss2, *args, fold_norm=True)
-    assert torch.isfinite(got).all() and _rel(got, want) < 1e-2
+    got = mamba_step_out(xbc, dt_raw, z, cs2, ss2, *args, residual=residual)
+    assert torch.isfinite(got).all() and _rel(got - residual, want - residual) < 1e-2
     assert_close(ss2, ss, atol=1e-5, rtol=1e-5)
     assert torch.equal(cs2, cs)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("n, k, norm_groups", [(10576, 2560, 1), (2560, 5120, 1), (4096, 8192, 8)],
+                         ids=["in_proj", "out_proj", "out_proj-8b"])
+def test_norm_linear_gpu(rows, n, k, norm_groups):
+    """Projections with the folded RMSNorm before them and the residual add after them, bf16, at
+    the decode (1 row), 16-node and 64-node verify sizes: GEMV, skinny GEMM, norm + cuBLAS."""
+    from ssmspec.ops.gemv.naive import naive_norm_linear
+    from ssmspec.ops.gemv.triton import norm_linear
+
+    bf = torch.bfloat16
+    x = torch.randn(1, rows, k, device=DEV, dtype=bf) * 3
+    w = torch.randn(n, k, device=DEV, dtype=bf) / math.sqrt(k)
+    res = torch.randn(1, rows, n, device=DEV, dtype=bf)
+    want = naive_norm_linear(x.float(), w.float(), None, norm_groups, 1e-5, res.float())
+    _poison(rows * n * 4)
+    got = norm_linear(x, w, None, norm_groups, 1e-5, res)
+    assert got.dtype == bf and torch.isfinite(got).all()
+    assert _rel(got - res, want - res) < 1e-2
+    got = norm_linear(x, w, None, norm_groups, 1e-5)
+    assert _rel(got, want - res) < 1e-2

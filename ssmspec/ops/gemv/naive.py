@@ -1,4 +1,5 @@
-"""Plain-torch reference of the one-row linear layer."""
+"""Plain-torch references of the decode projections: the linear layer, and the linear layer
+with an RMSNorm (weight folded into the projection) before it and a residual add after it."""
 from __future__ import annotations
 
 import torch
@@ -8,3 +9,25 @@ import torch.nn.functional as F
 def naive_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K), weight (N, K), bias (N,) or None -> (..., N), as nn.Linear."""
     return F.linear(x, weight, bias)
+
+
+def naive_norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm_groups: int = 1,
+                      eps: float = 1e-5, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """[residual +] linear(RMSNorm(x), weight, bias), the norm without a weight of its own.
+
+    A pre-norm sublayer's RMSNorm weight (and the Mamba mixer's gated-norm weight) can be folded
+    into the projection that follows it (W diag(w)); what remains is this. The norm is taken in
+    fp32 over `norm_groups` contiguous groups of K and rounded to x's dtype, as
+    `ssmspec.models.lm.RMSNorm` does; the output is added to `residual` in its dtype, as the
+    residual stream's `h + out` is. norm_groups 0: no norm.
+
+    Args:
+        x: (..., K); weight: (N, K); bias: (N,) or None; residual: (..., N) or None.
+    Returns:
+        (..., N), in residual's dtype when given.
+    """
+    if norm_groups:
+        xf = x.float().unflatten(-1, (norm_groups, -1))  # (..., groups, K / groups)
+        x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2).to(x.dtype)
+    out = F.linear(x, weight, bias)
+    return out if residual is None else residual + out.to(residual.dtype)

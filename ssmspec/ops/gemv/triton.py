@@ -32,9 +32,52 @@ H100 found equal or faster from 32 rows on (out_proj at 64 rows: 12.9 us against
 
 
 @triton.jit
+def _norm_scale(xf, offs_k, group_size, eps, NORM_GROUPS: tl.constexpr):
+    """Per-element 1/rms of the element's group, for an fp32 K-vector held whole in xf (masked
+    lanes 0): the RMSNorm folded into a projection (see `norm_linear`)."""
+    kg = offs_k // group_size
+    r = tl.zeros_like(xf)
+    for gi in tl.static_range(NORM_GROUPS):
+        ss = tl.sum(tl.where(kg == gi, xf * xf, 0.0), axis=0)
+        r = tl.where(kg == gi, tl.rsqrt(ss / group_size + eps), r)
+    return r
+
+
+@triton.jit
+def _group_rstd(x_ptr, K, group_size, eps, NORM_GROUPS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
+    """1/rms of each of the NORM_GROUPS contiguous groups of the K-vector at x_ptr, as a
+    (BLOCK_G,) vector: a first pass over x for the tiles that do not hold all of K at once."""
+    offs_g = tl.arange(0, BLOCK_G)
+    ss = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        kg = offs_k // group_size
+        for gi in tl.static_range(NORM_GROUPS):
+            ss += tl.where(offs_g == gi, tl.sum(tl.where(kg == gi, v * v, 0.0), axis=0), 0.0)
+    return tl.rsqrt(ss / group_size + eps)
+
+
+@triton.jit
+def _scale_from_groups(rvec, offs_k, group_size, NORM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Per-element 1/rms for the columns offs_k, from `_group_rstd`'s per-group vector."""
+    offs_g = tl.arange(0, BLOCK_G)
+    kg = offs_k // group_size
+    r = tl.zeros([offs_k.shape[0]], dtype=tl.float32)
+    for gi in tl.static_range(NORM_GROUPS):
+        r = tl.where(kg == gi, tl.sum(tl.where(offs_g == gi, rvec, 0.0), axis=0), r)
+    return r
+
+
+@triton.jit
 def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr,
-               PRELOAD: tl.constexpr, USE_PDL: tl.constexpr):
+               PRELOAD: tl.constexpr, USE_PDL: tl.constexpr,
+               res_ptr=None, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0, HAS_RES: tl.constexpr = False,
+               BLOCK_G: tl.constexpr = 1):
+    """One tile of BLOCK_N output rows. NORM_GROUPS > 0: the input is RMS-normalised over that
+    many groups first (rounded to its dtype, as RMSNorm's output is; no norm weight: it is folded
+    into w). HAS_RES: the output, rounded to y's dtype, is added to the residual at res_ptr."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     k_lo = split * K_SPLIT
@@ -49,28 +92,39 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.
         if USE_PDL:
             gdc_wait()
         xv = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
-        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
-    elif UNROLL:
-        # static loop: the compiler can issue every chunk's load before the first multiply-add
-        if USE_PDL:
-            gdc_wait()
-        for k0 in tl.static_range(0, K_SPLIT, BLOCK_K):
-            offs_k = k_lo + k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            w = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                        other=0.0, eviction_policy="evict_first")  # read once per step: keep L2 for activations
-            xv = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
-            acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        xf = xv.to(tl.float32)
+        if NORM_GROUPS > 0:  # the whole row is here: normalise it in registers
+            xf = (xf * _norm_scale(xf, offs_k, group_size, eps, NORM_GROUPS)).to(xv.dtype).to(tl.float32)
+        acc += w.to(tl.float32) * xf[None, :]
     else:
         if USE_PDL:
             gdc_wait()
-        for k0 in range(0, K_SPLIT, BLOCK_K):
-            offs_k = k_lo + k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            w = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                        other=0.0, eviction_policy="evict_first")
-            xv = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
-            acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        rvec = tl.zeros([BLOCK_G], dtype=tl.float32)
+        if NORM_GROUPS > 0:
+            rvec = _group_rstd(x_ptr, K, group_size, eps, NORM_GROUPS, BLOCK_K, BLOCK_G)
+        if UNROLL:
+            # static loop: the compiler can issue every chunk's load before the first multiply-add
+            for k0 in tl.static_range(0, K_SPLIT, BLOCK_K):
+                offs_k = k_lo + k0 + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < K
+                w = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                            other=0.0, eviction_policy="evict_first")  # read once per step: keep L2 for activations
+                xv = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+                xf = xv.to(tl.float32)
+                if NORM_GROUPS > 0:
+                    xf = (xf * _scale_from_groups(rvec, offs_k, group_size, NORM_GROUPS, BLOCK_G)).to(xv.dtype).to(tl.float32)
+                acc += w.to(tl.float32) * xf[None, :]
+        else:
+            for k0 in range(0, K_SPLIT, BLOCK_K):
+                offs_k = k_lo + k0 + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < K
+                w = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                            other=0.0, eviction_policy="evict_first")
+                xv = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+                xf = xv.to(tl.float32)
+                if NORM_GROUPS > 0:
+                    xf = (xf * _scale_from_groups(rvec, offs_k, group_size, NORM_GROUPS, BLOCK_G)).to(xv.dtype).to(tl.float32)
+                acc += w.to(tl.float32) * xf[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         # the bias goes into partial 0 only
@@ -78,23 +132,28 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.
     if PARTIAL:
         tl.store(y_ptr + split * N + offs_n, y, mask=mask_n)  # fp32 partial sums, reduced by the consumer
     else:
+        if HAS_RES:  # h + out in h's dtype, as torch adds the rounded output to the residual
+            out_dtype = y_ptr.dtype.element_ty
+            y = tl.load(res_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32) + y.to(out_dtype).to(tl.float32)
         tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, swn, tiles, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr,
-                 PERSISTENT: tl.constexpr, PRELOAD: tl.constexpr, USE_PDL: tl.constexpr):
+                 PERSISTENT: tl.constexpr, PRELOAD: tl.constexpr, USE_PDL: tl.constexpr,
+                 res_ptr=None, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0, HAS_RES: tl.constexpr = False,
+                 BLOCK_G: tl.constexpr = 1):
     if USE_PDL:
         gdc_launch_dependents()  # see ops/pdl.py: nothing is written before gdc_wait
     split = tl.program_id(1)
     if PERSISTENT:
         for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
             _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS, PARTIAL, BLOCK_N, BLOCK_K,
-                       K_SPLIT, UNROLL, PRELOAD, USE_PDL)
+                       K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G)
     else:
         _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tl.program_id(0), split, N, K, swn, HAS_BIAS, PARTIAL, BLOCK_N,
-                   BLOCK_K, K_SPLIT, UNROLL, PRELOAD, USE_PDL)
+                   BLOCK_K, K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G)
 
 
 class GemvConfig(tuple):
@@ -122,7 +181,8 @@ def _config(n: int, k: int, device: torch.device) -> GemvConfig:
     return DEFAULT
 
 
-def _launch_gemv(xv, weight, bias, y, cfg: GemvConfig, partial: bool):
+def _launch_gemv(xv, weight, bias, y, cfg: GemvConfig, partial: bool, residual=None, norm_groups: int = 0,
+                 eps: float = 0.0):
     n, k = weight.shape
     block_n, block_k, warps, split, persistent, unroll, preload = cfg
     if preload:
@@ -137,6 +197,8 @@ def _launch_gemv(xv, weight, bias, y, cfg: GemvConfig, partial: bool):
         xv, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), tiles,
         HAS_BIAS=bias is not None, PARTIAL=partial, BLOCK_N=block_n, BLOCK_K=block_k, K_SPLIT=k_split,
         UNROLL=bool(unroll), PERSISTENT=bool(persistent), PRELOAD=bool(preload), USE_PDL=use_pdl, num_warps=warps,
+        res_ptr=residual, group_size=k // max(norm_groups, 1), eps=float(eps), NORM_GROUPS=norm_groups,
+        HAS_RES=residual is not None, BLOCK_G=triton.next_power_of_2(max(norm_groups, 1)),
         **({"launch_pdl": True} if use_pdl else {}),
     )
 
@@ -163,9 +225,13 @@ def gemv_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr,
                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   USE_PDL: tl.constexpr, res_ptr=None, srm=0, group_size=1, eps=0.0,
+                   NORM_GROUPS: tl.constexpr = 0, HAS_RES: tl.constexpr = False, BLOCK_G: tl.constexpr = 1):
     # Launched without PDL (USE_PDL False): its early-launched instances held their pipeline's
     # shared memory while waiting and ran 1.4x slower in the H100 sweep (13.7 -> 20.5 us at 8 rows).
+    # NORM_GROUPS / HAS_RES: as in _gemv_tile. One norm group scales the accumulator by each row's
+    # 1/rms at the end (its sum of squares gathered from the x tiles the loop loads anyway);
+    # several groups need every row's group scales first, from a pass over x.
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -173,6 +239,19 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
     offs_m = tl.arange(0, BLOCK_M)
     mask_n = offs_n < N
     mask_m = offs_m < M
+    offs_g = tl.arange(0, BLOCK_G)
+    rg = tl.zeros([BLOCK_M, BLOCK_G], dtype=tl.float32)
+    if NORM_GROUPS > 1:
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :],
+                         other=0.0).to(tl.float32)
+            kg = offs_k // group_size
+            for gi in tl.static_range(NORM_GROUPS):
+                part = tl.sum(tl.where(kg[None, :] == gi, xt * xt, 0.0), axis=1)
+                rg += tl.where(offs_g[None, :] == gi, part[:, None], 0.0)
+        rg = tl.rsqrt(rg / group_size + eps)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -180,14 +259,28 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
         xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         wt = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
                      eviction_policy="evict_first")
+        if NORM_GROUPS == 1:
+            xf = xt.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+        elif NORM_GROUPS > 1:
+            kg = offs_k // group_size
+            r = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+            for gi in tl.static_range(NORM_GROUPS):
+                r = tl.where(kg[None, :] == gi, tl.sum(tl.where(offs_g[None, :] == gi, rg, 0.0), axis=1)[:, None], r)
+            xt = (xt.to(tl.float32) * r).to(xt.dtype)
         if IEEE:  # fp32 weights: full fp32 products, as cuBLAS (no TF32) computes them
             acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
         else:
             acc = tl.dot(xt, tl.trans(wt), acc)
+    if NORM_GROUPS == 1:
+        acc *= tl.rsqrt(ss / K + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    mask = mask_m[:, None] & mask_n[None, :]
+    if HAS_RES:  # h + out in h's dtype, as torch adds the rounded output to the residual
+        acc = (tl.load(res_ptr + offs_m[:, None] * srm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+               + acc.to(y_ptr.dtype.element_ty).to(tl.float32))
+    tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 SKINNY_DEFAULT = (32, 128, 4, 4)
@@ -196,15 +289,22 @@ SKINNY_DEFAULT = (32, 128, 4, 4)
 SKINNY_TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {(2560, 5120): (16, 128, 2, 5)}
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None,
+                  residual: torch.Tensor | None = None, norm_groups: int = 0, eps: float = 0.0) -> torch.Tensor:
     """x (..., K) with M rows in all, weight (N, K) -> (..., N) for small M (any M works; the
-    tile pads M up to a power of two >= 16, so it pays only for few rows)."""
+    tile pads M up to a power of two >= 16, so it pays only for few rows). norm_groups and
+    residual as in `norm_linear`."""
     n, k = weight.shape
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m = rows.shape[0]
-    y = torch.empty((m, n), device=x.device, dtype=torch.result_type(x, weight))
+    y = torch.empty((m, n), device=x.device, dtype=torch.result_type(x, weight) if residual is None else residual.dtype)
+    res = None
+    if residual is not None:
+        res = residual.reshape(m, n)
+        if res.stride(-1) != 1:
+            res = res.contiguous()
     block_n, block_k, warps, stages = config or SKINNY_TUNED.get((n, k), SKINNY_DEFAULT)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     _skinny_kernel[(triton.cdiv(n, block_n),)](
@@ -212,6 +312,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         num_stages=stages, USE_PDL=False,
+        res_ptr=res, srm=res.stride(0) if res is not None else 0, group_size=k // max(norm_groups, 1), eps=float(eps),
+        NORM_GROUPS=norm_groups, HAS_RES=res is not None, BLOCK_G=triton.next_power_of_2(max(norm_groups, 1)),
     )
     return y.reshape(tuple(x.shape[:-1]) + (n,))
 
@@ -240,3 +342,49 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _interpreting() -> bool:
     # CPU tensors reach the kernel only under Triton's interpreter (the CPU tests)
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm_groups: int = 1,
+                eps: float = 1e-5, residual: torch.Tensor | None = None, config=None) -> torch.Tensor:
+    """[residual +] linear(RMSNorm(x) over norm_groups groups, weight, bias) with the norm inside
+    the projection's launch; same contract as `naive_norm_linear` (the norm has no weight of its
+    own: it is folded into `weight`, see `ssmspec.models.fold`). One row runs the GEMV (the row
+    normalised in registers, exactly as the reference rounds it), 2..SKINNY_MAX_ROWS rows the
+    skinny GEMM (one group: the 1/rms applied to the fp32 accumulator, a rounding finer than the
+    reference's), more rows the norm kernel and cuBLAS. `config`: the GEMV's, as in `linear`."""
+    from .naive import naive_norm_linear
+
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if rows == 0 or (x.device.type != "cuda" and not _interpreting()) or (norm_groups and k % norm_groups):
+        return naive_norm_linear(x, weight, bias, norm_groups, eps, residual)
+    if not ENABLED or rows > SKINNY_MAX_ROWS or weight.stride(-1) != 1:
+        return _norm_then_cublas(x, weight, bias, norm_groups, eps, residual)
+    if residual is not None and tuple(residual.shape) != tuple(x.shape[:-1]) + (weight.shape[0],):
+        raise ValueError(f"norm_linear: residual {tuple(residual.shape)} does not match the output")
+    if rows > 1:
+        return skinny_linear(x, weight, bias, residual=residual, norm_groups=norm_groups, eps=eps)
+    n = weight.shape[0]
+    cfg = GemvConfig(*(config or _config(n, k, x.device)))
+    if cfg[3] > 1:
+        return _norm_then_cublas(x, weight, bias, norm_groups, eps, residual)
+    y = torch.empty(x.shape[:-1] + (n,), device=x.device,
+                    dtype=torch.result_type(x, weight) if residual is None else residual.dtype)
+    _launch_gemv(_as_vector(x, k), weight, bias, y, cfg, partial=False,
+                 residual=None if residual is None else _as_vector(residual, n), norm_groups=norm_groups, eps=eps)
+    return y
+
+
+def _norm_then_cublas(x, weight, bias, norm_groups, eps, residual):
+    """`norm_linear` for many rows: the norm kernel (ops/step_update rms_norm over each group),
+    then cuBLAS with the residual add in its epilogue (addmm: one rounding instead of two)."""
+    from ..step_update.triton import rms_norm
+
+    k, n = x.shape[-1], weight.shape[0]
+    if norm_groups:
+        x = rms_norm(x.reshape(-1, k // norm_groups), None, eps).reshape(x.shape)
+    if residual is None:
+        return F.linear(x, weight, bias)
+    if bias is None and residual.dtype == x.dtype == weight.dtype:
+        return torch.addmm(residual.reshape(-1, n), x.reshape(-1, k), weight.t()).reshape(residual.shape)
+    return residual + F.linear(x, weight, bias).to(residual.dtype)

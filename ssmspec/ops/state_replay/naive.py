@@ -58,3 +58,29 @@ def naive_replay_conv_state(
     extended = torch.cat([conv_state.transpose(1, 2), xBC[rows, path].to(conv_state.dtype)], dim=1)
     take = path_len[:, None].long() + torch.arange(history, device=path.device)[None, :]  # (B, K-1)
     conv_state.copy_(extended[rows, take].transpose(1, 2))
+
+
+def naive_replay_states(
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    xBC: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    path: torch.Tensor,
+    path_len: torch.Tensor,
+) -> None:
+    """Both replays of one Mamba layer: `naive_replay_conv_state`, then `naive_replay_ssm_state`.
+
+    Args:
+        conv_state: (B, C, K-1) oldest first, updated in place.
+        ssm_state: (B, H, P, S) fp32, updated in place.
+        xBC: (B, N, C) pre-conv inputs; x: (B, N, H, P); dt: (B, N, H); B: (B, N, G, S)
+            cached activations of the verified tree.
+        A: (H,).
+        path: (B, M) int64 node indices, root first.
+        path_len: (B,) int.
+    """
+    naive_replay_conv_state(conv_state, xBC, path, path_len)
+    naive_replay_ssm_state(ssm_state, x, dt, A, B, path, path_len)

@@ -1,7 +1,10 @@
 """Triton kernels of activation replay (conv state and SSM state); `naive.py` is the spec.
 
-Both read the accepted length from device memory and loop over it inside the kernel, so a
-whole speculative iteration can be captured in a CUDA graph with no host sync. Both update the
+`replay_states` runs both updates in one launch (the verify path's replay of a Mamba layer):
+its 1-D grid's first programs are the SSM tiles, the rest the conv-state channel blocks.
+
+All read the accepted length from device memory and loop over it inside the kernel, so a
+whole speculative iteration can be captured in a CUDA graph with no host sync. All update the
 states in place: each program owns a disjoint slice of the state and reads all of it before it
 writes any of it.
 """
@@ -13,6 +16,44 @@ import triton.language as tl
 
 from ..pdl import gdc_launch_dependents, gdc_wait
 from ..step_update.triton import _pdl_args
+
+
+@triton.jit
+def _replay_ssm_tile(
+    h_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, path_ptr, len_ptr,
+    b, h, pid_p, pid_s,
+    P, S, M, heads_per_group,
+    shb, shh, shp, shs,
+    sxb, sxn, sxh, sxp,
+    sdb, sdn, sdh,
+    sBb, sBn, sBg, sBs,
+    spb, spm,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr,
+):
+    # One (BLOCK_P, BLOCK_S) tile of the state of (batch row b, head h), advanced over the path.
+    g = h // heads_per_group
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    mask_p = offs_p < P
+    mask_s = offs_s < S
+    mask = mask_p[:, None] & mask_s[None, :]
+    h_ptrs = h_ptr + b * shb + h * shh + offs_p[:, None] * shp + offs_s[None, :] * shs
+    state = tl.load(h_ptrs, mask=mask, other=0.0)
+    A = tl.load(A_ptr + h).to(tl.float32)
+    steps = tl.minimum(tl.load(len_ptr + b).to(tl.int32), M)
+    # The path in chunks of UNROLL steps, unrolled, with the steps past `steps` masked to dt = 0
+    # (no change): a chunk's loads are independent of the state and can all be in flight at once
+    # instead of one dependent chain per step. Masked steps read node 0, which always exists.
+    for m0 in range(0, steps, UNROLL):
+        for i in tl.static_range(UNROLL):
+            live = m0 + i < steps
+            node = tl.load(path_ptr + b * spb + (m0 + i) * spm, mask=live, other=0)
+            dt = tl.load(dt_ptr + b * sdb + node * sdn + h * sdh, mask=live, other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + b * sxb + node * sxn + h * sxh + offs_p * sxp, mask=mask_p, other=0.0).to(tl.float32)
+            Bv = tl.load(B_ptr + b * sBb + node * sBn + g * sBg + offs_s * sBs, mask=mask_s, other=0.0).to(tl.float32)
+            state = state * tl.exp(dt * A) + (dt * xv)[:, None] * Bv[None, :]
+    tl.debug_barrier()  # small tiles are replicated across threads: all copies read before any write
+    tl.store(h_ptrs, state, mask=mask)
 
 
 @triton.jit
@@ -31,40 +72,40 @@ def _replay_ssm_kernel(
         gdc_launch_dependents()
         gdc_wait()
     pid_bh = tl.program_id(0)
-    b = pid_bh // H
-    h = pid_bh % H
-    g = h // heads_per_group
-    offs_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_s = tl.program_id(2) * BLOCK_S + tl.arange(0, BLOCK_S)
-    mask_p = offs_p < P
-    mask_s = offs_s < S
-    mask = mask_p[:, None] & mask_s[None, :]
-    h_ptrs = h_ptr + b * shb + h * shh + offs_p[:, None] * shp + offs_s[None, :] * shs
-    state = tl.load(h_ptrs, mask=mask, other=0.0)
-    A = tl.load(A_ptr + h).to(tl.float32)
-    steps = tl.minimum(tl.load(len_ptr + b).to(tl.int32), M)
-    if UNROLL > 0:
-        # Short paths (a tree's depth + 1): unrolled over the path's full width with the steps
-        # past `steps` masked to dt = 0 (no change), so every step's loads are independent of
-        # the state and can all be in flight at once instead of one dependent chain per step.
-        # (UNROLL = M, so every path entry read here exists; entries past `steps` are valid
-        # node indices too, as replay's contract pads paths with node indices.)
-        for m in tl.static_range(UNROLL):
-            node = tl.load(path_ptr + b * spb + m * spm)
-            dt = tl.load(dt_ptr + b * sdb + node * sdn + h * sdh).to(tl.float32)
-            dt = tl.where(steps > m, dt, 0.0)
-            xv = tl.load(x_ptr + b * sxb + node * sxn + h * sxh + offs_p * sxp, mask=mask_p, other=0.0).to(tl.float32)
-            Bv = tl.load(B_ptr + b * sBb + node * sBn + g * sBg + offs_s * sBs, mask=mask_s, other=0.0).to(tl.float32)
-            state = state * tl.exp(dt * A) + (dt * xv)[:, None] * Bv[None, :]
-    else:
-        for m in range(0, steps):
-            node = tl.load(path_ptr + b * spb + m * spm)
-            dt = tl.load(dt_ptr + b * sdb + node * sdn + h * sdh).to(tl.float32)
-            xv = tl.load(x_ptr + b * sxb + node * sxn + h * sxh + offs_p * sxp, mask=mask_p, other=0.0).to(tl.float32)
-            Bv = tl.load(B_ptr + b * sBb + node * sBn + g * sBg + offs_s * sBs, mask=mask_s, other=0.0).to(tl.float32)
-            state = state * tl.exp(dt * A) + (dt * xv)[:, None] * Bv[None, :]
-    tl.debug_barrier()  # small tiles are replicated across threads: all copies read before any write
-    tl.store(h_ptrs, state, mask=mask)
+    _replay_ssm_tile(
+        h_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, path_ptr, len_ptr,
+        pid_bh // H, pid_bh % H, tl.program_id(1), tl.program_id(2),
+        P, S, M, heads_per_group,
+        shb, shh, shp, shs, sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs, spb, spm,
+        BLOCK_P, BLOCK_S, UNROLL,
+    )
+
+
+def _check_ssm_replay(op, ssm_state, x, B, path, path_len):
+    batch, heads, head_dim, d_state = ssm_state.shape
+    if ssm_state.dtype != torch.float32:
+        raise ValueError(f"{op}: the SSM state must be fp32, got {ssm_state.dtype}")
+    if x.shape[0] != batch or x.shape[2:] != (heads, head_dim) or B.shape[3] != d_state or heads % B.shape[2]:
+        raise ValueError(f"{op}: x {tuple(x.shape)} / B {tuple(B.shape)} do not match the state {tuple(ssm_state.shape)}")
+    if path.shape[0] != batch or tuple(path_len.shape) != (batch,):
+        raise ValueError(f"{op}: path {tuple(path.shape)} / path_len {tuple(path_len.shape)} need {batch} rows")
+
+
+def _check_conv_replay(op, conv_state, xBC, path, path_len):
+    batch, channels, _ = conv_state.shape
+    if xBC.shape[0] != batch or xBC.shape[2] != channels:
+        raise ValueError(f"{op}: xBC {tuple(xBC.shape)} does not match conv_state {tuple(conv_state.shape)}")
+    if path.shape[0] != batch or tuple(path_len.shape) != (batch,):
+        raise ValueError(f"{op}: path {tuple(path.shape)} / path_len {tuple(path_len.shape)} need {batch} rows")
+
+
+def _ssm_blocks(head_dim: int, d_state: int, steps: int) -> dict:
+    """Tile sizes of the SSM replay; the path runs in unrolled chunks of up to 16 steps (see _replay_ssm_tile)."""
+    return {"BLOCK_P": min(32, triton.next_power_of_2(head_dim)), "BLOCK_S": min(64, triton.next_power_of_2(d_state)),
+            "UNROLL": min(steps, 16)}
+
+
+_CONV_BLOCK = 256
 
 
 def replay_ssm_state(
@@ -87,46 +128,33 @@ def replay_ssm_state(
         path: (B, M) int node indices, root first.
         path_len: (B,) int, valid entries of each row of path (read on the device).
     """
+    _check_ssm_replay("replay_ssm_state", ssm_state, x, B, path, path_len)
     batch, heads, head_dim, d_state = ssm_state.shape
-    groups = B.shape[2]
-    if ssm_state.dtype != torch.float32:
-        raise ValueError(f"replay_ssm_state: the SSM state must be fp32, got {ssm_state.dtype}")
-    if x.shape[0] != batch or x.shape[2:] != (heads, head_dim) or B.shape[3] != d_state or heads % groups:
-        raise ValueError(
-            f"replay_ssm_state: x {tuple(x.shape)} / B {tuple(B.shape)} do not match the state {tuple(ssm_state.shape)}"
-        )
-    if path.shape[0] != batch or tuple(path_len.shape) != (batch,):
-        raise ValueError(f"replay_ssm_state: path {tuple(path.shape)} / path_len {tuple(path_len.shape)} need {batch} rows")
     steps = path.shape[1]
     if steps == 0 or ssm_state.numel() == 0:
         return
-    block_p = min(32, triton.next_power_of_2(head_dim))
-    block_s = min(64, triton.next_power_of_2(d_state))
-    grid = (batch * heads, triton.cdiv(head_dim, block_p), triton.cdiv(d_state, block_s))
+    blocks = _ssm_blocks(head_dim, d_state, steps)
+    grid = (batch * heads, triton.cdiv(head_dim, blocks["BLOCK_P"]), triton.cdiv(d_state, blocks["BLOCK_S"]))
     _replay_ssm_kernel[grid](
         ssm_state, x, dt, A, B, path, path_len,
-        heads, head_dim, d_state, steps, heads // groups,
+        heads, head_dim, d_state, steps, heads // B.shape[2],
         *ssm_state.stride(), *x.stride(), *dt.stride(), *B.stride(), *path.stride(),
-        BLOCK_P=block_p, BLOCK_S=block_s, UNROLL=steps if steps <= 16 else 0, num_warps=4,
-        **_pdl_args(ssm_state.device),
+        **blocks, num_warps=4, **_pdl_args(ssm_state.device),
     )
 
 
 @triton.jit
-def _replay_conv_kernel(
+def _replay_conv_tile(
     state_ptr, x_ptr, path_ptr, len_ptr,
+    b, pid_c,
     CH, M,
     ssb, ssc, ssk,
     sxb, sxn, sxc,
     spb, spm,
     HIST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
-        gdc_launch_dependents()
-        gdc_wait()
-    b = tl.program_id(0)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    # BLOCK_C channels of batch row b's conv state, shifted over the path.
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_t = tl.arange(0, BLOCK_H)
     mask_c = offs_c < CH
     mask_t = offs_t < HIST
@@ -146,6 +174,25 @@ def _replay_conv_kernel(
     tl.store(ptrs + offs_t[None, :] * ssk, new, mask=mask_c[:, None] & mask_t[None, :])
 
 
+@triton.jit
+def _replay_conv_kernel(
+    state_ptr, x_ptr, path_ptr, len_ptr,
+    CH, M,
+    ssb, ssc, ssk,
+    sxb, sxn, sxc,
+    spb, spm,
+    HIST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
+        gdc_launch_dependents()
+        gdc_wait()
+    _replay_conv_tile(
+        state_ptr, x_ptr, path_ptr, len_ptr, tl.program_id(0), tl.program_id(1),
+        CH, M, ssb, ssc, ssk, sxb, sxn, sxc, spb, spm, HIST, BLOCK_H, BLOCK_C,
+    )
+
+
 def replay_conv_state(conv_state: torch.Tensor, xBC: torch.Tensor, path: torch.Tensor, path_len: torch.Tensor) -> None:
     """Shift the accepted path's pre-conv inputs into the conv state, in place.
 
@@ -157,19 +204,105 @@ def replay_conv_state(conv_state: torch.Tensor, xBC: torch.Tensor, path: torch.T
         path: (B, M) int node indices, root first.
         path_len: (B,) int (read on the device).
     """
+    _check_conv_replay("replay_conv_state", conv_state, xBC, path, path_len)
     batch, channels, history = conv_state.shape
-    if xBC.shape[0] != batch or xBC.shape[2] != channels:
-        raise ValueError(f"replay_conv_state: xBC {tuple(xBC.shape)} does not match conv_state {tuple(conv_state.shape)}")
-    if path.shape[0] != batch or tuple(path_len.shape) != (batch,):
-        raise ValueError(f"replay_conv_state: path {tuple(path.shape)} / path_len {tuple(path_len.shape)} need {batch} rows")
     if history == 0 or conv_state.numel() == 0 or path.shape[1] == 0:
         return
-    block_c = 256
-    grid = (batch, triton.cdiv(channels, block_c))
+    grid = (batch, triton.cdiv(channels, _CONV_BLOCK))
     _replay_conv_kernel[grid](
         conv_state, xBC, path, path_len,
         channels, path.shape[1],
         *conv_state.stride(), *xBC.stride(), *path.stride(),
-        HIST=history, BLOCK_H=triton.next_power_of_2(history), BLOCK_C=block_c, num_warps=4,
+        HIST=history, BLOCK_H=triton.next_power_of_2(history), BLOCK_C=_CONV_BLOCK, num_warps=4,
         **_pdl_args(conv_state.device),
+    )
+
+
+@triton.jit
+def _replay_states_kernel(
+    cs_ptr, xbc_ptr, h_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, path_ptr, len_ptr,
+    n_ssm, n_bh, n_pblocks, n_cblocks,
+    H, P, S, M, heads_per_group, CH,
+    shb, shh, shp, shs,
+    sxb, sxn, sxh, sxp,
+    sdb, sdn, sdh,
+    sBb, sBn, sBg, sBs,
+    ssb, ssc, ssk,
+    scb, scn, scc,
+    spb, spm,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr,
+    HIST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
+        gdc_launch_dependents()
+        gdc_wait()
+    pid = tl.program_id(0)
+    # The branch is uniform per program, so the tiles' barriers stay legal. Program order follows
+    # replay_ssm_state's 3-D grid (batch*head fastest), then replay_conv_state's.
+    if pid < n_ssm:
+        pid_bh = pid % n_bh
+        rest = pid // n_bh
+        _replay_ssm_tile(
+            h_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, path_ptr, len_ptr,
+            pid_bh // H, pid_bh % H, rest % n_pblocks, rest // n_pblocks,
+            P, S, M, heads_per_group,
+            shb, shh, shp, shs, sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs, spb, spm,
+            BLOCK_P, BLOCK_S, UNROLL,
+        )
+    else:
+        pid_c = pid - n_ssm
+        _replay_conv_tile(
+            cs_ptr, xbc_ptr, path_ptr, len_ptr, pid_c // n_cblocks, pid_c % n_cblocks,
+            CH, M, ssb, ssc, ssk, scb, scn, scc, spb, spm, HIST, BLOCK_H, BLOCK_C,
+        )
+
+
+def replay_states(
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    xBC: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    path: torch.Tensor,
+    path_len: torch.Tensor,
+) -> None:
+    """`replay_conv_state` and `replay_ssm_state` of one Mamba layer in a single launch.
+
+    Same contract as `naive_replay_states`; both states are updated in place.
+
+    Args:
+        conv_state: (B, C, K-1) oldest first.
+        ssm_state: (B, H, P, S) fp32.
+        xBC: (B, N, C) pre-conv inputs; x: (B, N, H, P); dt: (B, N, H); B: (B, N, G, S)
+            cached activations of the verified tree.
+        A: (H,).
+        path: (B, M) int node indices, root first.
+        path_len: (B,) int (read on the device).
+    """
+    _check_conv_replay("replay_states", conv_state, xBC, path, path_len)
+    _check_ssm_replay("replay_states", ssm_state, x, B, path, path_len)
+    batch, channels, history = conv_state.shape
+    _, heads, head_dim, d_state = ssm_state.shape
+    steps = path.shape[1]
+    if steps == 0:
+        return
+    blocks = _ssm_blocks(head_dim, d_state, steps)
+    n_bh = batch * heads
+    n_pblocks = triton.cdiv(head_dim, blocks["BLOCK_P"])
+    n_ssm = n_bh * n_pblocks * triton.cdiv(d_state, blocks["BLOCK_S"]) if ssm_state.numel() else 0
+    n_cblocks = triton.cdiv(channels, _CONV_BLOCK)
+    n_conv = batch * n_cblocks if history and conv_state.numel() else 0
+    if n_ssm + n_conv == 0:
+        return
+    _replay_states_kernel[(n_ssm + n_conv,)](
+        conv_state, xBC, ssm_state, x, dt, A, B, path, path_len,
+        n_ssm, n_bh, n_pblocks, n_cblocks,
+        heads, head_dim, d_state, steps, heads // B.shape[2], channels,
+        *ssm_state.stride(), *x.stride(), *dt.stride(), *B.stride(),
+        *conv_state.stride(), *xBC.stride(), *path.stride(),
+        **blocks, HIST=max(history, 1), BLOCK_H=triton.next_power_of_2(max(history, 1)), BLOCK_C=_CONV_BLOCK,
+        num_warps=4, **_pdl_args(ssm_state.device),
     )

@@ -16,7 +16,7 @@ def naive_mamba_step(
     dt_bias: torch.Tensor,
     A_log: torch.Tensor,
     D: torch.Tensor,
-    norm_weight: torch.Tensor,
+    norm_weight: torch.Tensor | None,
     n_groups: int,
     norm_groups: int,
     dt_min: float,
@@ -38,7 +38,8 @@ def naive_mamba_step(
         conv_weight: (C, K); conv_bias: (C,) or None.
         dt_bias, A_log, D: (H,); the decay rate is A = -exp(A_log), computed here so that a
             decode step spends no launches on it.
-        norm_weight: (H*P,) weight of the gated RMSNorm, normalised over norm_groups groups.
+        norm_weight: (H*P,) weight of the gated RMSNorm, normalised over norm_groups groups; None
+            when it has been folded into out_proj (ssmspec.models.fold).
         n_groups: G, groups of B and C.
     Returns:
         (B, H*P) in z's dtype, the input of out_proj.
@@ -65,14 +66,16 @@ def naive_mamba_step(
     g = y.float() * F.silu(z.float())
     g = g.unflatten(-1, (norm_groups, -1))
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
-    return norm_weight * g.flatten(-2).to(z.dtype)
+    g = g.flatten(-2).to(z.dtype)
+    return g if norm_weight is None else norm_weight * g
 
 
-def naive_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim in fp32, as `ssmspec.models.lm.RMSNorm`. h (..., D) -> (..., D) in h's dtype."""
+def naive_rms_norm(h: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in fp32, as `ssmspec.models.lm.RMSNorm`. h (..., D) -> (..., D) in h's dtype.
+    weight None: no weight (folded into the next projection)."""
     hf = h.float()
     hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * hf).to(h.dtype)
+    return (hf if weight is None else weight.float() * hf).to(h.dtype)
 
 
 def naive_add_rms_norm(delta: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -120,9 +123,10 @@ def naive_time_step(dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, 
 
 
 def naive_mamba_step_out(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
-                         norm_weight, n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias):
-    """`naive_mamba_step` followed by the mixer's out_proj: out_weight (d_model, H*P), out_bias
-    (d_model,) or None. Returns (B, d_model) in z's dtype; states updated in place."""
-    out = naive_mamba_step(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
-                           norm_weight, n_groups, norm_groups, dt_min, dt_max, eps)
-    return F.linear(out, out_weight, out_bias)
+                         norm_weight, n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias, residual=None):
+    """`naive_mamba_step` followed by the mixer's out_proj (out_weight (d_model, H*P), out_bias
+    (d_model,) or None) and, when residual (B, d_model) is given, the sublayer's residual add in
+    residual's dtype. Returns (B, d_model); states updated in place."""
+    out = F.linear(naive_mamba_step(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
+                                    norm_weight, n_groups, norm_groups, dt_min, dt_max, eps), out_weight, out_bias)
+    return out if residual is None else residual + out.to(residual.dtype)

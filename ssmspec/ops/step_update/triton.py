@@ -13,8 +13,9 @@ two launches:
    done in (1) without racing with other heads still reading the old window.
 
 Also here: `add_rms_norm` (a residual add fused into the next sublayer's RMSNorm, used by
-`LanguageModel._fused_step` / `_fused_verify`), `mamba_step_out` (the step plus out_proj, with an
-optional variant that folds the gated norm into the out_proj GEMV: off, see FUSE_OUT_PROJ) and
+`LanguageModel._fused_step` / `_fused_verify`), `mamba_step_out` (the step, out_proj and the
+residual add: at batch 1 with the gated norm's weight folded into out_proj, two launches, the
+norm inside the out_proj GEMV) and
 the one-launch RMSNorm, gated RMSNorm and time step of the verify path. Every kernel launches
 with programmatic dependent launch on Hopper (ops/pdl.py).
 """
@@ -27,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .. import pdl
+from ..gemv.triton import _gemv_tile
 from ..pdl import gdc_launch_dependents, gdc_wait
 
 
@@ -165,6 +167,7 @@ def _gated_norm_kernel(
     USE_PDL: tl.constexpr = False,
     sq_ptr=None, n_parts=0, parts_per_head=1, head_dim=1,
     FROM_PARTS: tl.constexpr = False, BLOCK_Q: tl.constexpr = 16, BLOCK_PB: tl.constexpr = 16,
+    HAS_W: tl.constexpr = True,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
         gdc_launch_dependents()
@@ -194,8 +197,9 @@ def _gated_norm_kernel(
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     m = offs < group_size
     v = tl.load(g_ptr + b * sgb + base + offs, mask=m, other=0.0)
-    w = tl.load(w_ptr + base + offs, mask=m, other=0.0)
-    out = (w.to(tl.float32) * (v * r).to(out_dtype).to(tl.float32)).to(out_dtype)
+    out = (v * r).to(out_dtype)
+    if HAS_W:
+        out = (tl.load(w_ptr + base + offs, mask=m, other=0.0).to(tl.float32) * out.to(tl.float32)).to(out_dtype)
     tl.store(out_ptr + b * sob + base + offs, out, mask=m)
 
     # The deferred conv-state shift of the B and C channels (see the module docstring), done by
@@ -223,7 +227,7 @@ def mamba_step(
     dt_bias: torch.Tensor,
     A_log: torch.Tensor,
     D: torch.Tensor,
-    norm_weight: torch.Tensor,
+    norm_weight: torch.Tensor | None,
     n_groups: int,
     norm_groups: int,
     dt_min: float,
@@ -237,7 +241,8 @@ def mamba_step(
     Args:
         xBC: (B, C); dt_raw: (B, H); z: (B, H*P) (views into the in_proj output are fine).
         conv_state: (B, C, K-1); ssm_state: (B, H, P, S) fp32.
-        conv_weight: (C, K); conv_bias: (C,) or None; dt_bias, A_log, D: (H,); norm_weight: (H*P,).
+        conv_weight: (C, K); conv_bias: (C,) or None; dt_bias, A_log, D: (H,); norm_weight: (H*P,), or
+            None for a norm without weight (folded into out_proj).
     Returns:
         (B, H*P) in z's dtype.
     """
@@ -274,20 +279,21 @@ def mamba_step(
     )
     chunk = min(NORM_CHUNK if from_parts else 1024, triton.next_power_of_2(group_size))
     _gated_norm_kernel[(batch, norm_groups, triton.cdiv(group_size, chunk))](
-        gated, norm_weight, out, xBC, conv_state,
+        gated, norm_weight if norm_weight is not None else gated, out, xBC, conv_state,
         group_size, d_inner, d_state, n_groups, float(eps),
         gated.stride(0), out.stride(0), *xBC.stride(), *conv_state.stride(),
         K=kernel_size, BLOCK_R=min(8192, triton.next_power_of_2(group_size)), CHUNK=chunk,
         BLOCK_S=max(16, triton.next_power_of_2(d_state)), BLOCK_K=block_k,
         sq_ptr=sq, n_parts=n_parts, parts_per_head=parts_per_head, head_dim=head_dim, FROM_PARTS=from_parts,
-        BLOCK_Q=max(16, triton.next_power_of_2(n_parts)), BLOCK_PB=block_p,
+        BLOCK_Q=max(16, triton.next_power_of_2(n_parts)), BLOCK_PB=block_p, HAS_W=norm_weight is not None,
         num_warps=4 if from_parts else 8, **_pdl_args(z.device),
     )
     return out
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, sxr, sor, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, sxr, sor, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
+                     HAS_W: tl.constexpr = True):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
         gdc_launch_dependents()
         gdc_wait()
@@ -301,13 +307,15 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, sxr, sor, BLOCK: tl.constexp
     for start in range(0, D, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         m = offs < D
-        v = tl.load(x_ptr + row * sxr + offs, mask=m, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * sor + offs, (w * (v * r)).to(out_ptr.dtype.element_ty), mask=m)
+        v = tl.load(x_ptr + row * sxr + offs, mask=m, other=0.0).to(tl.float32) * r
+        if HAS_W:
+            v *= tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * sor + offs, v.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim in one launch (inference only: no backward). h (..., D) -> (..., D)."""
+def rms_norm(h: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in one launch (inference only: no backward). h (..., D) -> (..., D).
+    weight None: no weight (folded into the next projection)."""
     dim = h.shape[-1]
     rows = h.reshape(-1, dim)
     if rows.stride(-1) != 1:
@@ -315,8 +323,8 @@ def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(rows.shape, device=h.device, dtype=h.dtype)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight, out, dim, float(eps), rows.stride(0), out.stride(0),
-            BLOCK=min(4096, triton.next_power_of_2(dim)), num_warps=8, **_pdl_args(h.device),
+            rows, weight if weight is not None else rows, out, dim, float(eps), rows.stride(0), out.stride(0),
+            BLOCK=min(4096, triton.next_power_of_2(dim)), num_warps=8, HAS_W=weight is not None, **_pdl_args(h.device),
         )
     return out.reshape(h.shape)
 
@@ -466,54 +474,23 @@ def add_rms_norm(delta: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps
     return h_out.reshape(h.shape), out.reshape(h.shape)
 
 
-FUSE_OUT_PROJ = False
-"""Batch 1: fold the gated RMSNorm into the out_proj GEMV (`mamba_step_out`). Off: on the H100
-the folded step measured 2.875 ms against 2.740 ms for the three-launch version (step kernel,
-gated norm kernel, GEMV) under PDL: every one of the 2560 out_proj programs rebuilding the normed
-8192-wide input costs more than the norm kernel it saves. Benchmarks and tests turn it on."""
-
-
 @triton.jit
-def _gated_out_proj_kernel(
-    g_ptr, sq_ptr, nw_ptr, w_ptr, bias_ptr, y_ptr, xbc_ptr, cs_ptr,
-    N, K, swn, group_size, n_parts, parts_per_head, head_dim, eps, d_inner, S, G,
-    sxc, scc, sck,
-    HAS_BIAS: tl.constexpr, NORM_GROUPS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_PB: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CONV: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_KC: tl.constexpr, USE_PDL: tl.constexpr,
+def _step_out_kernel(
+    g_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, xbc_ptr, cs_ptr,
+    N, K, swn, group_size, eps, d_inner, S, G, sxc, scc, sck,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr, PRELOAD: tl.constexpr,
+    K_CONV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_KC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """out_proj of one row whose input is the gated RMSNorm of g (B = 1): the weights are loaded
-    first (before the PDL wait), then each program rebuilds the normed input from g, the norm
-    weight and the step kernel's per-block sums of squares, rounding as the norm kernel does."""
+    """out_proj of one row (batch 1) whose input is the gated value g of `_step_ssm_kernel`: the
+    gated RMSNorm runs in the GEMV's prologue (its weight folded into out_proj's, see
+    ops/gemv `norm_linear`) and the residual add in its epilogue. Program 0 also does the step's
+    deferred conv-state shift of the B and C channels (see the module docstring): after the GEMV
+    tile's wait every step-kernel program that read the old window is done."""
     if USE_PDL:
         gdc_launch_dependents()
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_k = offs_k < K
-    w = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
-                eviction_policy="evict_first")
-    if USE_PDL:
-        gdc_wait()
-    # per-column 1/rms: block q of the step kernel covers channels from q's head and P block on
-    offs_q = tl.arange(0, BLOCK_Q)
-    part = tl.load(sq_ptr + offs_q, mask=offs_q < n_parts, other=0.0)
-    q_group = ((offs_q // parts_per_head) * head_dim + (offs_q % parts_per_head) * BLOCK_PB) // group_size
-    k_group = offs_k // group_size
-    r_col = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for gi in tl.static_range(NORM_GROUPS):
-        total = tl.sum(tl.where((q_group == gi) & (offs_q < n_parts), part, 0.0), axis=0)
-        r_col = tl.where(k_group == gi, tl.rsqrt(total / group_size + eps), r_col)
-    out_dtype = y_ptr.dtype.element_ty
-    gv = tl.load(g_ptr + offs_k, mask=mask_k, other=0.0)
-    nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    xv = (nw * (gv * r_col).to(out_dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
-    y = tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, y.to(out_dtype), mask=mask_n)
-    # The deferred conv-state shift of the B and C channels (see the module docstring): after
-    # the wait every step-kernel program that read the old window is done.
+    _gemv_tile(g_ptr, w_ptr, bias_ptr, y_ptr, tl.program_id(0), 0, N, K, swn, HAS_BIAS, False, BLOCK_N, BLOCK_K,
+               K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G)
     if tl.program_id(0) == 0:
         offs_s = tl.arange(0, BLOCK_S)
         mask_s = offs_s < S
@@ -535,7 +512,7 @@ def mamba_step_out(
     dt_bias: torch.Tensor,
     A_log: torch.Tensor,
     D: torch.Tensor,
-    norm_weight: torch.Tensor,
+    norm_weight: torch.Tensor | None,
     n_groups: int,
     norm_groups: int,
     dt_min: float,
@@ -543,59 +520,67 @@ def mamba_step_out(
     eps: float,
     out_weight: torch.Tensor,
     out_bias: torch.Tensor | None,
-    fold_norm: bool | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`mamba_step` followed by out_proj; same contract as `naive_mamba_step_out`. With fold_norm
-    (default: FUSE_OUT_PROJ) at batch 1 (and P, group size multiples of 16, d_inner <= 8192) two
-    launches: the step kernel, which also writes per-block sums of squares, and an out_proj GEMV
-    that applies the gated norm to its input itself. Otherwise `mamba_step` and `gemv.linear`.
+    """`mamba_step`, out_proj and the residual add; same contract as `naive_mamba_step_out`.
 
-    Returns: (B, d_model) in z's dtype.
+    With the gated norm's weight folded into out_weight (norm_weight None) at batch 1: two
+    launches, the step kernel (writing the gated value in z's dtype) and an out_proj GEMV that
+    normalises its input itself and adds the residual. Otherwise `mamba_step`, `gemv.linear` and
+    a torch add.
+
+    Returns: (B, d_model), in residual's dtype when given, else z's.
     """
-    from ..gemv.triton import linear
+    from ..gemv.triton import GemvConfig, _config, linear
 
     batch, heads, head_dim, d_state = ssm_state.shape
     channels, kernel_size = conv_weight.shape
     d_inner = heads * head_dim
-    group_size = d_inner // norm_groups
-    block_p = 16
-    fused = ((FUSE_OUT_PROJ if fold_norm is None else fold_norm) and batch == 1 and head_dim % block_p == 0 and group_size % block_p == 0
-             and d_inner <= 8192 and out_weight.stride(-1) == 1 and tuple(out_weight.shape[1:]) == (d_inner,)
+    fused = (norm_weight is None and batch == 1 and out_weight.stride(-1) == 1 and d_inner % norm_groups == 0
+             and tuple(out_weight.shape[1:]) == (d_inner,)
              and (z.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
     if not fused:
-        out = mamba_step(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
-                         norm_weight, n_groups, norm_groups, dt_min, dt_max, eps)
-        return linear(out, out_weight, out_bias)
+        out = linear(mamba_step(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
+                                norm_weight, n_groups, norm_groups, dt_min, dt_max, eps), out_weight, out_bias)
+        return out if residual is None else residual + out.to(residual.dtype)
     if kernel_size < 2 or ssm_state.dtype != torch.float32 or tuple(xBC.shape) != (batch, channels) \
             or channels != d_inner + 2 * n_groups * d_state or tuple(z.shape) != (batch, d_inner) \
             or tuple(conv_state.shape) != (batch, channels, kernel_size - 1):
         raise ValueError(f"mamba_step_out: shapes do not match (xBC {tuple(xBC.shape)}, state {tuple(ssm_state.shape)})")
-    parts_per_head = head_dim // block_p
-    n_parts = heads * parts_per_head
-    gated = torch.empty(batch, d_inner, device=z.device, dtype=torch.float32)
-    sq = torch.empty(n_parts, device=z.device, dtype=torch.float32)
+    n_out = out_weight.shape[0]
+    if residual is not None and residual.numel() != n_out:
+        raise ValueError(f"mamba_step_out: residual {tuple(residual.shape)} does not match out_proj ({n_out})")
+    block_p = 16
+    gated = torch.empty(batch, d_inner, device=z.device, dtype=z.dtype)  # rounded: the GEMV reads half the bytes
     block_k = max(2, triton.next_power_of_2(kernel_size - 1))
     block_s = max(16, triton.next_power_of_2(d_state))
-    _step_ssm_kernel[(batch, heads, parts_per_head)](
+    _step_ssm_kernel[(batch, heads, triton.cdiv(head_dim, block_p))](
         xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias if conv_bias is not None else conv_weight,
-        dt_bias, A_log, D, gated, sq,
+        dt_bias, A_log, D, gated, gated,
         heads, head_dim, d_state, n_groups, heads // n_groups, float(dt_min), float(dt_max),
         *xBC.stride(), *dt_raw.stride(), *z.stride(), *conv_state.stride(), *ssm_state.stride(),
         *conv_weight.stride(), gated.stride(0),
         K=kernel_size, HAS_BIAS=conv_bias is not None,
-        BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_K=block_k, WRITE_SQ=True,
+        BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_K=block_k, WRITE_SQ=False,
         num_warps=4, **_pdl_args(z.device, preload_state=True),
     )
-    n_out = out_weight.shape[0]
-    y = torch.empty(batch, n_out, device=z.device, dtype=torch.result_type(z, out_weight))
+    y = torch.empty(batch, n_out, device=z.device,
+                    dtype=torch.result_type(z, out_weight) if residual is None else residual.dtype)
+    block_n, cfg_k, warps, split, _, unroll, preload = GemvConfig(*_config(n_out, d_inner, z.device))
+    if preload:
+        cfg_k = k_split = triton.next_power_of_2(d_inner)
+    else:
+        cfg_k = min(cfg_k, triton.next_power_of_2(d_inner))
+        k_split = triton.cdiv(d_inner, cfg_k) * cfg_k
     use_pdl = pdl.enabled(z.device)
-    _gated_out_proj_kernel[(n_out,)](
-        gated, sq, norm_weight, out_weight, out_bias if out_bias is not None else out_weight, y, xBC, conv_state,
-        n_out, d_inner, out_weight.stride(0), group_size, n_parts, parts_per_head, head_dim, float(eps), d_inner,
-        d_state, n_groups, xBC.stride(1), conv_state.stride(1), conv_state.stride(2),
-        HAS_BIAS=out_bias is not None, NORM_GROUPS=norm_groups, BLOCK_Q=max(16, triton.next_power_of_2(n_parts)),
-        BLOCK_PB=block_p, BLOCK_N=1, BLOCK_K=triton.next_power_of_2(d_inner), K_CONV=kernel_size, BLOCK_S=block_s,
-        BLOCK_KC=block_k, USE_PDL=use_pdl, num_warps=4 if d_inner <= 4096 else 8,
-        **({"launch_pdl": True} if use_pdl else {}),
+    _step_out_kernel[(triton.cdiv(n_out, block_n),)](
+        gated, out_weight, out_bias if out_bias is not None else out_weight,
+        residual.reshape(n_out) if residual is not None else None, y, xBC, conv_state,
+        n_out, d_inner, out_weight.stride(0), d_inner // norm_groups, float(eps), d_inner, d_state, n_groups,
+        xBC.stride(1), conv_state.stride(1), conv_state.stride(2),
+        HAS_BIAS=out_bias is not None, HAS_RES=residual is not None, NORM_GROUPS=norm_groups,
+        BLOCK_G=triton.next_power_of_2(norm_groups), BLOCK_N=block_n, BLOCK_K=cfg_k, K_SPLIT=k_split,
+        UNROLL=bool(unroll), PRELOAD=bool(preload), K_CONV=kernel_size, BLOCK_S=block_s, BLOCK_KC=block_k,
+        USE_PDL=use_pdl, num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
     )
     return y

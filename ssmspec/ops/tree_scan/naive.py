@@ -4,6 +4,9 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
+
+from ..step_update.naive import naive_time_step
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
@@ -74,3 +77,43 @@ def naive_tree_scan(
     if D is not None:
         y = y + xf * D.float()[:, None]
     return y
+
+
+def naive_tree_scan_gated(
+    x: torch.Tensor,
+    dt_raw: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_min: float,
+    dt_max: float,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    z: torch.Tensor,
+    parents: torch.Tensor,
+    initial_state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verify path's time step, tree scan and gate y * silu(z) in one op.
+
+    dt = clamp(softplus(dt_raw + dt_bias), dt_min, dt_max) in fp32 (as `naive_time_step`),
+    y = `naive_tree_scan` with that dt, and the gate rounds y to z's dtype first, as
+    `Mamba2Mixer._output` does before its norm.
+
+    Args:
+        x: (B, N, H, P) SSM inputs after the conv.
+        dt_raw: (B, N, H) time steps before dt_bias and softplus; dt_bias: (H,).
+        dt_min, dt_max: the clamp of the time step.
+        A: (H,) negative decay rates.
+        B, C: (B, N, G, S).
+        D: (H,) or None.
+        z: (B, N, H*P) gate.
+        parents: (N,) int, -1 for the root.
+        initial_state: (B, H, P, S) the state before the root.
+    Returns:
+        g: (B, N, H*P) in z's dtype, y * silu(z); dt: (B, N, H) fp32, kept for replay.
+    """
+    dt = naive_time_step(dt_raw, dt_bias, dt_min, dt_max)  # (B, N, H) fp32
+    y = naive_tree_scan(x, dt, A, B, C, D, parents, initial_state)
+    y = y.flatten(-2).to(z.dtype)  # (B, N, H*P)
+    g = (y.float() * F.silu(z.float())).to(z.dtype)
+    return g, dt

@@ -9,6 +9,11 @@ Per-node states never reach global memory; the only large read is the initial st
 
 The ancestor mask and the path-summed log-decay are built in the kernel by walking each node's
 parent chain, so `parents` stays a device tensor and nothing syncs with the host.
+
+`tree_scan_gated` is the same kernel with the verify path's neighbours folded in (FUSED): the
+time step softplus(dt_raw + dt_bias), clamped, is computed per node inside each program (every
+P block of a head recomputes its head's N values, cheaper than a launch), and the output is
+gated by silu(z) and stored in z's dtype. Two launches fewer per Mamba layer.
 """
 from __future__ import annotations
 
@@ -17,12 +22,13 @@ import triton
 import triton.language as tl
 
 from ..pdl import gdc_launch_dependents, gdc_wait
-from ..step_update.triton import _pdl_args
+from ..step_update.triton import _pdl_args, _softplus
 
 
 @triton.jit
 def _tree_scan_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, par_ptr, h0_ptr, y_ptr,
+    bias_ptr, z_ptr, dt_out_ptr, dt_min, dt_max,
     N, H, P, S, heads_per_group,
     sxb, sxn, sxh, sxp,
     sdb, sdn, sdh,
@@ -30,7 +36,9 @@ def _tree_scan_kernel(
     sCb, sCn, sCg, sCs,
     shb, shh, shp, shs,
     syb, syn, syh, syp,
+    szb, szn, szc,
     HAS_D: tl.constexpr,
+    FUSED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr = False,
@@ -52,6 +60,17 @@ def _tree_scan_kernel(
     A = tl.load(A_ptr + h).to(tl.float32)
     dt_base = dt_ptr + b * sdb + h * sdh
     dt = tl.load(dt_base + offs_n * sdn, mask=mask_n, other=0.0).to(tl.float32)
+    if FUSED:
+        # dt_ptr is dt_raw: the time step of every node here (padding lanes stay 0), stored for
+        # replay by the P-block-0 program. The gate's z is loaded now, its latency hidden by the walk,
+        # and kept in its own dtype until the gate (fewer registers: measured faster than either
+        # loading it at the gate or holding it in fp32).
+        dt = _softplus(dt + tl.load(bias_ptr + h).to(tl.float32))
+        dt = tl.where(mask_n, tl.minimum(tl.maximum(dt, dt_min), dt_max), 0.0)
+        if pid_p == 0:
+            tl.store(dt_out_ptr + (b * N + offs_n) * H + h, dt, mask=mask_n)
+        zm = tl.load(z_ptr + b * szb + offs_n[:, None] * szn + (h * P + offs_p[None, :]) * szc,
+                     mask=mask_n[:, None] & mask_p[None, :], other=0.0)
 
     # Walk every node's parent chain at once: after step k, cur[i] is node i's k-th ancestor.
     # anc[i, j] = 1 when j is on i's path; acum[i] = sum of dt*A along it (the path's log-decay).
@@ -62,9 +81,14 @@ def _tree_scan_kernel(
     while (tl.max(cur, axis=0) >= 0) & (steps < N):  # the step bound guards a malformed parents
         valid = cur >= 0
         anc = tl.where(cur[:, None] == offs_n[None, :], 1, anc)
-        acum += tl.load(dt_base + cur * sdn, mask=valid, other=0.0).to(tl.float32) * A
+        if not FUSED:
+            acum += tl.load(dt_base + cur * sdn, mask=valid, other=0.0).to(tl.float32) * A
         cur = tl.where(valid, tl.load(par_ptr + cur, mask=valid, other=-1).to(tl.int32), -1)
         steps += 1
+    if FUSED:
+        # dt is in registers already: sum it along each path through the mask rather than
+        # gather it (and recompute its softplus) at every step of the walk.
+        acum = tl.sum(tl.where(anc != 0, dt[None, :] * A, 0.0), axis=1)
 
     # scores[i, j] = C_i . B_j and the initial-state term C_i . h0[p, :], accumulated over S chunks
     # so that the operands stay small whatever S is.
@@ -93,11 +117,15 @@ def _tree_scan_kernel(
     y = tl.dot(w, xm, input_precision=PRECISION) + from_h0 * tl.exp(acum)[:, None]
     if HAS_D:
         y += xm * tl.load(D_ptr + h).to(tl.float32)
-    tl.store(y_ptr + b * syb + h * syh + offs_n[:, None] * syn + offs_p[None, :] * syp, y,
+    if FUSED:
+        # g = y * silu(z) with y rounded to z's (= the output's) dtype first, as the reference does.
+        zf = zm.to(tl.float32)
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) * (zf * tl.sigmoid(zf))
+    tl.store(y_ptr + b * syb + h * syh + offs_n[:, None] * syn + offs_p[None, :] * syp, y.to(y_ptr.dtype.element_ty),
              mask=mask_n[:, None] & mask_p[None, :])
 
 
-def _check_tree_scan_shapes(x, dt, A, B, C, D, parents, initial_state):
+def _check_tree_scan_shapes(x, dt, A, B, C, D, parents, initial_state, op="tree_scan"):
     batch, n, heads, head_dim = x.shape
     groups, d_state = B.shape[2], B.shape[3]
     expected = {
@@ -112,9 +140,9 @@ def _check_tree_scan_shapes(x, dt, A, B, C, D, parents, initial_state):
         expected["D"] = (D.shape, (heads,))
     for name, (got, want) in expected.items():
         if tuple(got) != want:
-            raise ValueError(f"tree_scan: {name} has shape {tuple(got)}, expected {want}")
+            raise ValueError(f"{op}: {name} has shape {tuple(got)}, expected {want}")
     if heads % groups:
-        raise ValueError(f"tree_scan: {heads} heads do not split into {groups} groups")
+        raise ValueError(f"{op}: {heads} heads do not split into {groups} groups")
 
 
 def tree_scan(
@@ -147,13 +175,67 @@ def tree_scan(
         y: (B, N, H, P) fp32.
     """
     _check_tree_scan_shapes(x, dt, A, B, C, D, parents, initial_state)
+    batch, n, heads, head_dim = x.shape
+    y = torch.empty(batch, n, heads, head_dim, device=x.device, dtype=torch.float32)
+    _launch(x, dt, A, B, C, D, parents, initial_state, y, precision)
+    return y
+
+
+def tree_scan_gated(
+    x: torch.Tensor,
+    dt_raw: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_min: float,
+    dt_max: float,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    z: torch.Tensor,
+    parents: torch.Tensor,
+    initial_state: torch.Tensor,
+    precision: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Time step, tree scan and gate y * silu(z) of the verify path in one launch.
+
+    Same contract as `naive_tree_scan_gated`; `precision` as in `tree_scan`. dt_raw, z, x, B
+    and C may be strided views (column slices of the in_proj / conv output).
+
+    Args:
+        x: (B, N, H, P) SSM inputs after the conv.
+        dt_raw: (B, N, H) time steps before dt_bias and softplus; dt_bias: (H,).
+        dt_min, dt_max: the clamp of the time step.
+        A: (H,) negative decay rates.
+        B, C: (B, N, G, S).
+        D: (H,) or None.
+        z: (B, N, H*P) gate.
+        parents: (N,) int, -1 for the root, parents before children.
+        initial_state: (B, H, P, S) the state before the root.
+    Returns:
+        g: (B, N, H*P) in z's dtype; dt: (B, N, H) fp32, kept for replay.
+    """
+    _check_tree_scan_shapes(x, dt_raw, A, B, C, D, parents, initial_state, op="tree_scan_gated")
+    batch, n, heads, head_dim = x.shape
+    if tuple(dt_bias.shape) != (heads,) or tuple(z.shape) != (batch, n, heads * head_dim):
+        raise ValueError(
+            f"tree_scan_gated: dt_bias {tuple(dt_bias.shape)} / z {tuple(z.shape)} do not match x {tuple(x.shape)}"
+        )
+    g = torch.empty(batch, n, heads * head_dim, device=x.device, dtype=z.dtype)
+    dt = torch.empty(batch, n, heads, device=x.device, dtype=torch.float32)
+    _launch(x, dt_raw, A, B, C, D, parents, initial_state, g.view(batch, n, heads, head_dim), precision,
+            fused=(dt_bias, float(dt_min), float(dt_max), z, dt))
+    return g, dt
+
+
+def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None):
+    """Run `_tree_scan_kernel` into y (B, N, H, P); fused = (dt_bias, dt_min, dt_max, z, dt_out)
+    makes dt the raw time step and y the gated output (tree_scan_gated)."""
     if precision is None:
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
     batch, n, heads, head_dim = x.shape
     groups, d_state = B.shape[2], B.shape[3]
-    y = torch.empty(batch, n, heads, head_dim, device=x.device, dtype=torch.float32)
     if y.numel() == 0:
-        return y
+        return
     block_n = max(16, triton.next_power_of_2(n))
     # One block of up to 64 channels: splitting P into 32s (more programs) measured slower,
     # 4.4/6.7/13.5 us against 4.0/4.6/9.3 us for 15/31/63 nodes (BENCHMARKS.md): the cost is
@@ -162,13 +244,16 @@ def tree_scan(
     block_s = min(64, max(16, triton.next_power_of_2(d_state)))
     grid = (batch * heads, triton.cdiv(head_dim, block_p))
     D_arg = D if D is not None else A  # never read when HAS_D is False
+    # the unfused scan never reads the fused-only arguments: any tensor stands in for them
+    dt_bias, dt_min, dt_max, z, dt_out = fused if fused is not None else (A, 0.0, 0.0, x, y)
+    z_strides = z.stride() if fused is not None else (0, 0, 0)
     _tree_scan_kernel[grid](
         x, dt, A, B, C, D_arg, parents, initial_state, y,
+        dt_bias, z, dt_out, dt_min, dt_max,
         n, heads, head_dim, d_state, heads // groups,
-        *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *initial_state.stride(), *y.stride(),
-        HAS_D=D is not None,
+        *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *initial_state.stride(), *y.stride(), *z_strides,
+        HAS_D=D is not None, FUSED=fused is not None,
         BLOCK_N=block_n, BLOCK_P=block_p, BLOCK_S=block_s,
         PRECISION=precision,
         num_warps=4 if block_n <= 32 else 8, **_pdl_args(y.device),
     )
-    return y

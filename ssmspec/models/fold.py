@@ -1,0 +1,56 @@
+"""Fold RMSNorm weights into the projections after them, so the kernels can fuse the norms.
+
+A pre-norm sublayer computes W (w * n(h)) with n the weightless RMSNorm; that is (W diag(w)) n(h).
+Folding moves w into W once and leaves the norm with weight ones: the model computes the same
+function (up to rounding the products to the weights' dtype) and saves and loads as before, and
+the norm becomes a per-row (per-group) scale that a projection kernel applies to its own input
+(ops/gemv `norm_linear`), one launch and one dependent hop fewer per norm on the decode path.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..ops import dispatch
+
+
+def fold_norm_weights_(model: nn.Module) -> nn.Module:
+    """Fold, in place, each Mamba sublayer's pre-norm into in_proj and its gated norm into
+    out_proj, and each MLP sublayer's pre-norm into its up (and gate) projection. Idempotent.
+    Attention sublayers and the final norm keep their weights. Returns the model."""
+    with torch.no_grad():
+        for layer in model.layers:
+            if layer.kind == "mamba":
+                _fold(layer.norm, [layer.mixer.in_proj])
+                _fold(layer.mixer.norm, [layer.mixer.out_proj])
+            elif layer.kind == "mlp":
+                mlp = layer.mixer
+                _fold(layer.norm, [mlp.up_proj] + ([mlp.gate_proj] if mlp.cfg.gated else []))
+    return model
+
+
+def fold_for_kernels(*models) -> None:
+    """Fold each model (None and non-LanguageModel drafters are skipped) whose device runs the
+    fused-norm kernels under the current backend; the reference path is left as it is. Decoding
+    (`generate`) and `profile` call it so that they run, and time, the same path."""
+    from .lm import LanguageModel
+
+    for model in models:
+        if isinstance(model, LanguageModel) and dispatch.uses_kernel("norm_linear", model.device):
+            fold_norm_weights_(model)
+
+
+def is_folded(norm: nn.Module) -> bool:
+    """Whether `norm`'s weight is the ones that folding left (not modified since, e.g. by training
+    or a state-dict load, which bump the tensor's version). Costs no device work."""
+    return getattr(norm, "_folded_version", None) == (norm.weight.data_ptr(), norm.weight._version)
+
+
+def _fold(norm: nn.Module, linears: list[nn.Linear]) -> None:
+    if is_folded(norm):
+        return
+    w = norm.weight.float()
+    for linear in linears:
+        linear.weight.copy_((linear.weight.float() * w[None, :]).to(linear.weight.dtype))
+    norm.weight.fill_(1.0)
+    norm._folded_version = (norm.weight.data_ptr(), norm.weight._version)

@@ -1,0 +1,88 @@
+"""The verify path's fused kernels on a real GPU at mamba2-2.7b layer sizes, bf16 (opt in: --run-gpu)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from helpers import assert_close
+from ssmspec.trees import Tree
+
+pytestmark = pytest.mark.requires_cuda
+DEV = "cuda"
+H, P, S, G, K = 80, 64, 128, 1, 4
+D_INNER, CONV_DIM = H * P, H * P + 2 * G * S  # 5120, 5376
+TREES = {"16: 3,4": Tree.from_config((3, 4)), "64: 3,4,2,1": Tree.from_config((3, 4, 2, 1)), "64: chain": Tree.chain(63)}
+
+
+def _poison(nbytes):
+    """Free a NaN block so that the kernel's next allocation likely reuses it (unwritten lanes -> NaN)."""
+    del_me = torch.full((nbytes // 4 + 1024,), float("nan"), device=DEV)
+    del del_me
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _layer_inputs(batch, n):
+    """bf16 activations as the model holds them: z, xBC and dt_raw are column slices of one in_proj
+    output, x, B and C column slices of one conv output; dt_bias as mamba2's init (dt in [1e-3, 0.1])."""
+    proj = torch.randn(batch, n, D_INNER + CONV_DIM + H, device=DEV, dtype=torch.bfloat16)
+    z, xBC, dt_raw = proj.split([D_INNER, CONV_DIM, H], dim=-1)
+    conv = torch.randn(batch, n, CONV_DIM, device=DEV, dtype=torch.bfloat16)
+    conv[..., D_INNER:] *= 0.3
+    x, B, C = conv.split([D_INNER, G * S, G * S], dim=-1)
+    dt0 = torch.exp(torch.rand(H, device=DEV) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+    return {
+        "z": z, "xBC": xBC, "dt_raw": dt_raw,
+        "x": x.unflatten(-1, (H, P)), "B": B.unflatten(-1, (G, S)), "C": C.unflatten(-1, (G, S)),
+        "dt_bias": dt0 + torch.log(-torch.expm1(-dt0)),  # softplus^-1(dt0)
+        "A": -(1 + torch.rand(H, device=DEV) * 15), "D": torch.randn(H, device=DEV),
+        "h0": torch.randn(batch, H, P, S, device=DEV),
+    }
+
+
+@pytest.mark.parametrize("tree_name", list(TREES))
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("clamp", [(0.0, math.inf), (1e-3, 0.05)], ids=["unclamped", "clamped"])
+def test_tree_scan_gated_gpu(tree_name, batch, clamp):
+    from ssmspec.ops.tree_scan.naive import naive_tree_scan_gated
+    from ssmspec.ops.tree_scan.triton import tree_scan_gated
+
+    tree = TREES[tree_name]
+    v = _layer_inputs(batch, tree.num_nodes)
+    args = (v["x"], v["dt_raw"], v["dt_bias"], *clamp, v["A"], v["B"], v["C"], v["D"], v["z"],
+            tree.parents_tensor(DEV), v["h0"])
+    want_g, want_dt = naive_tree_scan_gated(*args)
+    for precision, tol in (("ieee", 5e-3), (None, 5e-3)):  # None: tf32 for bf16 inputs
+        _poison(want_g.numel() * 2 + want_dt.numel() * 4)
+        g, dt = tree_scan_gated(*args, precision=precision)
+        assert g.dtype == torch.bfloat16 and g.shape == (batch, tree.num_nodes, D_INNER)
+        assert_close(dt, want_dt, atol=1e-6, rtol=1e-5, name=f"dt {precision}")
+        # g is bf16: only the rounding of y and of the product differ (about 2^-9 relative each)
+        assert torch.isfinite(g).all() and _rel(g, want_g) < tol, f"{precision}: rel err {_rel(g, want_g):.2e}"
+
+
+@pytest.mark.parametrize("tree_name", list(TREES))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_replay_states_gpu(tree_name, batch):
+    from ssmspec.ops.state_replay.naive import naive_replay_states
+    from ssmspec.ops.state_replay.triton import replay_states
+
+    tree = TREES[tree_name]
+    n = tree.num_nodes
+    v = _layer_inputs(batch, n)
+    deepest = max(range(n), key=lambda i: len(tree.path(i)))
+    path = torch.tensor([tree.path(deepest)] * batch, device=DEV)  # (B, M), M = depth + 1
+    m = path.shape[1]
+    path_len = torch.tensor([m, 0, max(1, m // 2), 1][:batch], device=DEV)  # full, none, partial, root only
+    dt = torch.rand(batch, n, H, device=DEV) * 0.1
+    conv_state = torch.randn(batch, CONV_DIM, K - 1, device=DEV, dtype=torch.bfloat16)
+    ssm_state = torch.randn(batch, H, P, S, device=DEV)
+    c_want, s_want = conv_state.clone(), ssm_state.clone()
+    naive_replay_states(c_want, s_want, v["xBC"], v["x"], dt, v["A"], v["B"], path, path_len)
+    replay_states(conv_state, ssm_state, v["xBC"], v["x"], dt, v["A"], v["B"], path, path_len)
+    assert torch.equal(conv_state, c_want)
+    assert_close(ssm_state, s_want, atol=1e-5, rtol=1e-5, name="ssm_state")
