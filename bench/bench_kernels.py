@@ -341,16 +341,45 @@ def gemv_sweep(only: str | None = None) -> None:
     print("\nbest one-row configs: " + "; ".join(f"{k}: {v[0]} {v[1]:.2f} us" for k, v in best.items()))
 
 
+def norm_linear_timings() -> None:
+    """The projections with the folded norm (and residual add) inside them against the plain
+    projection of the same shape: what the fusion costs inside each kernel, isolated."""
+    from ssmspec.ops.gemv.naive import naive_norm_linear
+    from ssmspec.ops.gemv.triton import linear, norm_linear
+
+    shapes = [("in_proj", 10576, 2560, 1, False), ("out_proj", 2560, 5120, 1, True), ("out_proj-8b", 4096, 8192, 8, True),
+              ("mlp_up-8b", 21504, 4096, 1, False), ("mlp_down-8b", 4096, 21504, 0, True)]
+    print("\nnorm_linear (norm in the prologue, residual in the epilogue) against linear, rotating weights")
+    for label, n_out, k_in, groups, residual in shapes:
+        nbytes = n_out * k_in * 2
+        copies = max(2, math.ceil(200e6 / nbytes))
+        wts = [torch.randn(n_out, k_in, device=DEV, dtype=BF16) / math.sqrt(k_in) for _ in range(copies)]
+        for m in (1, 16, 64):
+            xin = torch.randn(m, k_in, device=DEV, dtype=BF16)
+            res = torch.randn(m, n_out, device=DEV, dtype=BF16) if residual else None
+            ref = naive_norm_linear(xin.float(), wts[0].float(), None, groups, 1e-5, None if res is None else res.float())
+            check(f"norm_linear {label} M={m}", norm_linear(xin, wts[0], None, groups, 1e-5, res), ref, 2e-2)
+            plain = time_us(lambda: [linear(xin, w_) for w_ in wts]) / copies
+            fused = time_us(lambda: [norm_linear(xin, w_, None, groups, 1e-5, res) for w_ in wts]) / copies
+            print(f"  {label:<12} M={m:>2}: linear {plain:7.2f} us ({nbytes / plain / 1e6:.2f} TB/s)  norm_linear "
+                  f"{fused:7.2f} us  ratio {fused / plain:.3f}", flush=True)
+            RESULTS["timings"].append({"what": f"norm_linear {label} M={m}", "linear_us": plain, "norm_linear_us": fused})
+        del wts
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write all figures as JSON here")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--gemv-sweep", action="store_true", help="only sweep the GEMV / skinny GEMM configs")
     ap.add_argument("--only", default=None, help="with --gemv-sweep: one of in_proj, out_proj, lm_head")
+    ap.add_argument("--norm-linear", action="store_true", help="only time norm_linear against linear")
     args = ap.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
-    if args.gemv_sweep:
+    if args.norm_linear:
+        norm_linear_timings()
+    elif args.gemv_sweep:
         gemv_sweep(args.only)
     else:
         if not args.skip_checks:

@@ -377,13 +377,34 @@ else:
                              naive_norm_linear(x, w, b, norm_groups, 1e-5, res), atol=1e-4, rtol=1e-4, name=str(cfg))
 
 
+    @pytest.mark.parametrize("norm_groups", [1, 4])
+    def test_norm_linear_preloaded_row_scales_at_the_end(norm_groups, nan_outputs):
+        """The preloaded one-row GEMV applies the norm as scales of its dot products (one group:
+        the sum of squares inside the dot's reduction; power-of-two groups over a power-of-two K:
+        per-group dots): the same result as normalising first, within fp32 rounding."""
+        from ssmspec.ops.gemv.naive import naive_norm_linear
+
+        n, k = 37, 128
+        x, w, res = torch.randn(1, 1, k) * 3, torch.randn(n, k) / 8, torch.randn(1, 1, n)
+        assert GV.grouped_epilogue(k, k, norm_groups) == (norm_groups > 1)
+        for block_n in (1, 2):
+            cfg = GV.GemvConfig(block_n, 0, 1, preload=True)
+            assert_close(GV.norm_linear(x, w, None, norm_groups, 1e-5, res, config=cfg),
+                         naive_norm_linear(x, w, None, norm_groups, 1e-5, res), atol=1e-4, rtol=1e-4, name=str(cfg))
+
+
     @pytest.mark.parametrize("shape", [(1, 4, 16, 16, 1, 1, 4), (1, 6, 16, 8, 2, 3, 3), (1, 3, 8, 16, 1, 1, 4),
                                        (2, 4, 16, 16, 2, 2, 4)],
                              ids=["G1", "G2-norm3-K3", "P8", "fallback-batch2"])
-    def test_mamba_step_out_matches_reference(shape, nan_outputs):
+    @pytest.mark.parametrize("preload", [False, True], ids=["looped", "preloaded"])
+    def test_mamba_step_out_matches_reference(shape, preload, nan_outputs, monkeypatch):
         """The step with the gated norm (weight folded into out_proj) and the residual add inside
-        the out_proj GEMV (batch 1), and the fallback (batch 2, or a norm weight)."""
+        the out_proj GEMV (batch 1), and the fallback (batch 2, or a norm weight). preloaded: the
+        GEMV config the H100 runs (one row, all of K loaded at once)."""
         from ssmspec.ops.step_update.naive import naive_mamba_step_out
+
+        if preload:
+            monkeypatch.setattr(GV, "_config", lambda n, k, device: GV.GemvConfig(1, 0, 1, preload=True))
 
         batch, heads, head_dim, d_state, groups, norm_groups, kernel_size = shape
         channels, d_inner, d_model = heads * head_dim + 2 * groups * d_state, heads * head_dim, 40

@@ -32,6 +32,11 @@ H100 found equal or faster from 32 rows on (out_proj at 64 rows: 12.9 us against
 
 
 @triton.jit
+def _add_pairs(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
 def _norm_scale(xf, offs_k, group_size, eps, NORM_GROUPS: tl.constexpr):
     """Per-element 1/rms of the element's group, for an fp32 K-vector held whole in xf (masked
     lanes 0): the RMSNorm folded into a projection (see `norm_linear`)."""
@@ -74,7 +79,7 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr,
                PRELOAD: tl.constexpr, USE_PDL: tl.constexpr,
                res_ptr=None, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0, HAS_RES: tl.constexpr = False,
-               BLOCK_G: tl.constexpr = 1):
+               BLOCK_G: tl.constexpr = 1, GROUPED: tl.constexpr = False):
     """One tile of BLOCK_N output rows. NORM_GROUPS > 0: the input is RMS-normalised over that
     many groups first (rounded to its dtype, as RMSNorm's output is; no norm weight: it is folded
     into w). HAS_RES: the output, rounded to y's dtype, is added to the residual at res_ptr."""
@@ -93,9 +98,22 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.
             gdc_wait()
         xv = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
         xf = xv.to(tl.float32)
-        if NORM_GROUPS > 0:  # the whole row is here: normalise it in registers
-            xf = (xf * _norm_scale(xf, offs_k, group_size, eps, NORM_GROUPS)).to(xv.dtype).to(tl.float32)
-        acc += w.to(tl.float32) * xf[None, :]
+        if NORM_GROUPS == 1:
+            # The row's 1/rms scales the dot product at the end, and its sum of squares rides in
+            # the dot's own reduction: normalising x first put two reductions and three K-wide
+            # passes before the dot, on every program's critical path (measured: +4 us per layer).
+            prod = w.to(tl.float32) * xf[None, :]
+            dot, ss = tl.reduce((prod, tl.broadcast_to((xf * xf)[None, :], [BLOCK_N, BLOCK_K])), 1, _add_pairs)
+            scaled = dot * tl.rsqrt(ss / K + eps)
+        elif GROUPED:  # K = BLOCK_K in NORM_GROUPS power-of-two groups: per-group dots, scaled at the end
+            gs: tl.constexpr = BLOCK_K // NORM_GROUPS
+            part = tl.sum(tl.reshape(w.to(tl.float32) * xf[None, :], [BLOCK_N, NORM_GROUPS, gs]), axis=2)
+            ssg = tl.sum(tl.reshape(xf * xf, [NORM_GROUPS, gs]), axis=1)
+            scaled = tl.sum(part * tl.rsqrt(ssg / gs + eps)[None, :], axis=1)
+        else:
+            if NORM_GROUPS > 0:  # the whole row is here: normalise it in registers
+                xf = (xf * _norm_scale(xf, offs_k, group_size, eps, NORM_GROUPS)).to(xv.dtype).to(tl.float32)
+            acc += w.to(tl.float32) * xf[None, :]
     else:
         if USE_PDL:
             gdc_wait()
@@ -125,7 +143,10 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.
                 if NORM_GROUPS > 0:
                     xf = (xf * _scale_from_groups(rvec, offs_k, group_size, NORM_GROUPS, BLOCK_G)).to(xv.dtype).to(tl.float32)
                 acc += w.to(tl.float32) * xf[None, :]
-    y = tl.sum(acc, axis=1)
+    if PRELOAD and (NORM_GROUPS == 1 or GROUPED):
+        y = scaled
+    else:
+        y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         # the bias goes into partial 0 only
         y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32) * tl.where(split == 0, 1.0, 0.0)
@@ -143,17 +164,25 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, swn, tiles, HAS_BIAS: tl.cons
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr,
                  PERSISTENT: tl.constexpr, PRELOAD: tl.constexpr, USE_PDL: tl.constexpr,
                  res_ptr=None, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0, HAS_RES: tl.constexpr = False,
-                 BLOCK_G: tl.constexpr = 1):
+                 BLOCK_G: tl.constexpr = 1, GROUPED: tl.constexpr = False):
     if USE_PDL:
         gdc_launch_dependents()  # see ops/pdl.py: nothing is written before gdc_wait
     split = tl.program_id(1)
     if PERSISTENT:
         for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
             _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS, PARTIAL, BLOCK_N, BLOCK_K,
-                       K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G)
+                       K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G,
+                       GROUPED)
     else:
         _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tl.program_id(0), split, N, K, swn, HAS_BIAS, PARTIAL, BLOCK_N,
-                   BLOCK_K, K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G)
+                   BLOCK_K, K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G,
+                   GROUPED)
+
+
+def grouped_epilogue(k: int, block_k: int, norm_groups: int) -> bool:
+    """Whether a preloaded GEMV row (BLOCK_K = block_k) can apply a norm of several groups as
+    per-group dots scaled at the end: all of K in the block, in power-of-two groups."""
+    return norm_groups > 1 and k == block_k and norm_groups & (norm_groups - 1) == 0
 
 
 class GemvConfig(tuple):
@@ -199,6 +228,7 @@ def _launch_gemv(xv, weight, bias, y, cfg: GemvConfig, partial: bool, residual=N
         UNROLL=bool(unroll), PERSISTENT=bool(persistent), PRELOAD=bool(preload), USE_PDL=use_pdl, num_warps=warps,
         res_ptr=residual, group_size=k // max(norm_groups, 1), eps=float(eps), NORM_GROUPS=norm_groups,
         HAS_RES=residual is not None, BLOCK_G=triton.next_power_of_2(max(norm_groups, 1)),
+        GROUPED=bool(preload) and grouped_epilogue(k, block_k, norm_groups),
         **({"launch_pdl": True} if use_pdl else {}),
     )
 
@@ -251,7 +281,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
                 part = tl.sum(tl.where(kg[None, :] == gi, xt * xt, 0.0), axis=1)
                 rg += tl.where(offs_g[None, :] == gi, part[:, None], 0.0)
         rg = tl.rsqrt(rg / group_size + eps)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -259,9 +289,9 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
         xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         wt = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
                      eviction_policy="evict_first")
-        if NORM_GROUPS == 1:
-            xf = xt.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=1)
+        if NORM_GROUPS == 1:  # elementwise here, reduced once after the loop (a reduction per
+            xf = xt.to(tl.float32)  # K step stalled the pipeline: 39 us per call instead of 21)
+            sq += xf * xf
         elif NORM_GROUPS > 1:
             kg = offs_k // group_size
             r = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
@@ -273,7 +303,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
         else:
             acc = tl.dot(xt, tl.trans(wt), acc)
     if NORM_GROUPS == 1:
-        acc *= tl.rsqrt(ss / K + eps)[:, None]
+        acc *= tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     mask = mask_m[:, None] & mask_n[None, :]

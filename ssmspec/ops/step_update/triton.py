@@ -481,6 +481,7 @@ def _step_out_kernel(
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr, PRELOAD: tl.constexpr,
     K_CONV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_KC: tl.constexpr, USE_PDL: tl.constexpr,
+    GROUPED: tl.constexpr = False,
 ):
     """out_proj of one row (batch 1) whose input is the gated value g of `_step_ssm_kernel`: the
     gated RMSNorm runs in the GEMV's prologue (its weight folded into out_proj's, see
@@ -490,7 +491,7 @@ def _step_out_kernel(
     if USE_PDL:
         gdc_launch_dependents()
     _gemv_tile(g_ptr, w_ptr, bias_ptr, y_ptr, tl.program_id(0), 0, N, K, swn, HAS_BIAS, False, BLOCK_N, BLOCK_K,
-               K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G)
+               K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G, GROUPED)
     if tl.program_id(0) == 0:
         offs_s = tl.arange(0, BLOCK_S)
         mask_s = offs_s < S
@@ -531,7 +532,7 @@ def mamba_step_out(
 
     Returns: (B, d_model), in residual's dtype when given, else z's.
     """
-    from ..gemv.triton import GemvConfig, _config, linear
+    from ..gemv.triton import GemvConfig, _config, grouped_epilogue, linear
 
     batch, heads, head_dim, d_state = ssm_state.shape
     channels, kernel_size = conv_weight.shape
@@ -581,6 +582,7 @@ def mamba_step_out(
         HAS_BIAS=out_bias is not None, HAS_RES=residual is not None, NORM_GROUPS=norm_groups,
         BLOCK_G=triton.next_power_of_2(norm_groups), BLOCK_N=block_n, BLOCK_K=cfg_k, K_SPLIT=k_split,
         UNROLL=bool(unroll), PRELOAD=bool(preload), K_CONV=kernel_size, BLOCK_S=block_s, BLOCK_KC=block_k,
-        USE_PDL=use_pdl, num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
+        USE_PDL=use_pdl, GROUPED=bool(preload) and grouped_epilogue(d_inner, cfg_k, norm_groups),
+        num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
     )
     return y
