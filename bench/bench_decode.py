@@ -24,6 +24,7 @@ from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch, pdl
 from ssmspec.ops.gemv import triton as gemv
+from ssmspec.ops.step_update import triton as step_kernels
 from ssmspec.trees.tree import Tree
 
 RESULTS: dict = {}
@@ -211,6 +212,9 @@ def main() -> int:
             pdl.ENABLED = False  # the same kernels launched without programmatic dependent launch
             record("AR step CUDA graph [folded, no PDL]", step_graph_ms(m)[0])
             pdl.ENABLED = True
+            step_kernels.FUSE_IN_PROJ_STEP = False  # the step as its own kernel after in_proj
+            record("AR step CUDA graph [folded, step kernel not in in_proj]", step_graph_ms(m)[0])
+            step_kernels.FUSE_IN_PROJ_STEP = True
     base = step_logits.get("reference", step_logits.get("unfolded"))
     for name in variants:
         if base is not None and base is not step_logits[name]:

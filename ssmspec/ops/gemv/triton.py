@@ -253,15 +253,23 @@ def gemv_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 @triton.jit
+def _skinny_dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:  # fp32 weights: full fp32 products, as cuBLAS (no TF32) computes them
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr,
                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    USE_PDL: tl.constexpr, res_ptr=None, srm=0, group_size=1, eps=0.0,
-                   NORM_GROUPS: tl.constexpr = 0, HAS_RES: tl.constexpr = False, BLOCK_G: tl.constexpr = 1):
+                   NORM_GROUPS: tl.constexpr = 0, HAS_RES: tl.constexpr = False):
     # Launched without PDL (USE_PDL False): its early-launched instances held their pipeline's
     # shared memory while waiting and ran 1.4x slower in the H100 sweep (13.7 -> 20.5 us at 8 rows).
-    # NORM_GROUPS / HAS_RES: as in _gemv_tile. One norm group scales the accumulator by each row's
-    # 1/rms at the end (its sum of squares gathered from the x tiles the loop loads anyway);
-    # several groups need every row's group scales first, from a pass over x.
+    # NORM_GROUPS / HAS_RES: as in _gemv_tile, with the norm as a scale of each group's partial
+    # product: the rows' sums of squares come from the Gram matrix X X^T of the same x tiles,
+    # a second tensor-core product, so x stays a pure dot operand and the loads keep their
+    # pipeline (squaring the tiles elementwise ran 2x slower). Needs group_size % BLOCK_K == 0.
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -269,41 +277,29 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
     offs_m = tl.arange(0, BLOCK_M)
     mask_n = offs_n < N
     mask_m = offs_m < M
-    offs_g = tl.arange(0, BLOCK_G)
-    rg = tl.zeros([BLOCK_M, BLOCK_G], dtype=tl.float32)
-    if NORM_GROUPS > 1:
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if NORM_GROUPS == 0:
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :],
-                         other=0.0).to(tl.float32)
-            kg = offs_k // group_size
-            for gi in tl.static_range(NORM_GROUPS):
-                part = tl.sum(tl.where(kg[None, :] == gi, xt * xt, 0.0), axis=1)
-                rg += tl.where(offs_g[None, :] == gi, part[:, None], 0.0)
-        rg = tl.rsqrt(rg / group_size + eps)
-    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        wt = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
-                     eviction_policy="evict_first")
-        if NORM_GROUPS == 1:  # elementwise here, reduced once after the loop (a reduction per
-            xf = xt.to(tl.float32)  # K step stalled the pipeline: 39 us per call instead of 21)
-            sq += xf * xf
-        elif NORM_GROUPS > 1:
-            kg = offs_k // group_size
-            r = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-            for gi in tl.static_range(NORM_GROUPS):
-                r = tl.where(kg[None, :] == gi, tl.sum(tl.where(offs_g[None, :] == gi, rg, 0.0), axis=1)[:, None], r)
-            xt = (xt.to(tl.float32) * r).to(xt.dtype)
-        if IEEE:  # fp32 weights: full fp32 products, as cuBLAS (no TF32) computes them
-            acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xt, tl.trans(wt), acc)
-    if NORM_GROUPS == 1:
-        acc *= tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
+            mask_k = offs_k < K
+            xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            wt = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                         other=0.0, eviction_policy="evict_first")
+            acc = _skinny_dot(xt, tl.trans(wt), acc, IEEE)
+    else:
+        diag = offs_m[:, None] == offs_m[None, :]
+        for grp in range(0, NORM_GROUPS):
+            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            gram = tl.zeros([BLOCK_M, BLOCK_M], dtype=tl.float32)
+            for k0 in range(grp * group_size, (grp + 1) * group_size, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+                wt = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None], other=0.0,
+                             eviction_policy="evict_first")
+                part = _skinny_dot(xt, tl.trans(wt), part, IEEE)
+                gram = _skinny_dot(xt, tl.trans(xt), gram, IEEE)
+            ss = tl.sum(tl.where(diag, gram, 0.0), axis=1)
+            acc += part * tl.rsqrt(ss / group_size + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
@@ -337,13 +333,22 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             res = res.contiguous()
     block_n, block_k, warps, stages = config or SKINNY_TUNED.get((n, k), SKINNY_DEFAULT)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    group_size = k // max(norm_groups, 1)
+    if norm_groups:
+        while block_k > 16 and group_size % block_k:
+            block_k //= 2
+        if group_size % block_k:  # groups that no tile divides: the norm kernel first
+            from ..step_update.triton import rms_norm
+
+            rows = rms_norm(rows.reshape(-1, group_size), None, eps).reshape(m, k)
+            norm_groups = 0
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         rows, weight, bias if bias is not None else weight, y, m, n, k, rows.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         num_stages=stages, USE_PDL=False,
-        res_ptr=res, srm=res.stride(0) if res is not None else 0, group_size=k // max(norm_groups, 1), eps=float(eps),
-        NORM_GROUPS=norm_groups, HAS_RES=res is not None, BLOCK_G=triton.next_power_of_2(max(norm_groups, 1)),
+        res_ptr=res, srm=res.stride(0) if res is not None else 0, group_size=group_size, eps=float(eps),
+        NORM_GROUPS=norm_groups, HAS_RES=res is not None,
     )
     return y.reshape(tuple(x.shape[:-1]) + (n,))
 
