@@ -74,20 +74,20 @@ def prefilled_cache(model, prompt: torch.Tensor, max_len: int):
 
 
 def tree_tokens_following(model, cache, root: int, tree: Tree, vocab: int) -> tuple[torch.Tensor, list[int]]:
-    """Tree tokens whose first-child path is the model's own greedy continuation (so a greedy
-    iteration can accept the whole depth), other nodes random. Returns (1, N) and the greedy chain."""
-    work = cache.clone()
-    chain, tok = [], torch.tensor([[root]], device="cuda")
-    with torch.inference_mode():
-        for _ in range(tree.max_depth + 1):
-            tok = model.step(tok, work).argmax(-1)
-            chain.append(int(tok))
+    """Tree tokens whose first-child path is the target's own greedy continuation as `verify`
+    computes it (so a greedy iteration accepts the whole depth), other nodes random. Built level
+    by level from verify's own argmax: the step path's bf16 rounding can pick another token at a
+    near tie, which would make iterations accept less and replay less than the full depth.
+    Returns (1, N) and the greedy chain (the path's tokens after the root, then the bonus)."""
     tokens = torch.randint(0, vocab, (1, tree.num_nodes), device="cuda")
     tokens[0, 0] = root
     first_path = tree.path(max(range(tree.num_nodes), key=lambda i: (tree.depths[i], -i)))
-    for d, node in enumerate(first_path[1:]):
-        tokens[0, node] = chain[d]
-    return tokens, chain
+    with torch.inference_mode():
+        for d in range(len(first_path) - 1):
+            logits, _ = model.verify(tokens, tree, cache)  # the cache is left untouched
+            tokens[0, first_path[d + 1]] = logits[0, first_path[d]].argmax()
+        logits, _ = model.verify(tokens, tree, cache)
+    return tokens, [int(logits[0, node].argmax()) for node in first_path]
 
 
 def profile_top(fn, label: str, reps: int = 5, rows: int = 14) -> dict:
@@ -212,9 +212,10 @@ def main() -> int:
             pdl.ENABLED = False  # the same kernels launched without programmatic dependent launch
             record("AR step CUDA graph [folded, no PDL]", step_graph_ms(m)[0])
             pdl.ENABLED = True
-            step_kernels.FUSE_IN_PROJ_STEP = False  # the step as its own kernel after in_proj
-            record("AR step CUDA graph [folded, step kernel not in in_proj]", step_graph_ms(m)[0])
-            step_kernels.FUSE_IN_PROJ_STEP = True
+            for fraction in (0.0, 0.8):  # other shares of out_proj prefetched into L2 by the step kernel
+                saved, step_kernels.OUT_PREFETCH_FRACTION = step_kernels.OUT_PREFETCH_FRACTION, fraction
+                record(f"AR step CUDA graph [folded, out_proj L2 prefetch {fraction:.0%}]", step_graph_ms(m)[0])
+                step_kernels.OUT_PREFETCH_FRACTION = saved
     base = step_logits.get("reference", step_logits.get("unfolded"))
     for name in variants:
         if base is not None and base is not step_logits[name]:

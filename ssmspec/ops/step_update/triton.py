@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .. import pdl
-from ..gemv.triton import _add_pairs, _gemv_tile
+from ..gemv.triton import _gemv_tile
 from ..pdl import gdc_launch_dependents, gdc_wait
 
 
@@ -46,6 +46,18 @@ def _pdl_args(device: torch.device, preload_state: bool = False) -> dict:
         return {}
     extra = {"PRELOAD_STATE": True} if preload_state and PRELOAD_STATE else {}
     return {"USE_PDL": True, "launch_pdl": True, **extra}
+
+
+PF_SPAN = 2048
+"""Elements (of a 2-byte weight: 4 KB) per L2 prefetch instruction."""
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Hopper bulk prefetch of PF_SPAN 2-byte elements at each pointer into L2 (no registers
+    written, nothing waited for)."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 4096;\n mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -140,9 +152,17 @@ def _step_ssm_kernel(
     WRITE_SQ: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
     PRELOAD_STATE: tl.constexpr = False,
+    pf_ptr=None, pf_start=0, pf_end=0, PF_CHUNKS: tl.constexpr = 0,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
+        if PF_CHUNKS > 0:
+            # Pull part of out_proj's weights into L2 while this latency-bound kernel leaves DRAM
+            # mostly idle (weights are never written, so before the wait is fine): each program
+            # asks for PF_CHUNKS spans of PF_SPAN elements of [pf_start, pf_end).
+            pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
+            offs = pf_start + (pid * PF_CHUNKS + tl.arange(0, PF_CHUNKS)) * PF_SPAN
+            _prefetch_l2(pf_ptr + tl.minimum(offs, pf_end - PF_SPAN))
         if not PRELOAD_STATE:
             gdc_wait()
     b = tl.program_id(0)
@@ -496,7 +516,7 @@ def _step_out_kernel(
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr, PRELOAD: tl.constexpr,
     K_CONV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_KC: tl.constexpr, USE_PDL: tl.constexpr,
-    GROUPED: tl.constexpr = False, cnt_ptr=None, RESET_COUNTER: tl.constexpr = False,
+    GROUPED: tl.constexpr = False,
 ):
     """out_proj of one row (batch 1) whose input is the gated value g of `_step_ssm_kernel`: the
     gated RMSNorm runs in the GEMV's prologue (its weight folded into out_proj's, see
@@ -508,8 +528,6 @@ def _step_out_kernel(
     _gemv_tile(g_ptr, w_ptr, bias_ptr, y_ptr, tl.program_id(0), 0, N, K, swn, HAS_BIAS, False, BLOCK_N, BLOCK_K,
                K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G, GROUPED)
     if tl.program_id(0) == 0:
-        if RESET_COUNTER:  # the fused step's B/C arrivals (_in_proj_step_kernel): all read by now
-            tl.store(cnt_ptr, 0)
         offs_s = tl.arange(0, BLOCK_S)
         mask_s = offs_s < S
         for grp in range(0, G):
@@ -581,16 +599,16 @@ def mamba_step_out(
         K=kernel_size, HAS_BIAS=conv_bias is not None,
         BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_K=block_k, WRITE_SQ=False,
         num_warps=4, **_pdl_args(z.device, preload_state=True),
+        **_out_prefetch_args(out_weight, batch * heads * triton.cdiv(head_dim, block_p)),
     )
     return _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, norm_groups, eps, n_groups,
                             d_state, kernel_size)
 
 
 def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, norm_groups, eps, n_groups, d_state,
-                     kernel_size, counter=None):
+                     kernel_size):
     """`_step_out_kernel` for one row: out_proj of the gated value with the gated norm and the
-    residual add inside, the deferred B/C conv-state shift, and (counter given) the reset of the
-    fused step's B/C arrival counter (see _in_proj_step_kernel)."""
+    residual add inside, and the deferred B/C conv-state shift."""
     from ..gemv.triton import GemvConfig, _config, grouped_epilogue
 
     n_out, d_inner = out_weight.shape
@@ -613,182 +631,22 @@ def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, nor
         UNROLL=bool(unroll), PRELOAD=bool(preload), K_CONV=kernel_size, BLOCK_S=max(16, triton.next_power_of_2(d_state)),
         BLOCK_KC=max(2, triton.next_power_of_2(kernel_size - 1)),
         USE_PDL=use_pdl, GROUPED=bool(preload) and grouped_epilogue(d_inner, cfg_k, norm_groups),
-        cnt_ptr=counter, RESET_COUNTER=counter is not None,
         num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
     )
     return y
 
 
-FUSE_IN_PROJ_STEP = True
-"""Batch 1: run the step's conv + state update inside the in_proj GEMV (`_in_proj_step_kernel`),
-one launch and one dependent hop fewer per layer, and the state updates overlap the weight
-stream. Benchmarks turn it off to time the two-kernel version."""
-
-_COUNTERS: dict = {}
+OUT_PREFETCH_FRACTION = 0.4
+"""Share of out_proj's weights (its last rows: the GEMV's first wave preloads the first ones
+itself) that the batch-1 step kernel prefetches into L2 (Hopper, under PDL). 0 turns it off."""
 
 
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """int32 zeros shared by every fused step on `device` with n counters. Each use leaves them
-    zero again, so the steps of all layers (which run in stream order) can share one buffer;
-    kept for the process's life because captured CUDA graphs hold its address."""
-    key = (str(device), n)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
-
-
-@triton.jit
-def _in_proj_step_kernel(
-    x_ptr, w_ptr, b_ptr, zx_ptr, cnt_ptr,
-    cs_ptr, ss_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr,
-    K, swn, eps, H, P, S, G, heads_per_group, dt_min, dt_max,
-    scc, sck, shh, shp, shs, swc, swk,
-    HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, K_CONV: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_KC: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """in_proj of one row (RMS pre-norm folded, as `norm_linear`) with the step inside it.
-
-    One program per output row, in an order that lets the step start while weights still
-    stream: first the B and C rows, then dt, then each unit's (head, block of BLOCK_P channels)
-    z and x rows. After storing its row a program counts itself in: B/C rows on one shared
-    counter, dt rows on each unit of their head, z/x rows on their unit. The program whose
-    arrival completes a unit (2 * BLOCK_P + 1 rows) waits for the B/C count (rows of the lowest
-    program ids, which never wait, so this cannot deadlock), resets the unit's counter and runs
-    the unit's conv + state update + gate (`_ssm_unit`), exactly as `_step_ssm_kernel` does.
-    The atomics are acq_rel at GPU scope: a completing program sees every row counted before.
-    The B/C counter is reset, and the B/C conv state shifted, by `_step_out_kernel` after it."""
-    if USE_PDL:
-        gdc_launch_dependents()
-    pid = tl.program_id(0)
-    d_inner = H * P
-    n_bc = 2 * G * S
-    units_per_head = P // BLOCK_P
-    n_units = H * units_per_head
-    q = pid - n_bc - H
-    unit = q // (2 * BLOCK_P)
-    j = q % (2 * BLOCK_P)
-    unit_row = tl.where(j < BLOCK_P, unit * BLOCK_P + j, d_inner + unit * BLOCK_P + j - BLOCK_P)
-    row = tl.where(pid < n_bc + H, 2 * d_inner + pid, unit_row)
-
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_k = offs_k < K
-    w = tl.load(w_ptr + row * swn + offs_k, mask=mask_k, other=0.0, eviction_policy="evict_first")
-    if USE_PDL:
-        gdc_wait()
-    xf = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    dot, ss = tl.reduce((w.to(tl.float32) * xf, xf * xf), 0, _add_pairs)
-    y = dot * tl.rsqrt(ss / K + eps)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + row).to(tl.float32)
-    tl.store(zx_ptr + row, y.to(zx_ptr.dtype.element_ty))
-
-    conv_dim = d_inner + n_bc
-    if pid < n_bc:
-        tl.atomic_add(cnt_ptr + n_units, 1, sem="release")
-    elif pid < n_bc + H:
-        for pb in range(0, units_per_head):
-            u = (pid - n_bc) * units_per_head + pb
-            if tl.atomic_add(cnt_ptr + u, 1, sem="acq_rel") == 2 * BLOCK_P:
-                _fused_unit(zx_ptr, cnt_ptr, cs_ptr, ss_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr, u, n_units,
-                            n_bc, units_per_head, H, P, S, G, heads_per_group, d_inner, conv_dim, dt_min, dt_max,
-                            scc, sck, shh, shp, shs, swc, swk, HAS_CONV_BIAS, K_CONV, BLOCK_P, BLOCK_S, BLOCK_KC)
-    else:
-        if tl.atomic_add(cnt_ptr + unit, 1, sem="acq_rel") == 2 * BLOCK_P:
-            _fused_unit(zx_ptr, cnt_ptr, cs_ptr, ss_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr, unit, n_units,
-                        n_bc, units_per_head, H, P, S, G, heads_per_group, d_inner, conv_dim, dt_min, dt_max,
-                        scc, sck, shh, shp, shs, swc, swk, HAS_CONV_BIAS, K_CONV, BLOCK_P, BLOCK_S, BLOCK_KC)
-
-
-@triton.jit
-def _fused_unit(zx_ptr, cnt_ptr, cs_ptr, ss_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr, u, n_units, n_bc,
-                units_per_head, H, P, S, G, heads_per_group, d_inner, conv_dim, dt_min, dt_max,
-                scc, sck, shh, shp, shs, swc, swk, HAS_CONV_BIAS: tl.constexpr, K_CONV: tl.constexpr,
-                BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_KC: tl.constexpr):
-    """The step of unit u, run by the program that completed its inputs (see the kernel above)."""
-    done = tl.atomic_add(cnt_ptr + n_units, 0, sem="acquire")
-    while done < n_bc:
-        done = tl.atomic_add(cnt_ptr + n_units, 0, sem="acquire")
-    tl.atomic_xchg(cnt_ptr + u, 0, sem="relaxed")  # every arrival is in: ready for the next step
-    h = u // units_per_head
-    grp = h // heads_per_group
-    pblk = u % units_per_head
-    offs_p = pblk * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_s = tl.arange(0, BLOCK_S)
-    mask_p = offs_p < P
-    mask_s = offs_s < S
-    cx = h * P + offs_p
-    cB = d_inner + grp * S + offs_s
-    cC = d_inner + G * S + grp * S + offs_s
-    h_ptrs = ss_ptr + h * shh + offs_p[:, None] * shp + offs_s[None, :] * shs
-    mask_ps = mask_p[:, None] & mask_s[None, :]
-    state = tl.load(h_ptrs, mask=mask_ps, other=0.0)
-    # the in_proj row is [z (d_inner) | xBC (conv_dim) | dt (H)]
-    _ssm_unit(zx_ptr + d_inner, zx_ptr + d_inner + conv_dim, zx_ptr, cs_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr,
-              g_ptr, g_ptr, 0, h, grp, offs_p, offs_s, mask_p, mask_s, d_inner, cx, cB, cC, h_ptrs, mask_ps, state,
-              H, G, dt_min, dt_max, 0, 1, 0, 1, 0, 1, 0, scc, sck, swc, swk, 0, pblk, units_per_head,
-              K_CONV, HAS_CONV_BIAS, BLOCK_KC, False)
-
-
-def mamba_residual_step(
-    h: torch.Tensor,
-    in_weight: torch.Tensor,
-    in_bias: torch.Tensor | None,
-    pre_norm_eps: float,
-    conv_state: torch.Tensor,
-    ssm_state: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    dt_bias: torch.Tensor,
-    A_log: torch.Tensor,
-    D: torch.Tensor,
-    n_groups: int,
-    norm_groups: int,
-    dt_min: float,
-    dt_max: float,
-    eps: float,
-    out_weight: torch.Tensor,
-    out_bias: torch.Tensor | None,
-) -> torch.Tensor:
-    """h + the Mamba sublayer's step on pre_norm(h), both norms' weights folded into in_proj and
-    out_proj (models/fold.py); same contract as `naive_mamba_residual_step`. At batch 1 two
-    launches: in_proj with the step inside (`_in_proj_step_kernel`) and out_proj with the gated
-    norm and the residual add inside (`_step_out_kernel`). Otherwise `norm_linear` + `mamba_step_out`.
-
-    Args: h (B, D); states updated in place. Returns (B, D) in h's dtype.
-    """
-    from ..gemv.triton import PRELOAD_MAX_K, norm_linear
-
-    batch, heads, head_dim, d_state = ssm_state.shape
-    channels, kernel_size = conv_weight.shape
-    d_inner = heads * head_dim
-    n_rows, k = in_weight.shape
-    block_p = 16
-    fused = (FUSE_IN_PROJ_STEP and batch == 1 and head_dim % block_p == 0 and kernel_size >= 2
-             and triton.next_power_of_2(k) <= PRELOAD_MAX_K and in_weight.stride(-1) == 1
-             and n_rows == 2 * d_inner + 2 * n_groups * d_state + heads and channels == d_inner + 2 * n_groups * d_state
-             and tuple(h.shape) == (1, k) and h.stride(-1) == 1 and ssm_state.dtype == torch.float32
-             and (h.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
-    if not fused:
-        zx = norm_linear(h, in_weight, in_bias, 1, pre_norm_eps)
-        z, xBC, dt_raw = zx.split([d_inner, channels, heads], dim=-1)
-        return mamba_step_out(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, None,
-                              n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias, residual=h)
-    zx = torch.empty(1, n_rows, device=h.device, dtype=torch.result_type(h, in_weight))
-    gated = torch.empty(1, d_inner, device=h.device, dtype=zx.dtype)
-    n_units = heads * (head_dim // block_p)
-    counter = _arrival_counters(h.device, n_units + 1)
-    use_pdl = pdl.enabled(h.device)
-    _in_proj_step_kernel[(n_rows,)](
-        h, in_weight, in_bias if in_bias is not None else in_weight, zx, counter,
-        conv_state, ssm_state, conv_weight, conv_bias if conv_bias is not None else conv_weight, dt_bias, A_log, D, gated,
-        k, in_weight.stride(0), float(pre_norm_eps), heads, head_dim, d_state, n_groups, heads // n_groups,
-        float(dt_min), float(dt_max), conv_state.stride(1), conv_state.stride(2), *ssm_state.stride()[1:],
-        *conv_weight.stride(),
-        HAS_BIAS=in_bias is not None, HAS_CONV_BIAS=conv_bias is not None, BLOCK_K=triton.next_power_of_2(k),
-        K_CONV=kernel_size, BLOCK_P=block_p, BLOCK_S=max(16, triton.next_power_of_2(d_state)),
-        BLOCK_KC=max(2, triton.next_power_of_2(kernel_size - 1)), USE_PDL=use_pdl,
-        num_warps=4 if k <= 4096 else 8, **({"launch_pdl": True} if use_pdl else {}),
-    )
-    xBC = zx[:, d_inner:d_inner + channels]
-    return _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, h, norm_groups, eps, n_groups, d_state,
-                            kernel_size, counter=counter[n_units:])
+def _out_prefetch_args(out_weight: torch.Tensor, programs: int) -> dict:
+    """Launch arguments of the step kernel's L2 prefetch of out_proj (see _step_ssm_kernel)."""
+    if (OUT_PREFETCH_FRACTION <= 0 or not pdl.enabled(out_weight.device) or out_weight.element_size() != 2
+            or not out_weight.is_contiguous() or out_weight.numel() < PF_SPAN or out_weight.numel() % 8):
+        return {}
+    total = out_weight.numel()
+    start = int(total * (1 - OUT_PREFETCH_FRACTION)) // PF_SPAN * PF_SPAN
+    chunks = triton.next_power_of_2(triton.cdiv(triton.cdiv(total - start, PF_SPAN), programs))
+    return {"pf_ptr": out_weight, "pf_start": start, "pf_end": total, "PF_CHUNKS": chunks}

@@ -1,0 +1,96 @@
+"""Where a batch-1 decode step's time goes: a kernel timeline of one CUDA-graph step.
+
+Prints, for two consecutive middle layers, each kernel's start (relative to the layer's first
+kernel), duration and the gap since the previous kernel ended (negative: it overlapped, as
+programmatic dependent launch allows), then per-kind averages over all layers. Run on a CUDA
+machine from the repository root:
+
+    python bench/trace_step.py --preset mamba2-2.7b [--unfolded]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+from ssmspec.decoding.graphs import StepGraph
+from ssmspec.models.presets import build_model
+from ssmspec.ops import dispatch
+
+
+def kernel_events(fn, reps: int = 3) -> list[tuple[float, float, str]]:
+    """(start us, duration us, name) of every GPU kernel of the last of `reps` calls of fn."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+            torch.cuda.synchronize()
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        trace = json.load(f)
+    events = sorted((e["ts"], e["dur"], e["name"]) for e in trace["traceEvents"]
+                    if e.get("cat") == "kernel" and "dur" in e)
+    # split the calls at the biggest gaps between kernels
+    gaps = sorted(range(1, len(events)), key=lambda i: events[i][0] - (events[i - 1][0] + events[i - 1][1]))[-(reps - 1):]
+    start = max(gaps) if gaps else 0
+    return events[start:]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="mamba2-2.7b")
+    ap.add_argument("--unfolded", action="store_true", help="keep the norm weights (no fused-norm routes)")
+    ap.add_argument("--layer", type=int, default=30)
+    ap.add_argument("--prefetch", type=float, default=None, help="share of out_proj the step kernel prefetches into L2")
+    args = ap.parse_args()
+    dispatch.set_backend("triton")
+    if args.prefetch is not None:
+        from ssmspec.ops.step_update import triton as step_kernels
+
+        step_kernels.OUT_PREFETCH_FRACTION = args.prefetch
+    model = build_model(args.preset, dtype=torch.bfloat16, device="cuda")
+    if not args.unfolded:
+        model.fold_norm_weights_()
+    cache = model.new_cache(1, 256)
+    with torch.inference_mode():
+        model(torch.randint(0, 1000, (1, 16), device="cuda"), cache)
+    ids = torch.randint(0, 1000, (1, 1), device="cuda")
+    graph = StepGraph(model, cache)
+    events = kernel_events(lambda: graph(ids))
+    t0, t_end = events[0][0], events[-1][0] + events[-1][1]
+    print(f"{args.preset} {'unfolded' if args.unfolded else 'folded'}: {len(events)} kernels, "
+          f"first start to last end {t_end - t0:.1f} us")
+    per_layer = (len(events) - 8) / len(model.layers)
+    kinds = collections.defaultdict(list)
+    prev_end = None
+    for i, (ts, dur, name) in enumerate(events):
+        short = name.split("(")[0][:40]
+        gap = None if prev_end is None else ts - prev_end
+        kinds[short].append((dur, gap))
+        prev_end = ts + dur
+    first = int(args.layer * per_layer)
+    layer_start = events[first][0]
+    print(f"layer {args.layer}..{args.layer + 1} (~{per_layer:.1f} kernels per layer):")
+    prev_end = events[first - 1][0] + events[first - 1][1]
+    for ts, dur, name in events[first:first + int(2 * per_layer)]:
+        print(f"  {name.split('(')[0][:40]:<40} start {ts - layer_start:8.2f}  dur {dur:7.2f}  gap {ts - prev_end:7.2f}")
+        prev_end = ts + dur
+    print("per kind (mean over the step): duration, gap since the previous kernel ended")
+    for short, rows in sorted(kinds.items(), key=lambda kv: -sum(d for d, _ in kv[1])):
+        gaps = [g for _, g in rows if g is not None]
+        print(f"  {short:<40} {len(rows):4d}x  dur {sum(d for d, _ in rows) / len(rows):7.2f}  "
+              f"gap {sum(gaps) / max(len(gaps), 1):7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
