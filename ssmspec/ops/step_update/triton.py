@@ -48,8 +48,9 @@ def _pdl_args(device: torch.device, preload_state: bool = False) -> dict:
     return {"USE_PDL": True, "launch_pdl": True, **extra}
 
 
-PF_SPAN = 2048
+PF_SPAN = tl.constexpr(2048)
 """Elements (of a 2-byte weight: 4 KB) per L2 prefetch instruction."""
+_PF_SPAN = 2048
 
 
 @triton.jit
@@ -644,9 +645,9 @@ itself) that the batch-1 step kernel prefetches into L2 (Hopper, under PDL). 0 t
 def _out_prefetch_args(out_weight: torch.Tensor, programs: int) -> dict:
     """Launch arguments of the step kernel's L2 prefetch of out_proj (see _step_ssm_kernel)."""
     if (OUT_PREFETCH_FRACTION <= 0 or not pdl.enabled(out_weight.device) or out_weight.element_size() != 2
-            or not out_weight.is_contiguous() or out_weight.numel() < PF_SPAN or out_weight.numel() % 8):
+            or not out_weight.is_contiguous() or out_weight.numel() < _PF_SPAN or out_weight.numel() % 8):
         return {}
     total = out_weight.numel()
-    start = int(total * (1 - OUT_PREFETCH_FRACTION)) // PF_SPAN * PF_SPAN
-    chunks = triton.next_power_of_2(triton.cdiv(triton.cdiv(total - start, PF_SPAN), programs))
+    start = int(total * (1 - OUT_PREFETCH_FRACTION)) // _PF_SPAN * _PF_SPAN
+    chunks = triton.next_power_of_2(triton.cdiv(triton.cdiv(total - start, _PF_SPAN), programs))
     return {"pf_ptr": out_weight, "pf_start": start, "pf_end": total, "PF_CHUNKS": chunks}
