@@ -50,13 +50,9 @@ def main() -> int:
     ap.add_argument("--preset", default="mamba2-2.7b")
     ap.add_argument("--unfolded", action="store_true", help="keep the norm weights (no fused-norm routes)")
     ap.add_argument("--layer", type=int, default=30)
-    ap.add_argument("--prefetch", type=float, default=None, help="share of out_proj the step kernel prefetches into L2")
+
     args = ap.parse_args()
     dispatch.set_backend("triton")
-    if args.prefetch is not None:
-        from ssmspec.ops.step_update import triton as step_kernels
-
-        step_kernels.OUT_PREFETCH_FRACTION = args.prefetch
     model = build_model(args.preset, dtype=torch.bfloat16, device="cuda")
     if not args.unfolded:
         model.fold_norm_weights_()

@@ -48,19 +48,6 @@ def _pdl_args(device: torch.device, preload_state: bool = False) -> dict:
     return {"USE_PDL": True, "launch_pdl": True, **extra}
 
 
-PF_SPAN = tl.constexpr(2048)
-"""Elements (of a 2-byte weight: 4 KB) per L2 prefetch instruction."""
-_PF_SPAN = 2048
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Hopper bulk prefetch of PF_SPAN 2-byte elements at each pointer into L2 (no registers
-    written, nothing waited for)."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 4096;\n mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def _softplus(x):
     # torch's softplus with its default threshold 20 (linear above it).
@@ -153,17 +140,9 @@ def _step_ssm_kernel(
     WRITE_SQ: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
     PRELOAD_STATE: tl.constexpr = False,
-    pf_ptr=None, pf_start=0, pf_end=0, PF_CHUNKS: tl.constexpr = 0,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
-        if PF_CHUNKS > 0:
-            # Pull part of out_proj's weights into L2 while this latency-bound kernel leaves DRAM
-            # mostly idle (weights are never written, so before the wait is fine): each program
-            # asks for PF_CHUNKS spans of PF_SPAN elements of [pf_start, pf_end).
-            pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
-            offs = pf_start + (pid * PF_CHUNKS + tl.arange(0, PF_CHUNKS)) * PF_SPAN
-            _prefetch_l2(pf_ptr + tl.minimum(offs, pf_end - PF_SPAN))
         if not PRELOAD_STATE:
             gdc_wait()
     b = tl.program_id(0)
@@ -568,7 +547,7 @@ def mamba_step_out(
 
     Returns: (B, d_model), in residual's dtype when given, else z's.
     """
-    from ..gemv.triton import GemvConfig, _config, grouped_epilogue, linear
+    from ..gemv.triton import linear
 
     batch, heads, head_dim, d_state = ssm_state.shape
     channels, kernel_size = conv_weight.shape
@@ -600,7 +579,6 @@ def mamba_step_out(
         K=kernel_size, HAS_BIAS=conv_bias is not None,
         BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_K=block_k, WRITE_SQ=False,
         num_warps=4, **_pdl_args(z.device, preload_state=True),
-        **_out_prefetch_args(out_weight, batch * heads * triton.cdiv(head_dim, block_p)),
     )
     return _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, norm_groups, eps, n_groups,
                             d_state, kernel_size)
@@ -636,18 +614,3 @@ def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, nor
     )
     return y
 
-
-OUT_PREFETCH_FRACTION = 0.4
-"""Share of out_proj's weights (its last rows: the GEMV's first wave preloads the first ones
-itself) that the batch-1 step kernel prefetches into L2 (Hopper, under PDL). 0 turns it off."""
-
-
-def _out_prefetch_args(out_weight: torch.Tensor, programs: int) -> dict:
-    """Launch arguments of the step kernel's L2 prefetch of out_proj (see _step_ssm_kernel)."""
-    if (OUT_PREFETCH_FRACTION <= 0 or not pdl.enabled(out_weight.device) or out_weight.element_size() != 2
-            or not out_weight.is_contiguous() or out_weight.numel() < _PF_SPAN or out_weight.numel() % 8):
-        return {}
-    total = out_weight.numel()
-    start = int(total * (1 - OUT_PREFETCH_FRACTION)) // _PF_SPAN * _PF_SPAN
-    chunks = triton.next_power_of_2(triton.cdiv(triton.cdiv(total - start, _PF_SPAN), programs))
-    return {"pf_ptr": out_weight, "pf_start": start, "pf_end": total, "PF_CHUNKS": chunks}
