@@ -24,6 +24,7 @@ from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch, pdl
 from ssmspec.ops.gemv import triton as gemv
+from ssmspec.ops.step_update import triton as step_kernels
 from ssmspec.trees.tree import Tree
 
 RESULTS: dict = {}
@@ -217,6 +218,11 @@ def main() -> int:
                 gemv.TUNED[out_shape] = gemv.GemvConfig(*cfg, preload=True)
                 record(f"AR step CUDA graph [folded, out_proj tile {cfg[0]} rows, {cfg[2]} warps]", step_graph_ms(m)[0])
                 del gemv.TUNED[out_shape]
+            for block_p, warps in ((8, 4), (32, 4), (16, 2)):  # the step kernel's split and warps
+                saved = step_kernels.STEP_BLOCK_P, step_kernels.STEP_WARPS
+                step_kernels.STEP_BLOCK_P, step_kernels.STEP_WARPS = block_p, warps
+                record(f"AR step CUDA graph [folded, step kernel {block_p} channels, {warps} warps]", step_graph_ms(m)[0])
+                step_kernels.STEP_BLOCK_P, step_kernels.STEP_WARPS = saved
     base = step_logits.get("reference", step_logits.get("unfolded"))
     for name in variants:
         if base is not None and base is not step_logits[name]:
