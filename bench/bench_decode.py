@@ -24,7 +24,6 @@ from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch, pdl
 from ssmspec.ops.gemv import triton as gemv
-from ssmspec.ops.step_update import triton as step_kernels
 from ssmspec.trees.tree import Tree
 
 RESULTS: dict = {}
@@ -212,17 +211,6 @@ def main() -> int:
             pdl.ENABLED = False  # the same kernels launched without programmatic dependent launch
             record("AR step CUDA graph [folded, no PDL]", step_graph_ms(m)[0])
             pdl.ENABLED = True
-            out_shape = tuple(m.layers[0].mixer.out_proj.weight.shape) if m.layers[0].kind == "mamba" else None
-            for cfg in ((2, 0, 8), (4, 0, 8), (2, 0, 4)) if out_shape else ():
-                # out_proj tiles that preload more rows per program while the step kernel runs
-                gemv.TUNED[out_shape] = gemv.GemvConfig(*cfg, preload=True)
-                record(f"AR step CUDA graph [folded, out_proj tile {cfg[0]} rows, {cfg[2]} warps]", step_graph_ms(m)[0])
-                del gemv.TUNED[out_shape]
-            for block_p, warps in ((8, 4), (32, 4), (16, 2)):  # the step kernel's split and warps
-                saved = step_kernels.STEP_BLOCK_P, step_kernels.STEP_WARPS
-                step_kernels.STEP_BLOCK_P, step_kernels.STEP_WARPS = block_p, warps
-                record(f"AR step CUDA graph [folded, step kernel {block_p} channels, {warps} warps]", step_graph_ms(m)[0])
-                step_kernels.STEP_BLOCK_P, step_kernels.STEP_WARPS = saved
     base = step_logits.get("reference", step_logits.get("unfolded"))
     for name in variants:
         if base is not None and base is not step_logits[name]:

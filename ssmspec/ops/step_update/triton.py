@@ -489,12 +489,6 @@ def add_rms_norm(delta: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps
     return h_out.reshape(h.shape), out.reshape(h.shape)
 
 
-STEP_BLOCK_P = 16
-"""Channels per program of the batch-1 step kernel in `mamba_step_out` (80 heads x 64 channels /
-16 = 320 programs at the mamba2-2.7b shape); STEP_WARPS its warps. Benchmarks vary them."""
-STEP_WARPS = 4
-
-
 @triton.jit
 def _step_out_kernel(
     g_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, xbc_ptr, cs_ptr,
@@ -572,7 +566,7 @@ def mamba_step_out(
     n_out = out_weight.shape[0]
     if residual is not None and residual.numel() != n_out:
         raise ValueError(f"mamba_step_out: residual {tuple(residual.shape)} does not match out_proj ({n_out})")
-    block_p = STEP_BLOCK_P
+    block_p = 16  # 8 and 32 channels per program, or 2 warps, measured no faster (BENCHMARKS.md, run 14)
     gated = torch.empty(batch, d_inner, device=z.device, dtype=z.dtype)  # rounded: the GEMV reads half the bytes
     block_k = max(2, triton.next_power_of_2(kernel_size - 1))
     block_s = max(16, triton.next_power_of_2(d_state))
@@ -584,7 +578,7 @@ def mamba_step_out(
         *conv_weight.stride(), gated.stride(0),
         K=kernel_size, HAS_BIAS=conv_bias is not None,
         BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_K=block_k, WRITE_SQ=False,
-        num_warps=STEP_WARPS, **_pdl_args(z.device, preload_state=True),
+        num_warps=4, **_pdl_args(z.device, preload_state=True),
     )
     return _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, norm_groups, eps, n_groups,
                             d_state, kernel_size)
