@@ -361,15 +361,9 @@ def norm_linear_timings() -> None:
             check(f"norm_linear {label} M={m}", norm_linear(xin, wts[0], None, groups, 1e-5, res), ref, 2e-2)
             plain = time_us(lambda: [linear(xin, w_) for w_ in wts]) / copies
             fused = time_us(lambda: [norm_linear(xin, w_, None, groups, 1e-5, res) for w_ in wts]) / copies
-            gemv.SPLIT_K = False  # the same without split-K in the skinny GEMM
-            plain1 = time_us(lambda: [linear(xin, w_) for w_ in wts]) / copies
-            fused1 = time_us(lambda: [norm_linear(xin, w_, None, groups, 1e-5, res) for w_ in wts]) / copies
-            gemv.SPLIT_K = True
             print(f"  {label:<12} M={m:>2}: linear {plain:7.2f} us ({nbytes / plain / 1e6:.2f} TB/s)  norm_linear "
-                  f"{fused:7.2f} us  ratio {fused / plain:.3f} | no split-K: linear {plain1:7.2f}  norm_linear {fused1:7.2f}",
-                  flush=True)
-            RESULTS["timings"].append({"what": f"norm_linear {label} M={m}", "linear_us": plain, "norm_linear_us": fused,
-                                       "linear_no_split_us": plain1, "norm_linear_no_split_us": fused1})
+                  f"{fused:7.2f} us  ratio {fused / plain:.3f}", flush=True)
+            RESULTS["timings"].append({"what": f"norm_linear {label} M={m}", "linear_us": plain, "norm_linear_us": fused})
         del wts
 
 

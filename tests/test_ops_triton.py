@@ -399,24 +399,6 @@ else:
                          naive_norm_linear(x5, w, None, norm_groups, 1e-5, res5), atol=1e-4, rtol=1e-4, name=str(cfg))
 
 
-    @pytest.mark.parametrize("norm_groups", [0, 1, 4])
-    @pytest.mark.parametrize("split", [2, 4])
-    def test_skinny_split_k_matches_reference(norm_groups, split, nan_outputs):
-        """Split-K skinny GEMM: partials per K range, summed by the block's last program in split
-        order (one norm group: scaled after the sum; several: scaled within their split), three
-        calls in a row so the arrival counters must reset, and with the automatic split."""
-        from ssmspec.ops.gemv.naive import naive_norm_linear
-
-        n, k = 70, 128  # 70 columns: a partial last block
-        w, b = torch.randn(n, k) / 8, torch.randn(n)
-        for call in range(3):
-            x, res = torch.randn(1, 5, k) * 3, torch.randn(1, 5, n)
-            got = GV.skinny_linear(x, w, b, (16, 32, 1, 1), res, norm_groups, 1e-5, split=split)
-            assert_close(got, naive_norm_linear(x, w, b, norm_groups, 1e-5, res), atol=1e-4, rtol=1e-4, name=f"call {call}")
-        assert not GV._block_counters(x.device, 1)[:16].any(), "the arrival counters must be left at zero"
-        assert GV._skinny_split(5, k, 32, norm_groups, x.device) > 1  # 5 blocks: the interpreter's 4 "SMs" want more
-
-
     @pytest.mark.parametrize("shape", [(1, 4, 16, 16, 1, 1, 4), (1, 6, 16, 8, 2, 3, 3), (1, 3, 8, 16, 1, 1, 4),
                                        (2, 4, 16, 16, 2, 2, 4)],
                              ids=["G1", "G2-norm3-K3", "P8", "fallback-batch2"])

@@ -13,7 +13,6 @@ rows padded to a tensor-core tile. Larger inputs go to F.linear (cuBLAS).
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -261,8 +260,46 @@ def _skinny_dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _skinny_epilogue(acc, b_ptr, res_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, srm, sym, HAS_BIAS: tl.constexpr,
-                     HAS_RES: tl.constexpr):
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr,
+                   IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   USE_PDL: tl.constexpr, res_ptr=None, srm=0, group_size=1, eps=0.0,
+                   NORM_GROUPS: tl.constexpr = 0, HAS_RES: tl.constexpr = False):
+    # Launched without PDL (USE_PDL False): its early-launched instances held their pipeline's
+    # shared memory while waiting and ran 1.4x slower in the H100 sweep (13.7 -> 20.5 us at 8 rows).
+    # NORM_GROUPS / HAS_RES: as in _gemv_tile, with the norm as a scale of each group's partial
+    # product: the rows' sums of squares come from the Gram matrix X X^T of the same x tiles,
+    # a second tensor-core product, so x stays a pure dot operand and the loads keep their
+    # pipeline (squaring the tiles elementwise ran 2x slower). Needs group_size % BLOCK_K == 0.
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if NORM_GROUPS == 0:
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            wt = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                         other=0.0, eviction_policy="evict_first")
+            acc = _skinny_dot(xt, tl.trans(wt), acc, IEEE)
+    else:
+        diag = offs_m[:, None] == offs_m[None, :]
+        for grp in range(0, NORM_GROUPS):
+            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            gram = tl.zeros([BLOCK_M, BLOCK_M], dtype=tl.float32)
+            for k0 in range(grp * group_size, (grp + 1) * group_size, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+                wt = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None], other=0.0,
+                             eviction_policy="evict_first")
+                part = _skinny_dot(xt, tl.trans(wt), part, IEEE)
+                gram = _skinny_dot(xt, tl.trans(xt), gram, IEEE)
+            ss = tl.sum(tl.where(diag, gram, 0.0), axis=1)
+            acc += part * tl.rsqrt(ss / group_size + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
@@ -272,134 +309,6 @@ def _skinny_epilogue(acc, b_ptr, res_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n,
     tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr,
-                   IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   USE_PDL: tl.constexpr, res_ptr=None, srm=0, group_size=1, eps=0.0,
-                   NORM_GROUPS: tl.constexpr = 0, HAS_RES: tl.constexpr = False,
-                   ws_ptr=None, ss_ptr=None, cnt_ptr=None, SPLIT: tl.constexpr = 1):
-    # Launched without PDL (USE_PDL False): its early-launched instances held their pipeline's
-    # shared memory while waiting and ran 1.4x slower in the H100 sweep (13.7 -> 20.5 us at 8 rows).
-    # NORM_GROUPS / HAS_RES: as in _gemv_tile, with the norm as a scale of each group's partial
-    # product: the rows' sums of squares come from the Gram matrix X X^T of the same x tiles,
-    # a second tensor-core product, so x stays a pure dot operand and the loads keep their
-    # pipeline (squaring the tiles elementwise ran 2x slower). Needs group_size % BLOCK_K == 0.
-    # SPLIT > 1 (split-K, for outputs too narrow to give every SM several programs): program
-    # (block, s) covers K/SPLIT columns and writes fp32 partials (and its rows' partial sums of
-    # squares for one norm group; several groups never straddle a split and are scaled in
-    # place); the last of a block's SPLIT programs to arrive (an acq_rel counter) sums them in
-    # split order, so the result does not depend on arrival order, and resets the counter.
-    if USE_PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    block = tl.program_id(0)
-    split = tl.program_id(1)
-    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_n = offs_n < N
-    mask_m = offs_m < M
-    k_span = K // SPLIT
-    k_lo = split * k_span
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM_GROUPS == 0:
-        for k0 in range(k_lo, k_lo + k_span, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            wt = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                         other=0.0, eviction_policy="evict_first")
-            acc = _skinny_dot(xt, tl.trans(wt), acc, IEEE)
-    else:
-        diag = offs_m[:, None] == offs_m[None, :]
-        # one group: this split's share of it (scaled once all splits are summed); several: the
-        # whole groups in this split, each scaled here
-        span = k_span if NORM_GROUPS == 1 else group_size
-        g_lo = 0 if NORM_GROUPS == 1 else split * (NORM_GROUPS // SPLIT)
-        g_hi = 1 if NORM_GROUPS == 1 else g_lo + NORM_GROUPS // SPLIT
-        for grp in range(g_lo, g_hi):
-            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            gram = tl.zeros([BLOCK_M, BLOCK_M], dtype=tl.float32)
-            start = k_lo if NORM_GROUPS == 1 else grp * group_size
-            for k0 in range(start, start + span, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask_m[:, None], other=0.0)
-                wt = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None], other=0.0,
-                             eviction_policy="evict_first")
-                part = _skinny_dot(xt, tl.trans(wt), part, IEEE)
-                gram = _skinny_dot(xt, tl.trans(xt), gram, IEEE)
-            if NORM_GROUPS == 1:
-                acc = part
-                ss = tl.sum(tl.where(diag, gram, 0.0), axis=1)
-                if SPLIT == 1:
-                    acc = part * tl.rsqrt(ss / group_size + eps)[:, None]
-            else:
-                acc += part * tl.rsqrt(tl.sum(tl.where(diag, gram, 0.0), axis=1) / group_size + eps)[:, None]
-    if SPLIT == 1:
-        _skinny_epilogue(acc, b_ptr, res_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, srm, sym, HAS_BIAS, HAS_RES)
-    else:
-        n_blocks = tl.num_programs(0)
-        tile = (split * n_blocks + block) * BLOCK_M * BLOCK_N
-        offs_t = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        tl.store(ws_ptr + tile + offs_t, acc)
-        if NORM_GROUPS == 1:
-            tl.store(ss_ptr + (split * n_blocks + block) * BLOCK_M + offs_m, ss)
-        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
-        if tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel") == SPLIT - 1:
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            ss_total = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for s in range(0, SPLIT):
-                total += tl.load(ws_ptr + (s * n_blocks + block) * BLOCK_M * BLOCK_N + offs_t, cache_modifier=".cg")
-                if NORM_GROUPS == 1:
-                    ss_total += tl.load(ss_ptr + (s * n_blocks + block) * BLOCK_M + offs_m, cache_modifier=".cg")
-            if NORM_GROUPS == 1:
-                total *= tl.rsqrt(ss_total / group_size + eps)[:, None]
-            tl.atomic_xchg(cnt_ptr + block, 0, sem="relaxed")  # ready for the next call
-            _skinny_epilogue(total, b_ptr, res_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, srm, sym, HAS_BIAS,
-                             HAS_RES)
-
-
-SPLIT_K = True
-"""Let the skinny GEMM split K when its output has too few column blocks to fill the GPU
-(`_skinny_split`); benchmarks turn it off."""
-SPLIT_MIN_PROGRAMS_PER_SM = 4
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: small splits, still exercised
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _skinny_split(n_blocks: int, k: int, block_k: int, norm_groups: int, device: torch.device) -> int:
-    """The largest power of two <= 8 that gives about SPLIT_MIN_PROGRAMS_PER_SM programs per SM,
-    cut down until every split is whole K tiles and whole norm groups (several groups)."""
-    if not SPLIT_K:
-        return 1
-    split = 1
-    while split < 8 and n_blocks * split < SPLIT_MIN_PROGRAMS_PER_SM * _sm_count(device):
-        split *= 2
-    while split > 1 and (k % (split * block_k) or (norm_groups > 1 and norm_groups % split)):
-        split //= 2
-    return split
-
-
-_COUNTERS: dict = {}
-
-
-def _block_counters(device: torch.device, n: int) -> torch.Tensor:
-    """int32 zeros, one per output block of a split-K skinny GEMM. Every call leaves them zero
-    (the reducing program resets its block's), so calls in stream order share one buffer; kept
-    for the process's life because captured CUDA graphs hold its address."""
-    key = str(device)
-    if key not in _COUNTERS or _COUNTERS[key].numel() < n:
-        # a larger buffer replaces the entry; the old one stays alive for graphs that hold it
-        _COUNTERS.setdefault("retired", []).append(_COUNTERS.get(key))
-        _COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return _COUNTERS[key]
-
-
 SKINNY_DEFAULT = (32, 128, 4, 4)
 """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the skinny GEMM."""
 # (N, K) -> config: the best of the H100 sweep at 8 and 16 rows (bench/results/gemv_sweep-h100.log)
@@ -407,11 +316,10 @@ SKINNY_TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {(2560, 5120): 
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None,
-                  residual: torch.Tensor | None = None, norm_groups: int = 0, eps: float = 0.0,
-                  split: int | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, norm_groups: int = 0, eps: float = 0.0) -> torch.Tensor:
     """x (..., K) with M rows in all, weight (N, K) -> (..., N) for small M (any M works; the
     tile pads M up to a power of two >= 16, so it pays only for few rows). norm_groups and
-    residual as in `norm_linear`; split: the split-K factor (None: `_skinny_split` picks)."""
+    residual as in `norm_linear`."""
     n, k = weight.shape
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
@@ -434,21 +342,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
             rows = rms_norm(rows.reshape(-1, group_size), None, eps).reshape(m, k)
             norm_groups = 0
-    n_blocks = triton.cdiv(n, block_n)
-    block_m = max(16, triton.next_power_of_2(m))
-    split = _skinny_split(n_blocks, k, block_k, norm_groups, x.device) if split is None else split
-    extra = {}
-    if split > 1:
-        extra = {"ws_ptr": torch.empty(split * n_blocks * block_m * block_n, device=x.device, dtype=torch.float32),
-                 "ss_ptr": torch.empty(split * n_blocks * block_m, device=x.device, dtype=torch.float32),
-                 "cnt_ptr": _block_counters(x.device, n_blocks), "SPLIT": split}
-    _skinny_kernel[(n_blocks, split)](
+    _skinny_kernel[(triton.cdiv(n, block_n),)](
         rows, weight, bias if bias is not None else weight, y, m, n, k, rows.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         num_stages=stages, USE_PDL=False,
         res_ptr=res, srm=res.stride(0) if res is not None else 0, group_size=group_size, eps=float(eps),
-        NORM_GROUPS=norm_groups, HAS_RES=res is not None, **extra,
+        NORM_GROUPS=norm_groups, HAS_RES=res is not None,
     )
     return y.reshape(tuple(x.shape[:-1]) + (n,))
 
