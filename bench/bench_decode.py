@@ -211,6 +211,14 @@ def main() -> int:
             pdl.ENABLED = False  # the same kernels launched without programmatic dependent launch
             record("AR step CUDA graph [folded, no PDL]", step_graph_ms(m)[0])
             pdl.ENABLED = True
+            gemv.TWO_PIECE_PRELOAD = False  # preloaded GEMV rows as one padded power-of-two block
+            record("AR step CUDA graph [folded, one padded preload block]", step_graph_ms(m)[0])
+            gemv.TWO_PIECE_PRELOAD = True
+            out_shape = tuple(m.layers[0].mixer.out_proj.weight.shape) if m.layers[0].kind == "mamba" else None
+            if out_shape:
+                gemv.TUNED[out_shape] = gemv.GemvConfig(1, 0, 4, preload=True)  # out_proj on 4 warps, not 8
+                record("AR step CUDA graph [folded, out_proj 4 warps]", step_graph_ms(m)[0])
+                del gemv.TUNED[out_shape]
     base = step_logits.get("reference", step_logits.get("unfolded"))
     for name in variants:
         if base is not None and base is not step_logits[name]:

@@ -79,7 +79,7 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr,
                PRELOAD: tl.constexpr, USE_PDL: tl.constexpr,
                res_ptr=None, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0, HAS_RES: tl.constexpr = False,
-               BLOCK_G: tl.constexpr = 1, GROUPED: tl.constexpr = False):
+               BLOCK_G: tl.constexpr = 1, GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0):
     """One tile of BLOCK_N output rows. NORM_GROUPS > 0: the input is RMS-normalised over that
     many groups first (rounded to its dtype, as RMSNorm's output is; no norm weight: it is folded
     into w). HAS_RES: the output, rounded to y's dtype, is added to the residual at res_ptr."""
@@ -94,16 +94,30 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.
         mask_k = offs_k < K
         w = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
                     other=0.0, eviction_policy="evict_first")
+        if BLOCK_K2 > 0:
+            # K not a power of two: a second, smaller piece (5120 = 4096 + 1024) instead of one
+            # padded block (8192), so the preloaded tile wastes no registers and more programs
+            # fit on an SM while the kernel before runs
+            offs_k2 = k_lo + BLOCK_K + tl.arange(0, BLOCK_K2)
+            mask_k2 = offs_k2 < K
+            w2 = tl.load(w_ptr + offs_n[:, None] * swn + offs_k2[None, :], mask=mask_n[:, None] & mask_k2[None, :],
+                         other=0.0, eviction_policy="evict_first")
         if USE_PDL:
             gdc_wait()
         xv = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
         xf = xv.to(tl.float32)
+        if BLOCK_K2 > 0:
+            xf2 = tl.load(x_ptr + offs_k2, mask=mask_k2, other=0.0).to(tl.float32)
+            tail = tl.sum(w2.to(tl.float32) * xf2[None, :], axis=1)
         if NORM_GROUPS == 1:
             # The row's 1/rms scales the dot product at the end, and its sum of squares rides in
             # the dot's own reduction: normalising x first put two reductions and three K-wide
             # passes before the dot, on every program's critical path (measured: +4 us per layer).
             prod = w.to(tl.float32) * xf[None, :]
             dot, ss = tl.reduce((prod, tl.broadcast_to((xf * xf)[None, :], [BLOCK_N, BLOCK_K])), 1, _add_pairs)
+            if BLOCK_K2 > 0:
+                dot += tail
+                ss += tl.sum(xf2 * xf2, axis=0)
             scaled = dot * tl.rsqrt(ss / K + eps)
         elif GROUPED:  # K = BLOCK_K in NORM_GROUPS power-of-two groups: per-group dots, scaled at the end
             gs: tl.constexpr = BLOCK_K // NORM_GROUPS
@@ -147,6 +161,8 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.
         y = scaled
     else:
         y = tl.sum(acc, axis=1)
+        if PRELOAD and BLOCK_K2 > 0:
+            y += tail
     if HAS_BIAS:
         # the bias goes into partial 0 only
         y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32) * tl.where(split == 0, 1.0, 0.0)
@@ -164,7 +180,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, swn, tiles, HAS_BIAS: tl.cons
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr,
                  PERSISTENT: tl.constexpr, PRELOAD: tl.constexpr, USE_PDL: tl.constexpr,
                  res_ptr=None, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0, HAS_RES: tl.constexpr = False,
-                 BLOCK_G: tl.constexpr = 1, GROUPED: tl.constexpr = False):
+                 BLOCK_G: tl.constexpr = 1, GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0):
     if USE_PDL:
         gdc_launch_dependents()  # see ops/pdl.py: nothing is written before gdc_wait
     split = tl.program_id(1)
@@ -172,11 +188,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, swn, tiles, HAS_BIAS: tl.cons
         for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
             _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS, PARTIAL, BLOCK_N, BLOCK_K,
                        K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G,
-                       GROUPED)
+                       GROUPED, BLOCK_K2)
     else:
         _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tl.program_id(0), split, N, K, swn, HAS_BIAS, PARTIAL, BLOCK_N,
                    BLOCK_K, K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G,
-                   GROUPED)
+                   GROUPED, BLOCK_K2)
 
 
 def grouped_epilogue(k: int, block_k: int, norm_groups: int) -> bool:
@@ -214,8 +230,10 @@ def _launch_gemv(xv, weight, bias, y, cfg: GemvConfig, partial: bool, residual=N
                  eps: float = 0.0):
     n, k = weight.shape
     block_n, block_k, warps, split, persistent, unroll, preload = cfg
+    block_k2 = 0
     if preload:
-        block_k = k_split = triton.next_power_of_2(triton.cdiv(k, split))
+        block_k, block_k2 = preload_blocks(k, split, norm_groups)
+        k_split = block_k + block_k2
     else:
         block_k = min(block_k, triton.next_power_of_2(k))
         k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
@@ -228,9 +246,26 @@ def _launch_gemv(xv, weight, bias, y, cfg: GemvConfig, partial: bool, residual=N
         UNROLL=bool(unroll), PERSISTENT=bool(persistent), PRELOAD=bool(preload), USE_PDL=use_pdl, num_warps=warps,
         res_ptr=residual, group_size=k // max(norm_groups, 1), eps=float(eps), NORM_GROUPS=norm_groups,
         HAS_RES=residual is not None, BLOCK_G=triton.next_power_of_2(max(norm_groups, 1)),
-        GROUPED=bool(preload) and grouped_epilogue(k, block_k, norm_groups),
+        GROUPED=bool(preload) and grouped_epilogue(k, block_k, norm_groups), BLOCK_K2=block_k2,
         **({"launch_pdl": True} if use_pdl else {}),
     )
+
+
+TWO_PIECE_PRELOAD = True
+"""Preload a K that is not a power of two as two power-of-two pieces (see _gemv_tile);
+benchmarks turn it off to time the single padded block."""
+
+
+def preload_blocks(k: int, split: int = 1, norm_groups: int = 0) -> tuple[int, int]:
+    """(BLOCK_K, BLOCK_K2) of a preloaded GEMV tile covering k / split columns: one padded
+    power-of-two block, or the largest power of two below and a second piece for the rest
+    (norms of several groups need the one block)."""
+    span = triton.cdiv(k, split)
+    whole = triton.next_power_of_2(span)
+    if not TWO_PIECE_PRELOAD or whole == span or split > 1 or norm_groups > 1:
+        return whole, 0
+    first = whole // 2
+    return first, triton.next_power_of_2(span - first)
 
 
 def _as_vector(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -496,7 +496,7 @@ def _step_out_kernel(
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr, PRELOAD: tl.constexpr,
     K_CONV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_KC: tl.constexpr, USE_PDL: tl.constexpr,
-    GROUPED: tl.constexpr = False,
+    GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0,
 ):
     """out_proj of one row (batch 1) whose input is the gated value g of `_step_ssm_kernel`: the
     gated RMSNorm runs in the GEMV's prologue (its weight folded into out_proj's, see
@@ -506,7 +506,8 @@ def _step_out_kernel(
     if USE_PDL:
         gdc_launch_dependents()
     _gemv_tile(g_ptr, w_ptr, bias_ptr, y_ptr, tl.program_id(0), 0, N, K, swn, HAS_BIAS, False, BLOCK_N, BLOCK_K,
-               K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G, GROUPED)
+               K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G, GROUPED,
+               BLOCK_K2)
     if tl.program_id(0) == 0:
         offs_s = tl.arange(0, BLOCK_S)
         mask_s = offs_s < S
@@ -588,14 +589,16 @@ def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, nor
                      kernel_size):
     """`_step_out_kernel` for one row: out_proj of the gated value with the gated norm and the
     residual add inside, and the deferred B/C conv-state shift."""
-    from ..gemv.triton import GemvConfig, _config, grouped_epilogue
+    from ..gemv.triton import GemvConfig, _config, grouped_epilogue, preload_blocks
 
     n_out, d_inner = out_weight.shape
     y = torch.empty(1, n_out, device=gated.device,
                     dtype=torch.result_type(gated, out_weight) if residual is None else residual.dtype)
     block_n, cfg_k, warps, split, _, unroll, preload = GemvConfig(*_config(n_out, d_inner, gated.device))
+    cfg_k2 = 0
     if preload:
-        cfg_k = k_split = triton.next_power_of_2(d_inner)
+        cfg_k, cfg_k2 = preload_blocks(d_inner, 1, norm_groups)
+        k_split = cfg_k + cfg_k2
     else:
         cfg_k = min(cfg_k, triton.next_power_of_2(d_inner))
         k_split = triton.cdiv(d_inner, cfg_k) * cfg_k
@@ -609,7 +612,7 @@ def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, nor
         BLOCK_G=triton.next_power_of_2(norm_groups), BLOCK_N=block_n, BLOCK_K=cfg_k, K_SPLIT=k_split,
         UNROLL=bool(unroll), PRELOAD=bool(preload), K_CONV=kernel_size, BLOCK_S=max(16, triton.next_power_of_2(d_state)),
         BLOCK_KC=max(2, triton.next_power_of_2(kernel_size - 1)),
-        USE_PDL=use_pdl, GROUPED=bool(preload) and grouped_epilogue(d_inner, cfg_k, norm_groups),
+        USE_PDL=use_pdl, GROUPED=bool(preload) and grouped_epilogue(d_inner, cfg_k, norm_groups), BLOCK_K2=cfg_k2,
         num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
     )
     return y
