@@ -287,3 +287,42 @@ def test_norm_linear_gpu(rows, n, k, norm_groups):
     got = norm_linear(x, w, None, norm_groups, 1e-5)
     assert _rel(got, want - res) < 1e-2
 
+
+
+@pytest.mark.parametrize("heads, groups, norm_groups, d_model", [(80, 1, 1, 2560), (128, 8, 8, 4096)], ids=["2.7b", "8b"])
+def test_mamba_residual_step_gpu(heads, groups, norm_groups, d_model):
+    """A whole folded Mamba sublayer for one token at the mamba2-2.7b and hybrid-8b shapes: the
+    ordered in_proj publishing row flags, the step kernel polling them (PDL: it runs while
+    in_proj's last programs stream), out_proj resetting them; five steps in a row, and the
+    same inside a CUDA graph replayed five times."""
+    from ssmspec.ops.step_update import triton as SU
+    from ssmspec.ops.step_update.naive import naive_mamba_residual_step
+
+    d_inner, channels = heads * P, heads * P + 2 * groups * S
+    bf = torch.bfloat16
+    in_w = torch.randn(d_inner + channels + heads, d_model, device=DEV, dtype=bf) / math.sqrt(d_model)
+    tail = (torch.randn(channels, K, device=DEV, dtype=bf), torch.randn(channels, device=DEV, dtype=bf),
+            torch.randn(heads, device=DEV), torch.randn(heads, device=DEV), torch.randn(heads, device=DEV),
+            groups, norm_groups, 0.0, math.inf, 1e-5,
+            torch.randn(d_model, d_inner, device=DEV, dtype=bf) / math.sqrt(d_inner), None)
+    cs = torch.randn(1, channels, K - 1, device=DEV, dtype=bf)
+    ss = torch.randn(1, heads, P, S, device=DEV)
+    cs2, ss2 = cs.clone(), ss.clone()
+    for step in range(5):
+        h = torch.randn(1, d_model, device=DEV, dtype=bf)
+        want = naive_mamba_residual_step(h, in_w, None, 1e-5, cs, ss, *tail)
+        _poison(d_model * 4)
+        got = SU.mamba_residual_step(h, in_w, None, 1e-5, cs2, ss2, *tail)
+        assert torch.isfinite(got).all() and _rel(got - h, want - h) < 2e-2, f"step {step}"
+        assert _rel(ss2, ss) < 1e-2 and _rel(cs2.float(), cs.float()) < 1e-2, f"states, step {step}"
+    h = torch.randn(1, d_model, device=DEV, dtype=bf)
+    graph = torch.cuda.CUDAGraph()
+    SU.mamba_residual_step(h, in_w, None, 1e-5, cs2.clone(), ss2.clone(), *tail)  # compile outside the capture
+    with torch.cuda.graph(graph):
+        out = SU.mamba_residual_step(h, in_w, None, 1e-5, cs2, ss2, *tail)
+    for step in range(5):
+        h.copy_(torch.randn_like(h))
+        want = naive_mamba_residual_step(h, in_w, None, 1e-5, cs, ss, *tail)
+        graph.replay()
+        assert _rel(out - h, want - h) < 2e-2 and _rel(ss2, ss) < 1e-2, f"graph replay {step}"
+    assert all(not f.any() for key, f in SU._FLAGS.items() if key != "retired"), "row flags left non-zero"
