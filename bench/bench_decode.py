@@ -24,7 +24,6 @@ from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch, pdl
 from ssmspec.ops.gemv import triton as gemv
-from ssmspec.ops.step_update import triton as step_kernels
 from ssmspec.trees.tree import Tree
 
 RESULTS: dict = {}
@@ -212,9 +211,6 @@ def main() -> int:
             pdl.ENABLED = False  # the same kernels launched without programmatic dependent launch
             record("AR step CUDA graph [folded, no PDL]", step_graph_ms(m)[0])
             pdl.ENABLED = True
-            step_kernels.ORDERED_IN_PROJ = False  # the step kernel waits for all of in_proj
-            record("AR step CUDA graph [folded, step waits for the whole in_proj]", step_graph_ms(m)[0])
-            step_kernels.ORDERED_IN_PROJ = True
             gemv.TWO_PIECE_PRELOAD = False  # preloaded GEMV rows as one padded power-of-two block
             record("AR step CUDA graph [folded, one padded preload block]", step_graph_ms(m)[0])
             gemv.TWO_PIECE_PRELOAD = True

@@ -261,7 +261,6 @@ else:
                    "replay_conv_state": SR.replay_conv_state, "mamba_step": SU.mamba_step, "rms_norm": SU.rms_norm,
                    "gated_rms_norm": SU.gated_rms_norm, "time_step": SU.time_step, "linear": GV.linear,
                    "add_rms_norm": SU.add_rms_norm, "mamba_step_out": SU.mamba_step_out,
-                   "mamba_residual_step": SU.mamba_residual_step,
 
                    "norm_linear": GV.norm_linear, "tree_scan_gated": TS.tree_scan_gated, "replay_states": SR.replay_states}
         model = _tiny_model_with_head_dim(layers, head_dim)
@@ -435,35 +434,3 @@ else:
             assert_close(ss_got, ss_want, atol=1e-5, rtol=1e-5, name="ssm_state")
             assert torch.equal(cs_got, cs_want), f"conv state shift differs ({label})"
 
-
-    @pytest.mark.parametrize("shape", [(1, 4, 16, 16, 1, 1, 4, False), (1, 6, 32, 8, 2, 3, 3, True),
-                                       (1, 3, 8, 16, 1, 1, 4, False), (2, 4, 16, 16, 2, 2, 4, False)],
-                             ids=["G1", "G2-norm3-K3-bias", "fallback-P8", "fallback-batch2"])
-    def test_mamba_residual_step_matches_reference(shape, nan_outputs):
-        """A whole folded Mamba sublayer for one token: in_proj in the step's order, publishing a
-        flag per row; the step kernel polling the rows it reads; out_proj with the gated norm and
-        the residual add, resetting the flags. Three steps in a row (the flags must come back to
-        zero), and the fallbacks (P not a multiple of 16, batch 2)."""
-        from ssmspec.ops.step_update.naive import naive_mamba_residual_step
-
-        batch, heads, head_dim, d_state, groups, norm_groups, kernel_size, bias = shape
-        d_model, d_inner = 24, heads * head_dim
-        channels = d_inner + 2 * groups * d_state
-        in_w = torch.randn(d_inner + channels + heads, d_model) / 4
-        args = (in_w, torch.randn(in_w.shape[0]) if bias else None, 1e-5)
-        tail = (torch.randn(channels, kernel_size), torch.randn(channels) if bias else None, torch.randn(heads),
-                torch.randn(heads), torch.randn(heads), groups, norm_groups, 0.01, 5.0, 1e-5,
-                torch.randn(d_model, d_inner) / 8, None)
-        cs, ss = torch.randn(batch, channels, kernel_size - 1), torch.randn(batch, heads, head_dim, d_state)
-        cs_want, ss_want, cs_got, ss_got = cs.clone(), ss.clone(), cs.clone(), ss.clone()
-        for step in range(3):
-            h = torch.randn(batch, d_model)
-            want = naive_mamba_residual_step(h, *args, cs_want, ss_want, *tail)
-            got = SU.mamba_residual_step(h, *args, cs_got, ss_got, *tail)
-            assert_close(got, want, atol=1e-4, rtol=1e-4, name=f"step {step}")
-            assert_close(ss_got, ss_want, atol=1e-5, rtol=1e-5, name=f"ssm_state, step {step}")
-            # the shifted-in inputs are in_proj outputs: equal up to the norm's fp32 rounding
-            assert_close(cs_got, cs_want, atol=1e-5, rtol=1e-5, name=f"conv_state, step {step}")
-        for key, flags in SU._FLAGS.items():
-            if key != "retired":
-                assert not flags.any(), "the row flags must be left at zero"

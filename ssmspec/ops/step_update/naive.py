@@ -131,23 +131,3 @@ def naive_mamba_step_out(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, con
                                     norm_weight, n_groups, norm_groups, dt_min, dt_max, eps), out_weight, out_bias)
     return out if residual is None else residual + out.to(residual.dtype)
 
-
-
-def naive_mamba_residual_step(h, in_weight, in_bias, pre_norm_eps, conv_state, ssm_state, conv_weight, conv_bias,
-                              dt_bias, A_log, D, n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias):
-    """A whole Mamba sublayer for one token with both norms' weights folded into in_proj and
-    out_proj (ssmspec.models.fold): h + out_proj(gated_norm(step(in_proj(rms_norm(h))))).
-
-    Args:
-        h: (B, D) the residual stream; in_weight (2*H*P + 2*G*S + H, D), in_bias or None; the
-            rest as in `naive_mamba_step` / `naive_mamba_step_out`. States updated in place.
-    Returns:
-        (B, D) in h's dtype.
-    """
-    from ..gemv.naive import naive_norm_linear
-
-    d_inner = ssm_state.shape[1] * ssm_state.shape[2]
-    zx = naive_norm_linear(h, in_weight, in_bias, 1, pre_norm_eps)
-    z, xBC, dt_raw = zx.split([d_inner, conv_weight.shape[0], ssm_state.shape[1]], dim=-1)
-    return naive_mamba_step_out(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, None,
-                                n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias, residual=h)

@@ -49,24 +49,6 @@ def _pdl_args(device: torch.device, preload_state: bool = False) -> dict:
 
 
 @triton.jit
-def _fence_acq_rel():
-    tl.inline_asm_elementwise("fence.acq_rel.gpu;\n mov.u32 $0, $1;", "=r,r", [tl.zeros([1], dtype=tl.int32)],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _store_release(ptr, ASM_SYNC: tl.constexpr):
-    """flag = 1 at ptr, ordered after this program's earlier writes (a CTA barrier first, then a
-    release store at GPU scope); a plain store where programs run one after another."""
-    tl.debug_barrier()
-    if ASM_SYNC:
-        tl.inline_asm_elementwise("st.release.gpu.global.b32 [$1], 1;\n mov.u32 $0, 0;", "=r,l",
-                                  [ptr + tl.zeros([1], dtype=tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.store(ptr, 1)
-
-
-@triton.jit
 def _softplus(x):
     # torch's softplus with its default threshold 20 (linear above it).
     return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
@@ -158,15 +140,10 @@ def _step_ssm_kernel(
     WRITE_SQ: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
     PRELOAD_STATE: tl.constexpr = False,
-    flag_ptr=None, POLL: tl.constexpr = False, ASM_SYNC: tl.constexpr = False,
 ):
-    # POLL (batch 1, after `_ordered_in_proj_kernel`): instead of waiting for the whole in_proj
-    # grid, each program waits only for the in_proj rows it reads, which that kernel publishes
-    # one by one (a flag per row, release-stored after the row): units whose rows are done start
-    # while in_proj's last programs still stream weights.
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
-        if not PRELOAD_STATE and not POLL:
+        if not PRELOAD_STATE:
             gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -184,19 +161,7 @@ def _step_ssm_kernel(
     h_ptrs = h_ptr + b * shb + h * shh + offs_p[:, None] * shp + offs_s[None, :] * shs
     mask_ps = mask_p[:, None] & mask_s[None, :]
     state = tl.load(h_ptrs, mask=mask_ps, other=0.0)
-    if POLL:
-        # this program's rows of the in_proj output [z | x B C | dt] (batch 1)
-        conv_dim = d_inner + 2 * G * S
-        done = 0
-        while done == 0:
-            fz = tl.min(tl.load(flag_ptr + cx, mask=mask_p, other=1, volatile=True), axis=0)
-            fx = tl.min(tl.load(flag_ptr + d_inner + cx, mask=mask_p, other=1, volatile=True), axis=0)
-            fb = tl.min(tl.load(flag_ptr + d_inner + cB, mask=mask_s, other=1, volatile=True), axis=0)
-            fc = tl.min(tl.load(flag_ptr + d_inner + cC, mask=mask_s, other=1, volatile=True), axis=0)
-            done = fz * fx * fb * fc * tl.load(flag_ptr + d_inner + conv_dim + h, volatile=True)
-        if ASM_SYNC:
-            _fence_acq_rel()  # the rows written before their flags are visible from here on
-    elif USE_PDL and PRELOAD_STATE:
+    if USE_PDL and PRELOAD_STATE:
         # The state was last written by this same kernel in the previous step (or by replay),
         # and every step begins with the embedding lookup, a plain (non-PDL) launch that waits
         # for all earlier work: so the state may be read before waiting on in_proj.
@@ -531,8 +496,7 @@ def _step_out_kernel(
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr, PRELOAD: tl.constexpr,
     K_CONV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_KC: tl.constexpr, USE_PDL: tl.constexpr,
-    GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0, flag_ptr=None, n_flags=0,
-    RESET_FLAGS: tl.constexpr = False,
+    GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0,
 ):
     """out_proj of one row (batch 1) whose input is the gated value g of `_step_ssm_kernel`: the
     gated RMSNorm runs in the GEMV's prologue (its weight folded into out_proj's, see
@@ -544,9 +508,6 @@ def _step_out_kernel(
     _gemv_tile(g_ptr, w_ptr, bias_ptr, y_ptr, tl.program_id(0), 0, N, K, swn, HAS_BIAS, False, BLOCK_N, BLOCK_K,
                K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G, GROUPED,
                BLOCK_K2)
-    if RESET_FLAGS:  # the in_proj row flags (see _step_ssm_kernel POLL): all read once the step is done
-        for r in range(tl.program_id(0), n_flags, tl.num_programs(0)):
-            tl.store(flag_ptr + r, 0)
     if tl.program_id(0) == 0:
         offs_s = tl.arange(0, BLOCK_S)
         mask_s = offs_s < S
@@ -577,11 +538,8 @@ def mamba_step_out(
     out_weight: torch.Tensor,
     out_bias: torch.Tensor | None,
     residual: torch.Tensor | None = None,
-    flags: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`mamba_step`, out_proj and the residual add; same contract as `naive_mamba_step_out`.
-    flags: the row flags of an `_ordered_in_proj_kernel` that produced xBC, dt_raw and z (the
-    step then polls them instead of waiting for that whole kernel; out_proj resets them).
 
     With the gated norm's weight folded into out_weight (norm_weight None) at batch 1: two
     launches, the step kernel (writing the gated value in z's dtype) and an out_proj GEMV that
@@ -622,16 +580,15 @@ def mamba_step_out(
         K=kernel_size, HAS_BIAS=conv_bias is not None,
         BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_K=block_k, WRITE_SQ=False,
         num_warps=4, **_pdl_args(z.device, preload_state=True),
-        **({"flag_ptr": flags, "POLL": True, "ASM_SYNC": z.device.type == "cuda"} if flags is not None else {}),
     )
     return _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, norm_groups, eps, n_groups,
-                            d_state, kernel_size, flags)
+                            d_state, kernel_size)
 
 
 def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, norm_groups, eps, n_groups, d_state,
-                     kernel_size, flags=None):
+                     kernel_size):
     """`_step_out_kernel` for one row: out_proj of the gated value with the gated norm and the
-    residual add inside, the deferred B/C conv-state shift, and the reset of `flags`."""
+    residual add inside, and the deferred B/C conv-state shift."""
     from ..gemv.triton import GemvConfig, _config, grouped_epilogue, preload_blocks
 
     n_out, d_inner = out_weight.shape
@@ -656,104 +613,7 @@ def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, nor
         UNROLL=bool(unroll), PRELOAD=bool(preload), K_CONV=kernel_size, BLOCK_S=max(16, triton.next_power_of_2(d_state)),
         BLOCK_KC=max(2, triton.next_power_of_2(kernel_size - 1)),
         USE_PDL=use_pdl, GROUPED=bool(preload) and grouped_epilogue(d_inner, cfg_k, norm_groups), BLOCK_K2=cfg_k2,
-        **({"flag_ptr": flags, "n_flags": flags.numel(), "RESET_FLAGS": True} if flags is not None else {}),
         num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
     )
     return y
 
-
-
-ORDERED_IN_PROJ = True
-"""Batch 1: in_proj publishes its rows one by one and the step kernel polls the ones it needs
-(`_ordered_in_proj_kernel`, `_step_ssm_kernel` POLL). Benchmarks turn it off."""
-
-_FLAGS: dict = {}
-
-
-def _row_flags(device: torch.device, n: int) -> torch.Tensor:
-    """int32 zeros, one per in_proj row. Every step leaves them zero again (out_proj resets them),
-    so the layers' steps, which run in stream order, share one buffer; kept for the process's
-    life because captured CUDA graphs hold its address."""
-    key = str(device)
-    if key not in _FLAGS or _FLAGS[key].numel() < n:
-        _FLAGS.setdefault("retired", []).append(_FLAGS.get(key))  # graphs may still hold the old one
-        _FLAGS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return _FLAGS[key][:n]
-
-
-@triton.jit
-def _ordered_in_proj_kernel(x_ptr, w_ptr, b_ptr, y_ptr, flag_ptr, N, K, swn, eps, d_inner, n_front,
-                            HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
-                            BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr, ASM_SYNC: tl.constexpr):
-    """The Mamba in_proj of one row (pre-norm folded, as `norm_linear`), one output row per
-    program, in the order the step consumes them: the n_front rows every step program needs
-    (B, C, dt: the end of [z | x B C | dt]) first, then for each block of BLOCK_P channels its z
-    and x rows, so that blocks become complete one after another. After its row, a program sets
-    the row's flag (release) for `_step_ssm_kernel` POLL."""
-    if USE_PDL:
-        gdc_launch_dependents()
-    pid = tl.program_id(0)
-    q = pid - n_front
-    unit = q // (2 * BLOCK_P)
-    j = q % (2 * BLOCK_P)
-    unit_row = tl.where(j < BLOCK_P, unit * BLOCK_P + j, d_inner + unit * BLOCK_P + j - BLOCK_P)
-    row = tl.where(pid < n_front, 2 * d_inner + pid, unit_row)
-    _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, row, 0, N, K, swn, HAS_BIAS, False, 1, BLOCK_K, BLOCK_K + BLOCK_K2,
-               False, True, USE_PDL, None, K, eps, 1, False, 1, False, BLOCK_K2)
-    _store_release(flag_ptr + row, ASM_SYNC)
-
-
-def mamba_residual_step(
-    h: torch.Tensor,
-    in_weight: torch.Tensor,
-    in_bias: torch.Tensor | None,
-    pre_norm_eps: float,
-    conv_state: torch.Tensor,
-    ssm_state: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    dt_bias: torch.Tensor,
-    A_log: torch.Tensor,
-    D: torch.Tensor,
-    n_groups: int,
-    norm_groups: int,
-    dt_min: float,
-    dt_max: float,
-    eps: float,
-    out_weight: torch.Tensor,
-    out_bias: torch.Tensor | None,
-) -> torch.Tensor:
-    """h + the Mamba sublayer's step on pre_norm(h), both norms' weights folded into in_proj and
-    out_proj (models/fold.py); same contract as `naive_mamba_residual_step`. At batch 1 three
-    launches: the ordered in_proj (`_ordered_in_proj_kernel`), the step kernel polling its rows,
-    and out_proj with the gated norm and the residual add inside. Otherwise `norm_linear` then
-    `mamba_step_out`. h (B, D) -> (B, D) in h's dtype; states updated in place."""
-    from ..gemv.triton import PRELOAD_MAX_K, norm_linear, preload_blocks
-
-    batch, heads, head_dim, d_state = ssm_state.shape
-    channels = conv_weight.shape[0]
-    d_inner = heads * head_dim
-    n_rows, k = in_weight.shape
-    block_p = 16  # as mamba_step_out's step kernel: a unit of the order is one of its programs
-    ordered = (ORDERED_IN_PROJ and batch == 1 and head_dim % block_p == 0 and in_weight.stride(-1) == 1
-               and triton.next_power_of_2(k) <= PRELOAD_MAX_K and tuple(h.shape) == (1, k) and h.stride(-1) == 1
-               and n_rows == d_inner + channels + heads and channels == d_inner + 2 * n_groups * d_state
-               and (h.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
-    flags = None
-    if ordered:
-        zx = torch.empty(1, n_rows, device=h.device, dtype=torch.result_type(h, in_weight))
-        flags = _row_flags(h.device, n_rows)
-        block_k, block_k2 = preload_blocks(k)
-        use_pdl = pdl.enabled(h.device)
-        _ordered_in_proj_kernel[(n_rows,)](
-            h, in_weight, in_bias if in_bias is not None else in_weight, zx, flags, n_rows, k, in_weight.stride(0),
-            float(pre_norm_eps), d_inner, 2 * n_groups * d_state + heads,
-            HAS_BIAS=in_bias is not None, BLOCK_K=block_k, BLOCK_K2=block_k2, BLOCK_P=block_p, USE_PDL=use_pdl,
-            ASM_SYNC=h.device.type == "cuda", num_warps=4 if k <= 4096 else 8,
-            **({"launch_pdl": True} if use_pdl else {}),
-        )
-    else:
-        zx = norm_linear(h, in_weight, in_bias, 1, pre_norm_eps)
-    z, xBC, dt_raw = zx.split([d_inner, channels, heads], dim=-1)
-    return mamba_step_out(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, None,
-                          n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias, residual=h, flags=flags)
