@@ -1,5 +1,4 @@
-"""The verify path's fused kernels (tree_scan_gated, tree_conv_scan_gated, replay_states) against
-their references.
+"""The verify path's fused kernels (tree_scan_gated, replay_states) against their references.
 
 Same arrangement as tests/test_ops_triton.py: the default run checks the references against the
 ops they fuse and spawns this file in a child process with TRITON_INTERPRET=1, where the kernel
@@ -60,19 +59,6 @@ def _verify_inputs(batch, n, heads, head_dim, d_state, groups, dtype=torch.float
     }
 
 
-def _conv_verify_inputs(batch, n, heads, head_dim, d_state, groups, kernel_size, with_bias=True, dtype=torch.float32):
-    """`_verify_inputs` plus the conv's state and parameters; xBC is a column slice of in_proj's output."""
-    v = _verify_inputs(batch, n, heads, head_dim, d_state, groups, dtype)
-    conv_dim = v["xBC"].shape[-1]
-    return {
-        **v,
-        "conv_state": torch.randn(batch, conv_dim, kernel_size - 1, dtype=dtype),
-        "conv_weight": (torch.randn(conv_dim, kernel_size) * 0.6).to(dtype),
-        "conv_bias": torch.randn(conv_dim, dtype=dtype) if with_bias else None,
-        "n_groups": groups,
-    }
-
-
 def _replay_inputs(batch, n, heads, head_dim, d_state, groups, kernel_size, steps):
     v = _verify_inputs(batch, n, heads, head_dim, d_state, groups)
     conv_dim = v["xBC"].shape[-1]
@@ -91,11 +77,6 @@ def _gated_args(v, clamp, parents, with_D=True):
             parents, v["initial_state"])
 
 
-def _conv_gated_args(v, clamp, parents, with_D=True):
-    return (v["xBC"], v["conv_state"], v["conv_weight"], v["conv_bias"], v["dt_raw"], v["dt_bias"], *clamp, v["A"],
-            v["D"] if with_D else None, v["z"], parents, v["initial_state"], v["n_groups"])
-
-
 def _replay_args(r):
     return (r["conv_state"], r["ssm_state"], r["xBC"], r["x"], r["dt"], r["A"], r["B"], r["path"], r["path_len"])
 
@@ -105,8 +86,7 @@ if not INTERPRETED:
 
     from ssmspec.ops.state_replay.naive import naive_replay_conv_state, naive_replay_ssm_state, naive_replay_states
     from ssmspec.ops.step_update.naive import naive_time_step
-    from ssmspec.ops.tree_conv.naive import naive_tree_conv
-    from ssmspec.ops.tree_scan.naive import naive_tree_conv_scan_gated, naive_tree_scan, naive_tree_scan_gated
+    from ssmspec.ops.tree_scan.naive import naive_tree_scan, naive_tree_scan_gated
 
     def test_fused_kernels_in_interpreter():
         env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -131,24 +111,6 @@ if not INTERPRETED:
         assert torch.equal(dt, want_dt) and torch.equal(g, want_g)
         assert (dt >= clamp[0]).all() and (dt <= clamp[1]).all()
 
-    @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
-    def test_naive_tree_conv_scan_gated_is_conv_split_and_gated_scan(with_bias):
-        tree = TREES["uneven 3,4,2,1"]
-        parents = tree.parents_tensor()
-        heads, head_dim, d_state, groups = 6, 12, 10, 2
-        v = _conv_verify_inputs(2, tree.num_nodes, heads, head_dim, d_state, groups, 4, with_bias, dtype=torch.bfloat16)
-        g, dt, x, B = naive_tree_conv_scan_gated(*_conv_gated_args(v, CLAMPS[0], parents))
-        # the model's composition: tree_conv, Mamba2Mixer._split_conv_out, tree_scan_gated
-        conv = naive_tree_conv(v["xBC"], v["conv_state"], v["conv_weight"], v["conv_bias"], parents)
-        want_x, want_B, want_C = conv.split([heads * head_dim, groups * d_state, groups * d_state], dim=-1)
-        want_x, want_B = want_x.unflatten(-1, (heads, head_dim)), want_B.unflatten(-1, (groups, d_state))
-        want_g, want_dt = naive_tree_scan_gated(want_x, v["dt_raw"], v["dt_bias"], *CLAMPS[0], v["A"], want_B,
-                                                want_C.unflatten(-1, (groups, d_state)), v["D"], v["z"], parents,
-                                                v["initial_state"])
-        assert x.dtype == B.dtype == torch.bfloat16 and g.dtype == torch.bfloat16
-        for got, want in ((g, want_g), (dt, want_dt), (x, want_x), (B, want_B)):
-            assert got.shape == want.shape and torch.equal(got, want)
-
     def test_naive_replay_states_is_both_replays():
         r = _replay_inputs(3, 12, 5, 8, 16, 1, kernel_size=4, steps=5)
         conv, ssm = r["conv_state"].clone(), r["ssm_state"].clone()
@@ -162,8 +124,6 @@ if not INTERPRETED:
 
         assert dispatch._REFERENCE["tree_scan_gated"] is naive_tree_scan_gated
         assert dispatch._REFERENCE["replay_states"] is naive_replay_states
-        assert dispatch._REFERENCE["tree_conv_scan_gated"] is naive_tree_conv_scan_gated
-        assert dispatch._TRITON["tree_conv_scan_gated"] == ("ssmspec.ops.tree_scan.triton", "tree_conv_scan_gated")
         assert dispatch._TRITON["tree_scan_gated"] == ("ssmspec.ops.tree_scan.triton", "tree_scan_gated")
         assert dispatch._TRITON["replay_states"] == ("ssmspec.ops.state_replay.triton", "replay_states")
 
@@ -171,9 +131,8 @@ else:
     from ssmspec.ops import dispatch
     from ssmspec.ops.state_replay import triton as SR
     from ssmspec.ops.state_replay.naive import naive_replay_states
-    from ssmspec.ops.tree_conv import triton as TC
     from ssmspec.ops.tree_scan import triton as TS
-    from ssmspec.ops.tree_scan.naive import naive_tree_conv_scan_gated, naive_tree_scan, naive_tree_scan_gated
+    from ssmspec.ops.tree_scan.naive import naive_tree_scan, naive_tree_scan_gated
 
     @pytest.fixture
     def nan_outputs(monkeypatch):
@@ -219,62 +178,6 @@ else:
         args = (v["x"], dt, v["A"], v["B"], v["C"], v["D"], tree.parents_tensor(), v["initial_state"])
         assert_close(TS.tree_scan(*args), naive_tree_scan(*args), atol=1e-4, rtol=1e-4)
 
-    def _assert_conv_scan_close(got, want, name=""):
-        g, dt, x, B = got
-        want_g, want_dt, want_x, want_B = want
-        assert_close(dt, want_dt, atol=1e-6, rtol=1e-6, name=f"dt {name}")
-        assert_close(x, want_x, atol=1e-5, rtol=1e-5, name=f"x {name}")
-        assert_close(B, want_B, atol=1e-5, rtol=1e-5, name=f"B {name}")
-        assert_close(g, want_g, atol=1e-4, rtol=1e-4, name=f"g {name}")
-        assert x.dtype == want_x.dtype and B.dtype == want_B.dtype and g.dtype == want_g.dtype
-
-    # (conv kernel size, conv bias)
-    CONVS = [(4, True), (2, False), (3, True)]
-
-    @pytest.mark.parametrize("tree_name", list(TREES))
-    @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-    @pytest.mark.parametrize("conv", CONVS, ids=lambda c: f"K{c[0]}{'bias' if c[1] else 'nobias'}")
-    def test_tree_conv_scan_gated_matches_reference(tree_name, shape, conv, nan_outputs):
-        """xBC, z and dt_raw are column slices of one in_proj output (strided rows)."""
-        tree = TREES[tree_name]
-        v = _conv_verify_inputs(shape[0], tree.num_nodes, *shape[1:], *conv)
-        assert v["xBC"].stride(1) != v["xBC"].shape[-1]
-        args = _conv_gated_args(v, CLAMPS[0], tree.parents_tensor())
-        got = TS.tree_conv_scan_gated(*args)
-        _assert_conv_scan_close(got, naive_tree_conv_scan_gated(*args), tree_name)
-        assert got[2].shape == (shape[0], tree.num_nodes, shape[1], shape[2])
-        assert got[3].shape == (shape[0], tree.num_nodes, shape[4], shape[3])
-
-    def test_tree_conv_scan_gated_without_D_two_P_blocks_unclamped(nan_outputs):
-        """P = 72: two P-block programs per head (the second partial); 2 heads per group: only
-        the P-block-0 program of a group's first head stores its B, and every lane gets written."""
-        tree = TREES["binary 2,2,2"]
-        v = _conv_verify_inputs(2, tree.num_nodes, 4, 72, 16, 2, 4, with_bias=False)
-        v = {k: t.contiguous() if isinstance(t, torch.Tensor) else t for k, t in v.items()}
-        args = _conv_gated_args(v, CLAMPS[1], tree.parents_tensor(), with_D=False)
-        _assert_conv_scan_close(TS.tree_conv_scan_gated(*args), naive_tree_conv_scan_gated(*args))
-
-    def test_tree_conv_scan_gated_equals_the_two_kernels(nan_outputs):
-        """The fused op equals tree_conv then tree_scan_gated, the two launches it replaces."""
-        tree = TREES["uneven 3,4,2,1"]
-        heads, head_dim, d_state, groups = 6, 12, 10, 2
-        v = _conv_verify_inputs(3, tree.num_nodes, heads, head_dim, d_state, groups, 4)
-        parents = tree.parents_tensor()
-        g, dt, x, B = TS.tree_conv_scan_gated(*_conv_gated_args(v, CLAMPS[0], parents))
-        conv = TC.tree_conv(v["xBC"], v["conv_state"], v["conv_weight"], v["conv_bias"], parents)
-        x2, B2, C2 = conv.split([heads * head_dim, groups * d_state, groups * d_state], dim=-1)
-        x2, B2, C2 = x2.unflatten(-1, (heads, head_dim)), B2.unflatten(-1, (groups, d_state)), C2.unflatten(-1, (groups, d_state))
-        g2, dt2 = TS.tree_scan_gated(x2, v["dt_raw"], v["dt_bias"], *CLAMPS[0], v["A"], B2, C2, v["D"], v["z"],
-                                     parents, v["initial_state"])
-        assert torch.equal(x, x2) and torch.equal(B, B2) and torch.equal(dt, dt2)
-        assert_close(g, g2, atol=1e-5, rtol=1e-5, name="g")
-
-    def test_tree_conv_scan_gated_rejects_mismatched_channels():
-        tree = TREES["chain of 7"]
-        v = _conv_verify_inputs(1, tree.num_nodes, 3, 8, 16, 1, 4)
-        with pytest.raises(ValueError, match="xBC"):
-            TS.tree_conv_scan_gated(*_conv_gated_args({**v, "n_groups": 2}, CLAMPS[0], tree.parents_tensor()))
-
     @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
     @pytest.mark.parametrize("kernel_size", [2, 4, 5])
     @pytest.mark.parametrize("steps", [5, 18], ids=["unrolled", "looped"])
@@ -310,13 +213,4 @@ else:
         v = _verify_inputs(1, tree.num_nodes, 3, 8, 16, 1)
         args = _gated_args(v, CLAMPS[0], tree.parents_tensor())
         for got, want in zip(dispatch.tree_scan_gated(*args), naive_tree_scan_gated(*args)):
-            assert_close(got, want, atol=1e-4, rtol=1e-4)
-
-    def test_dispatch_triton_backend_runs_the_conv_scan_kernel(monkeypatch, nan_outputs):
-        monkeypatch.setattr(dispatch, "_backend", "triton")
-        assert dispatch.resolve("tree_conv_scan_gated", torch.device("cpu")) is TS.tree_conv_scan_gated
-        tree = TREES["chain of 7"]
-        v = _conv_verify_inputs(1, tree.num_nodes, 3, 8, 16, 1, 4)
-        args = _conv_gated_args(v, CLAMPS[0], tree.parents_tensor())
-        for got, want in zip(dispatch.tree_conv_scan_gated(*args), naive_tree_conv_scan_gated(*args)):
             assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -208,17 +208,16 @@ class Mamba2Mixer(nn.Module):
     def folded_residual_verify(self, h: torch.Tensor, cache: MambaLayerCache, parents: torch.Tensor,
                                pre_norm_eps: float):
         """h + verify(pre_norm(h)) with both norms' weights folded into in_proj and out_proj
-        (models/fold.py), on the kernels: the pre-norm inside in_proj, the path-aware conv, the
-        time step and the gate inside the tree scan, the gated norm and the residual add inside
-        out_proj (three launches per layer, and one for replay).
+        (models/fold.py), on the kernels: the pre-norm inside in_proj, the time step and the gate
+        inside the tree scan, the gated norm and the residual add inside out_proj.
         h (B, N, D) -> (B, N, D), and the activations for `replay`."""
         c = self.cfg
         zxbcdt = dispatch.norm_linear(h, self.in_proj.weight, self.in_proj.bias, 1, pre_norm_eps)
         z, xBC, dt_raw = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
-        gated, dt, x, B = dispatch.tree_conv_scan_gated(
-            xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, dt_raw, self.dt_bias, c.dt_min, c.dt_max,
-            self.A, self.D, z, parents, cache.ssm_state, c.n_groups,
-        )
+        xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
+        x, B, C = self._split_conv_out(xBC_conv)
+        gated, dt = dispatch.tree_scan_gated(x, dt_raw, self.dt_bias, c.dt_min, c.dt_max, self.A, B, C, self.D, z,
+                                             parents, cache.ssm_state)
         out = dispatch.norm_linear(gated, self.out_proj.weight, self.out_proj.bias, c.d_inner // self.norm.group_size,
                                    self.norm.eps, residual=h)
         return out, MambaTreeActivations(xBC=xBC, x=x, dt=dt, B=B)

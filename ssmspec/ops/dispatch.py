@@ -22,7 +22,7 @@ from .step_update.naive import (
     naive_time_step,
 )
 from .tree_conv.naive import naive_tree_conv
-from .tree_scan.naive import naive_tree_conv_scan_gated, naive_tree_scan, naive_tree_scan_gated
+from .tree_scan.naive import naive_tree_scan, naive_tree_scan_gated
 
 BACKENDS = ("auto", "reference", "triton")
 _backend = "auto"
@@ -30,7 +30,6 @@ _backend = "auto"
 _REFERENCE = {
     "tree_scan": naive_tree_scan,
     "tree_scan_gated": naive_tree_scan_gated,
-    "tree_conv_scan_gated": naive_tree_conv_scan_gated,
     "tree_conv": naive_tree_conv,
     "replay_ssm_state": naive_replay_ssm_state,
     "replay_conv_state": naive_replay_conv_state,
@@ -49,7 +48,6 @@ _REFERENCE = {
 _TRITON = {
     "tree_scan": ("ssmspec.ops.tree_scan.triton", "tree_scan"),
     "tree_scan_gated": ("ssmspec.ops.tree_scan.triton", "tree_scan_gated"),
-    "tree_conv_scan_gated": ("ssmspec.ops.tree_scan.triton", "tree_conv_scan_gated"),
     "tree_conv": ("ssmspec.ops.tree_conv.triton", "tree_conv"),
     "replay_ssm_state": ("ssmspec.ops.state_replay.triton", "replay_ssm_state"),
     "replay_conv_state": ("ssmspec.ops.state_replay.triton", "replay_conv_state"),
@@ -118,16 +116,6 @@ def tree_scan(x, dt, A, B, C, D, parents, initial_state):
 def tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, initial_state):
     """Time step, tree scan and silu(z) gate of the verify path: returns (g, dt)."""
     return resolve("tree_scan_gated", x.device)(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, initial_state)
-
-
-def tree_conv_scan_gated(xBC, conv_state, conv_weight, conv_bias, dt_raw, dt_bias, dt_min, dt_max, A, D, z, parents,
-                         initial_state, n_groups):
-    """tree_conv (silu) and tree_scan_gated of the verify path: returns (g, dt, x, B), x and B the
-    post-conv SSM inputs kept for replay (one launch with kernels)."""
-    return resolve("tree_conv_scan_gated", xBC.device)(
-        xBC, conv_state, conv_weight, conv_bias, dt_raw, dt_bias, dt_min, dt_max, A, D, z, parents, initial_state,
-        n_groups,
-    )
 
 
 def tree_conv(xBC, conv_state, weight, bias, parents, activation="silu"):

@@ -86,38 +86,3 @@ def test_replay_states_gpu(tree_name, batch):
     replay_states(conv_state, ssm_state, v["xBC"], v["x"], dt, v["A"], v["B"], path, path_len)
     assert torch.equal(conv_state, c_want)
     assert_close(ssm_state, s_want, atol=1e-5, rtol=1e-5, name="ssm_state")
-
-
-@pytest.mark.parametrize("tree_name", ["16: 3,4", "64: 3,4,2,1"])
-@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
-def test_tree_conv_scan_gated_gpu(tree_name, with_bias):
-    from ssmspec.ops.tree_conv.triton import tree_conv
-    from ssmspec.ops.tree_scan.naive import naive_tree_conv_scan_gated
-    from ssmspec.ops.tree_scan.triton import tree_conv_scan_gated, tree_scan_gated
-
-    tree = TREES[tree_name]
-    batch, n, clamp = 1, tree.num_nodes, (0.0, math.inf)
-    parents = tree.parents_tensor(DEV)
-    v = _layer_inputs(batch, n)  # xBC: a strided column slice of the bf16 in_proj output
-    conv_state = torch.randn(batch, CONV_DIM, K - 1, device=DEV, dtype=torch.bfloat16)
-    conv_weight = (torch.randn(CONV_DIM, K, device=DEV) * 0.5).to(torch.bfloat16)
-    conv_bias = (torch.randn(CONV_DIM, device=DEV) * 0.5).to(torch.bfloat16) if with_bias else None
-    args = (v["xBC"], conv_state, conv_weight, conv_bias, v["dt_raw"], v["dt_bias"], *clamp, v["A"], v["D"], v["z"],
-            parents, v["h0"], G)
-    want_g, want_dt, want_x, want_B = naive_tree_conv_scan_gated(*args)
-    for precision, tol in (("ieee", 5e-3), (None, 5e-3)):  # None: tf32 for bf16 inputs
-        _poison(want_g.numel() * 2 + want_dt.numel() * 4 + want_x.numel() * 2 + want_B.numel() * 2)
-        g, dt, x, B = tree_conv_scan_gated(*args, precision=precision)
-        assert g.dtype == x.dtype == B.dtype == torch.bfloat16
-        assert g.shape == (batch, n, D_INNER) and x.shape == (batch, n, H, P) and B.shape == (batch, n, G, S)
-        assert_close(dt, want_dt, atol=1e-6, rtol=1e-5, name=f"dt {precision}")
-        # x, B: the same fp32 conv rounded to bf16; a different summation order may flip the last bit (2^-8)
-        assert_close(x, want_x, atol=1e-2, rtol=1e-2, name=f"x {precision}")
-        assert_close(B, want_B, atol=1e-2, rtol=1e-2, name=f"B {precision}")
-        assert torch.isfinite(g).all() and _rel(g, want_g) < tol, f"{precision}: rel err {_rel(g, want_g):.2e}"
-        # the two launches it replaces: tree_conv, the split of Mamba2Mixer._split_conv_out, tree_scan_gated
-        x2, B2, C2 = tree_conv(v["xBC"], conv_state, conv_weight, conv_bias, parents).split([D_INNER, G * S, G * S], -1)
-        g2, _ = tree_scan_gated(x2.unflatten(-1, (H, P)), v["dt_raw"], v["dt_bias"], *clamp, v["A"],
-                                B2.unflatten(-1, (G, S)), C2.unflatten(-1, (G, S)), v["D"], v["z"], parents, v["h0"],
-                                precision=precision)
-        assert _rel(g, g2) < 1e-3 and _rel(x, x2.unflatten(-1, (H, P))) < 1e-3

@@ -16,22 +16,27 @@ from ..step_update.triton import _pdl_args
 
 
 @triton.jit
-def _tree_conv_tile(
-    x_ptr, state_ptr, w_ptr, bias_ptr, par_ptr,
-    b, offs_n, offs_c, mask_n, mask_c,
+def _tree_conv_kernel(
+    x_ptr, state_ptr, w_ptr, bias_ptr, par_ptr, out_ptr,
+    N, CH,
     sxb, sxn, sxc,
     ssb, ssc, ssk,
     swc, swk,
+    sob, son, soc,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
-    """Conv (+ bias, + silu) of nodes offs_n (BLOCK_N,) and channels offs_c (BLOCK_C,) of batch row b,
-    rounded to x's dtype as `naive_tree_conv`'s output is: (BLOCK_N, BLOCK_C) in x's dtype.
-
-    Shared by `_tree_conv_kernel` and the tree scan's CONV variant (tree_scan/triton.py). Masked
-    channels come out 0 (no bias, silu(0) = 0); masked nodes come out silu(bias), finite.
-    """
+    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
+        gdc_launch_dependents()
+        gdc_wait()
+    b = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_n = offs_n < N
+    mask_c = offs_c < CH
     mask = mask_n[:, None] & mask_c[None, :]
+
     acc = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
@@ -55,35 +60,8 @@ def _tree_conv_tile(
         cur = tl.where(in_tree, tl.load(par_ptr + cur, mask=in_tree, other=-1).to(tl.int32), -1)
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    return acc.to(x_ptr.dtype.element_ty)
-
-
-@triton.jit
-def _tree_conv_kernel(
-    x_ptr, state_ptr, w_ptr, bias_ptr, par_ptr, out_ptr,
-    N, CH,
-    sxb, sxn, sxc,
-    ssb, ssc, ssk,
-    swc, swk,
-    sob, son, soc,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):
-    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
-        gdc_launch_dependents()
-        gdc_wait()
-    b = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask_n = offs_n < N
-    mask_c = offs_c < CH
-    out = _tree_conv_tile(x_ptr, state_ptr, w_ptr, bias_ptr, par_ptr, b, offs_n, offs_c, mask_n, mask_c,
-                          sxb, sxn, sxc, ssb, ssc, ssk, swc, swk,
-                          K=K, HAS_BIAS=HAS_BIAS, SILU=SILU, BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C)
-    # out is in x's dtype, which tree_conv gives its output too
     tl.store(out_ptr + b * sob + offs_n[:, None] * son + offs_c[None, :] * soc,
-             out.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_c[None, :])
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def tree_conv(

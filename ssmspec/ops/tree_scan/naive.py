@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from ..step_update.naive import naive_time_step
-from ..tree_conv.naive import naive_tree_conv
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
@@ -118,49 +117,3 @@ def naive_tree_scan_gated(
     y = y.flatten(-2).to(z.dtype)  # (B, N, H*P)
     g = (y.float() * F.silu(z.float())).to(z.dtype)
     return g, dt
-
-
-def naive_tree_conv_scan_gated(
-    xBC: torch.Tensor,
-    conv_state: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    dt_raw: torch.Tensor,
-    dt_bias: torch.Tensor,
-    dt_min: float,
-    dt_max: float,
-    A: torch.Tensor,
-    D: torch.Tensor | None,
-    z: torch.Tensor,
-    parents: torch.Tensor,
-    initial_state: torch.Tensor,
-    n_groups: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The verify path's conv (silu) and `naive_tree_scan_gated` in one op.
-
-    The conv output (in xBC's dtype) splits into x, B, C as `Mamba2Mixer._split_conv_out` does.
-
-    Args:
-        xBC: (B, N, C) pre-conv inputs, C = H*P + 2*G*S, channels [x | B | C].
-        conv_state: (B, C, K-1) the prefix's last K-1 pre-conv inputs, oldest first.
-        conv_weight: (C, K); conv_bias: (C,) or None.
-        dt_raw: (B, N, H) time steps before dt_bias and softplus; dt_bias: (H,).
-        dt_min, dt_max: the clamp of the time step.
-        A: (H,) negative decay rates.
-        D: (H,) or None.
-        z: (B, N, H*P) gate.
-        parents: (N,) int, -1 for the root.
-        initial_state: (B, H, P, S) the state before the root.
-        n_groups: G, the number of B/C groups.
-    Returns:
-        g: (B, N, H*P) in z's dtype; dt: (B, N, H) fp32; x: (B, N, H, P) and B: (B, N, G, S),
-        the post-conv SSM inputs in xBC's dtype (views of the conv output), kept for replay.
-    """
-    heads, head_dim, d_state = initial_state.shape[1:]
-    conv = naive_tree_conv(xBC, conv_state, conv_weight, conv_bias, parents)  # (B, N, C)
-    x, B, C = conv.split([heads * head_dim, n_groups * d_state, n_groups * d_state], dim=-1)
-    x = x.unflatten(-1, (heads, head_dim))  # (B, N, H, P)
-    B = B.unflatten(-1, (n_groups, d_state))  # (B, N, G, S)
-    C = C.unflatten(-1, (n_groups, d_state))
-    g, dt = naive_tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, initial_state)
-    return g, dt, x, B

@@ -14,11 +14,6 @@ parent chain, so `parents` stays a device tensor and nothing syncs with the host
 time step softplus(dt_raw + dt_bias), clamped, is computed per node inside each program (every
 P block of a head recomputes its head's N values, cheaper than a launch), and the output is
 gated by silu(z) and stored in z's dtype. Two launches fewer per Mamba layer.
-
-`tree_conv_scan_gated` folds the path-aware conv in as well (CONV): each program computes its
-x channels and its group's B and C channels from the pre-conv xBC with `_tree_conv_tile` (the
-body of tree_conv's kernel; B and C are recomputed by every head of the group, cheaper than a
-launch) and writes the post-conv x and B that replay needs. One launch fewer again.
 """
 from __future__ import annotations
 
@@ -28,7 +23,6 @@ import triton.language as tl
 
 from ..pdl import gdc_launch_dependents, gdc_wait
 from ..step_update.triton import _pdl_args, _softplus
-from ..tree_conv.triton import _tree_conv_tile
 
 
 @triton.jit
@@ -43,13 +37,8 @@ def _tree_scan_kernel(
     shb, shh, shp, shs,
     syb, syn, syh, syp,
     szb, szn, szc,
-    xbc_ptr, cs_ptr, cw_ptr, cb_ptr,
-    sXb, sXn, sXc,
-    scb, scc, sck,
-    swc, swk,
     HAS_D: tl.constexpr,
     FUSED: tl.constexpr,
-    CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr = False,
@@ -57,8 +46,6 @@ def _tree_scan_kernel(
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
         gdc_launch_dependents()
         gdc_wait()
-    # CONV: x_ptr and B_ptr are outputs (the post-conv x and B, for replay) and C_ptr is unused;
-    # x, B and C are computed from xbc_ptr (B, N, H*P + 2*G*S), channels [x | B | C].
     pid_bh = tl.program_id(0)
     pid_p = tl.program_id(1)
     b = pid_bh // H
@@ -113,27 +100,10 @@ def _tree_scan_kernel(
     for s0 in range(0, S, BLOCK_S):
         ss = s0 + offs_s
         mask_s = ss < S
-        if CONV:
-            # Padding nodes come out silu(bias), finite: their scores only meet exp(-inf) = 0 weights
-            # and rows that are never stored. Padding channels come out 0.
-            b_ch = H * P + g * S + ss  # group g's B channels; the C channels follow all G groups' B
-            c_ch = b_ch + (H // heads_per_group) * S
-            Cq = _tree_conv_tile(xbc_ptr, cs_ptr, cw_ptr, cb_ptr, par_ptr, b, offs_n, c_ch, mask_n, mask_s,
-                                 sXb, sXn, sXc, scb, scc, sck, swc, swk,
-                                 K=CONV_K, HAS_BIAS=CONV_BIAS, SILU=True, BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_S)
-            Bq = _tree_conv_tile(xbc_ptr, cs_ptr, cw_ptr, cb_ptr, par_ptr, b, offs_n, b_ch, mask_n, mask_s,
-                                 sXb, sXn, sXc, scb, scc, sck, swc, swk,
-                                 K=CONV_K, HAS_BIAS=CONV_BIAS, SILU=True, BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_S)
-            if (h % heads_per_group == 0) & (pid_p == 0):  # one program per group stores B
-                tl.store(B_base + offs_n[:, None] * sBn + ss[None, :] * sBs, Bq.to(B_ptr.dtype.element_ty),
-                         mask=mask_n[:, None] & mask_s[None, :])
-            Cm = Cq.to(tl.float32)
-            Bm = Bq.to(tl.float32)
-        else:
-            Cm = tl.load(C_base + offs_n[:, None] * sCn + ss[None, :] * sCs,
-                         mask=mask_n[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
-            Bm = tl.load(B_base + offs_n[:, None] * sBn + ss[None, :] * sBs,
-                         mask=mask_n[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
+        Cm = tl.load(C_base + offs_n[:, None] * sCn + ss[None, :] * sCs,
+                     mask=mask_n[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
+        Bm = tl.load(B_base + offs_n[:, None] * sBn + ss[None, :] * sBs,
+                     mask=mask_n[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
         h0 = tl.load(h0_base + offs_p[:, None] * shp + ss[None, :] * shs,
                      mask=mask_p[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
         scores += tl.dot(Cm, tl.trans(Bm), input_precision=PRECISION)
@@ -142,15 +112,8 @@ def _tree_scan_kernel(
     # Weight of node j's input in node i's output: C_i.B_j * exp(acum_i - acum_j) * dt_j on i's path.
     seg = tl.where(anc != 0, acum[:, None] - acum[None, :], float("-inf"))
     w = scores * tl.exp(seg) * dt[None, :]
-    x_tile = x_ptr + b * sxb + h * sxh + offs_n[:, None] * sxn + offs_p[None, :] * sxp
-    if CONV:
-        xq = _tree_conv_tile(xbc_ptr, cs_ptr, cw_ptr, cb_ptr, par_ptr, b, offs_n, h * P + offs_p, mask_n, mask_p,
-                             sXb, sXn, sXc, scb, scc, sck, swc, swk,
-                             K=CONV_K, HAS_BIAS=CONV_BIAS, SILU=True, BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_P)
-        tl.store(x_tile, xq.to(x_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_p[None, :])
-        xm = xq.to(tl.float32)
-    else:
-        xm = tl.load(x_tile, mask=mask_n[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+    xm = tl.load(x_ptr + b * sxb + h * sxh + offs_n[:, None] * sxn + offs_p[None, :] * sxp,
+                 mask=mask_n[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
     y = tl.dot(w, xm, input_precision=PRECISION) + from_h0 * tl.exp(acum)[:, None]
     if HAS_D:
         y += xm * tl.load(D_ptr + h).to(tl.float32)
@@ -264,82 +227,9 @@ def tree_scan_gated(
     return g, dt
 
 
-def tree_conv_scan_gated(
-    xBC: torch.Tensor,
-    conv_state: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    dt_raw: torch.Tensor,
-    dt_bias: torch.Tensor,
-    dt_min: float,
-    dt_max: float,
-    A: torch.Tensor,
-    D: torch.Tensor | None,
-    z: torch.Tensor,
-    parents: torch.Tensor,
-    initial_state: torch.Tensor,
-    n_groups: int,
-    precision: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Path-aware conv (silu), time step, tree scan and gate of the verify path in one launch.
-
-    Same contract as `naive_tree_conv_scan_gated`, except that x and B come back as fresh
-    contiguous tensors (the reference returns views of its conv output); `precision` as in
-    `tree_scan`. xBC, dt_raw and z may be strided views (column slices of the in_proj output).
-
-    Args:
-        xBC: (B, N, C) pre-conv inputs, C = H*P + 2*G*S, channels [x | B | C].
-        conv_state: (B, C, K-1) the prefix's last K-1 pre-conv inputs, oldest first.
-        conv_weight: (C, K); conv_bias: (C,) or None.
-        dt_raw: (B, N, H) time steps before dt_bias and softplus; dt_bias: (H,).
-        dt_min, dt_max: the clamp of the time step.
-        A: (H,) negative decay rates.
-        D: (H,) or None.
-        z: (B, N, H*P) gate.
-        parents: (N,) int, -1 for the root, parents before children.
-        initial_state: (B, H, P, S) the state before the root.
-        n_groups: G, the number of B/C groups.
-    Returns:
-        g: (B, N, H*P) in z's dtype; dt: (B, N, H) fp32; x: (B, N, H, P) and B: (B, N, G, S),
-        the post-conv SSM inputs in xBC's dtype, kept for replay.
-    """
-    batch, n, channels = xBC.shape
-    heads, head_dim, d_state = A.shape[0], initial_state.shape[2], initial_state.shape[3]
-    kernel_size = conv_weight.shape[-1]
-    expected = {
-        "xBC": (xBC.shape, (batch, n, heads * head_dim + 2 * n_groups * d_state)),
-        "conv_state": (conv_state.shape, (batch, channels, kernel_size - 1)),
-        "conv_weight": (conv_weight.shape, (channels, kernel_size)),
-        "dt_raw": (dt_raw.shape, (batch, n, heads)),
-        "dt_bias": (dt_bias.shape, (heads,)),
-        "z": (z.shape, (batch, n, heads * head_dim)),
-        "parents": (parents.shape, (n,)),
-        "initial_state": (initial_state.shape, (batch, heads, head_dim, d_state)),
-    }
-    if conv_bias is not None:
-        expected["conv_bias"] = (conv_bias.shape, (channels,))
-    if D is not None:
-        expected["D"] = (D.shape, (heads,))
-    for name, (got, want) in expected.items():
-        if tuple(got) != want:
-            raise ValueError(f"tree_conv_scan_gated: {name} has shape {tuple(got)}, expected {want} "
-                             f"(H={heads} from A, P={head_dim} and S={d_state} from initial_state, G={n_groups})")
-    if n_groups < 1 or heads % n_groups:
-        raise ValueError(f"tree_conv_scan_gated: {heads} heads do not split into {n_groups} groups")
-    g = torch.empty(batch, n, heads * head_dim, device=xBC.device, dtype=z.dtype)
-    dt = torch.empty(batch, n, heads, device=xBC.device, dtype=torch.float32)
-    x = torch.empty(batch, n, heads, head_dim, device=xBC.device, dtype=xBC.dtype)
-    B = torch.empty(batch, n, n_groups, d_state, device=xBC.device, dtype=xBC.dtype)
-    # x and B are the kernel's outputs here; B stands in for the unread C
-    _launch(x, dt_raw, A, B, B, D, parents, initial_state, g.view(batch, n, heads, head_dim), precision,
-            fused=(dt_bias, float(dt_min), float(dt_max), z, dt), conv=(xBC, conv_state, conv_weight, conv_bias))
-    return g, dt, x, B
-
-
-def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None, conv=None):
+def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None):
     """Run `_tree_scan_kernel` into y (B, N, H, P); fused = (dt_bias, dt_min, dt_max, z, dt_out)
-    makes dt the raw time step and y the gated output (tree_scan_gated); conv = (xBC, conv_state,
-    conv_weight, conv_bias) makes x and B outputs, computed by the conv (tree_conv_scan_gated)."""
+    makes dt the raw time step and y the gated output (tree_scan_gated)."""
     if precision is None:
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
     batch, n, heads, head_dim = x.shape
@@ -357,17 +247,12 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
     # the unfused scan never reads the fused-only arguments: any tensor stands in for them
     dt_bias, dt_min, dt_max, z, dt_out = fused if fused is not None else (A, 0.0, 0.0, x, y)
     z_strides = z.stride() if fused is not None else (0, 0, 0)
-    # likewise the conv-only ones
-    xBC, conv_state, conv_weight, conv_bias = conv if conv is not None else (A, A, A, None)
-    conv_strides = (*xBC.stride(), *conv_state.stride(), *conv_weight.stride()) if conv is not None else (0,) * 8
     _tree_scan_kernel[grid](
         x, dt, A, B, C, D_arg, parents, initial_state, y,
         dt_bias, z, dt_out, dt_min, dt_max,
         n, heads, head_dim, d_state, heads // groups,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *initial_state.stride(), *y.stride(), *z_strides,
-        xBC, conv_state, conv_weight, conv_bias if conv_bias is not None else conv_weight, *conv_strides,
         HAS_D=D is not None, FUSED=fused is not None,
-        CONV=conv is not None, CONV_K=conv_weight.shape[-1] if conv is not None else 1, CONV_BIAS=conv_bias is not None,
         BLOCK_N=block_n, BLOCK_P=block_p, BLOCK_S=block_s,
         PRECISION=precision,
         num_warps=4 if block_n <= 32 else 8, **_pdl_args(y.device),
