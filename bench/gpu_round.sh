@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Purpose: one device-machine round of the GPU fast path (issue 3): the GPU tests, then
 # bench_decode.py on mamba2-2.7b (folded and unfolded norms, per-kernel profile) and hybrid-8b.
-# Hardware: one H100 80GB (device tool, kind nvidia-h100-x1). Expected time: ~6-8 min.
-# Usage: bench/gpu_round.sh OUT_DIR TAG [steps...]   (steps: tests nl 27b 8b; default tests 27b 8b)
+# Hardware: one H100 80GB (device tool, kind nvidia-h100-x1). Expected time: ~2-7 min, by steps.
+# Usage: bench/gpu_round.sh OUT_DIR TAG [steps...]   (steps: tests nl 27b 8b gen trace; default tests 27b 8b)
 set -uo pipefail
 out=${1:-${OUT:-bench-out}}
 tag=${2:-run}
@@ -20,6 +20,10 @@ for step in $steps; do
                  > "$out/bench_decode-$tag.log" 2>&1 ;;
         nl) timeout 200 python3 bench/bench_kernels.py --norm-linear --out "$out/norm_linear-$tag.json" \
                  > "$out/norm_linear-$tag.log" 2>&1 ;;
+        gen) timeout 300 python3 bench/bench_generate.py --out "$out/bench_generate-$tag.json" \
+                 > "$out/bench_generate-$tag.log" 2>&1 ;;
+        trace) { timeout 100 python3 bench/trace_step.py; timeout 100 python3 bench/trace_step.py --unfolded; } \
+                 > "$out/trace_step-$tag.log" 2>&1 ;;
         8b) timeout 240 python3 bench/bench_decode.py --preset hybrid-8b --skip-reference \
                  --out "$out/bench_decode-hybrid-8b-$tag.json" > "$out/bench_decode-hybrid-8b-$tag.log" 2>&1 ;;
     esac
@@ -27,4 +31,5 @@ for step in $steps; do
 done
 tail -3 "$out/gpu_tests-$tag.log" 2>/dev/null
 [ -f "$out/norm_linear-$tag.log" ] && grep -E "ratio|BAD|checks" "$out/norm_linear-$tag.log"
+[ -f "$out/bench_generate-$tag.log" ] && tail -8 "$out/bench_generate-$tag.log"
 for f in "$out"/bench_decode*-"$tag".log; do [ -f "$f" ] && { echo "== $f"; sed -n '/weight-read floor/,$p' "$f"; }; done
