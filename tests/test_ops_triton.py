@@ -392,9 +392,9 @@ else:
             cfg = GV.GemvConfig(block_n, 0, 1, preload=True)
             assert_close(GV.norm_linear(x, w, None, norm_groups, 1e-5, res, config=cfg),
                          naive_norm_linear(x, w, None, norm_groups, 1e-5, res), atol=1e-4, rtol=1e-4, name=str(cfg))
-        # the skinny GEMM's Gram-matrix route (groups a multiple of its K tile), 5 rows
+        # the skinny GEMM (norm kernel first, residual in its epilogue), 5 rows
         x5, res5 = torch.randn(1, 5, k) * 3, torch.randn(1, 5, n)
-        for cfg in ((16, 32, 1, 1), (32, 128, 1, 1)):  # the second tile is cut to the 32-wide groups
+        for cfg in ((16, 32, 1, 1), (32, 128, 1, 1)):
             assert_close(GV.skinny_linear(x5, w, None, cfg, res5, norm_groups, 1e-5),
                          naive_norm_linear(x5, w, None, norm_groups, 1e-5, res5), atol=1e-4, rtol=1e-4, name=str(cfg))
 

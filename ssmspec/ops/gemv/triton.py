@@ -297,14 +297,10 @@ def _skinny_dot(a, b, acc, IEEE: tl.constexpr):
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr,
                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   USE_PDL: tl.constexpr, res_ptr=None, srm=0, group_size=1, eps=0.0,
-                   NORM_GROUPS: tl.constexpr = 0, HAS_RES: tl.constexpr = False):
+                   USE_PDL: tl.constexpr, res_ptr=None, srm=0, HAS_RES: tl.constexpr = False):
     # Launched without PDL (USE_PDL False): its early-launched instances held their pipeline's
     # shared memory while waiting and ran 1.4x slower in the H100 sweep (13.7 -> 20.5 us at 8 rows).
-    # NORM_GROUPS / HAS_RES: as in _gemv_tile, with the norm as a scale of each group's partial
-    # product: the rows' sums of squares come from the Gram matrix X X^T of the same x tiles,
-    # a second tensor-core product, so x stays a pure dot operand and the loads keep their
-    # pipeline (squaring the tiles elementwise ran 2x slower). Needs group_size % BLOCK_K == 0.
+    # HAS_RES: the output, rounded to y's dtype, is added to the residual (as in _gemv_tile).
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -313,28 +309,16 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
     mask_n = offs_n < N
     mask_m = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if NORM_GROUPS == 0:
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            wt = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                         other=0.0, eviction_policy="evict_first")
-            acc = _skinny_dot(xt, tl.trans(wt), acc, IEEE)
-    else:
-        diag = offs_m[:, None] == offs_m[None, :]
-        for grp in range(0, NORM_GROUPS):
-            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            gram = tl.zeros([BLOCK_M, BLOCK_M], dtype=tl.float32)
-            for k0 in range(grp * group_size, (grp + 1) * group_size, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask_m[:, None], other=0.0)
-                wt = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None], other=0.0,
-                             eviction_policy="evict_first")
-                part = _skinny_dot(xt, tl.trans(wt), part, IEEE)
-                gram = _skinny_dot(xt, tl.trans(xt), gram, IEEE)
-            ss = tl.sum(tl.where(diag, gram, 0.0), axis=1)
-            acc += part * tl.rsqrt(ss / group_size + eps)[:, None]
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        wt = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                     eviction_policy="evict_first")
+        if IEEE:  # fp32 weights: full fp32 products, as cuBLAS (no TF32) computes them
+            acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, tl.trans(wt), acc)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
@@ -354,7 +338,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   residual: torch.Tensor | None = None, norm_groups: int = 0, eps: float = 0.0) -> torch.Tensor:
     """x (..., K) with M rows in all, weight (N, K) -> (..., N) for small M (any M works; the
     tile pads M up to a power of two >= 16, so it pays only for few rows). norm_groups and
-    residual as in `norm_linear`."""
+    residual as in `norm_linear` (the norm by the norm kernel, the residual add in the epilogue)."""
     n, k = weight.shape
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
@@ -368,22 +352,19 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             res = res.contiguous()
     block_n, block_k, warps, stages = config or SKINNY_TUNED.get((n, k), SKINNY_DEFAULT)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    group_size = k // max(norm_groups, 1)
     if norm_groups:
-        while block_k > 16 and group_size % block_k:
-            block_k //= 2
-        if group_size % block_k:  # groups that no tile divides: the norm kernel first
-            from ..step_update.triton import rms_norm
+        # The norm kernel first, once, rather than inside every program: on the H100 the norm
+        # inside (each program's tiles squared, or their Gram matrix X X^T on the tensor cores)
+        # cost 3-16 us per call at 16 rows, more than the extra launch (BENCHMARKS.md, run 15).
+        from ..step_update.triton import rms_norm
 
-            rows = rms_norm(rows.reshape(-1, group_size), None, eps).reshape(m, k)
-            norm_groups = 0
+        rows = rms_norm(rows.reshape(-1, k // norm_groups), None, eps).reshape(m, k)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         rows, weight, bias if bias is not None else weight, y, m, n, k, rows.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=stages, USE_PDL=False,
-        res_ptr=res, srm=res.stride(0) if res is not None else 0, group_size=group_size, eps=float(eps),
-        NORM_GROUPS=norm_groups, HAS_RES=res is not None,
+        num_stages=stages, USE_PDL=False, res_ptr=res, srm=res.stride(0) if res is not None else 0,
+        HAS_RES=res is not None,
     )
     return y.reshape(tuple(x.shape[:-1]) + (n,))
 
@@ -416,12 +397,12 @@ def _interpreting() -> bool:
 
 def norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm_groups: int = 1,
                 eps: float = 1e-5, residual: torch.Tensor | None = None, config=None) -> torch.Tensor:
-    """[residual +] linear(RMSNorm(x) over norm_groups groups, weight, bias) with the norm inside
-    the projection's launch; same contract as `naive_norm_linear` (the norm has no weight of its
-    own: it is folded into `weight`, see `ssmspec.models.fold`). One row runs the GEMV (the row
-    normalised in registers, exactly as the reference rounds it), 2..SKINNY_MAX_ROWS rows the
-    skinny GEMM (one group: the 1/rms applied to the fp32 accumulator, a rounding finer than the
-    reference's), more rows the norm kernel and cuBLAS. `config`: the GEMV's, as in `linear`."""
+    """[residual +] linear(RMSNorm(x) over norm_groups groups, weight, bias) on the kernels; same
+    contract as `naive_norm_linear` (the norm has no weight of its own: it is folded into
+    `weight`, see `ssmspec.models.fold`). One row runs the GEMV with the norm and the residual
+    add inside its one launch (the 1/rms scaling the dot products), 2..SKINNY_MAX_ROWS rows the norm kernel and the skinny GEMM with
+    the residual add in its epilogue, more rows the norm kernel and cuBLAS. `config`: the GEMV's,
+    as in `linear`."""
     from .naive import naive_norm_linear
 
     k = x.shape[-1]
