@@ -40,3 +40,25 @@ def tiny_model(layers=("mamba", "mamba"), vocab_size: int = 64, seed: int = 0, s
 
     model = LanguageModel(tiny_config(layers, vocab_size, **overrides))
     return init_weights(model, seed=seed, std=std).eval()
+
+
+def run_interpreted(test_file: str) -> None:
+    """Run a kernel test file in a child pytest with TRITON_INTERPRET=1 and assert that it passed.
+
+    Triton picks the interpreter when it is imported and when each kernel is decorated, so the
+    setting cannot be changed inside a test process without changing it for every other module.
+    """
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", str(Path(test_file).resolve().relative_to(repo)), "-q", "-x",
+         "-p", "no:cacheprovider"],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, f"interpreted kernel tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
+    assert " passed" in proc.stdout and "no tests ran" not in proc.stdout, proc.stdout[-2000:]

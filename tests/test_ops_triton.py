@@ -10,9 +10,6 @@ is covered by tests/gpu/test_ops_gpu.py).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,19 +31,14 @@ def _tiny_model_with_head_dim(layers, head_dim):
                                                                      chunk_size=8))
     return init_weights(LanguageModel(cfg), seed=0, std=0.2).eval()
 
-REPO = Path(__file__).resolve().parents[1]
 
 if not INTERPRETED:
     from helpers import assert_close
 
     def test_triton_kernels_in_interpreter():
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", str(Path(__file__).relative_to(REPO)), "-q", "-x", "-p", "no:cacheprovider"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-        )
-        assert proc.returncode == 0, f"interpreted kernel tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
-        assert " passed" in proc.stdout and "no tests ran" not in proc.stdout, proc.stdout[-2000:]
+        from helpers import run_interpreted
+
+        run_interpreted(__file__)
 
     def test_interpreter_setting_does_not_leak():
         """This process keeps compiled (not interpreted) kernels: the child's setting stayed there."""
@@ -115,20 +107,6 @@ else:
     from ssmspec.ops.tree_scan.naive import naive_tree_scan
     from ssmspec.ops.gemv import triton as GV
     from ssmspec.trees import Tree
-
-    @pytest.fixture
-    def nan_outputs(monkeypatch):
-        """Outputs that the kernels allocate start as NaN, so an unwritten lane fails assert_close."""
-        empty, empty_like = torch.empty, torch.empty_like
-
-        def nan_fill(t):
-            if t.is_floating_point():
-                t.fill_(float("nan"))
-            return t
-
-        monkeypatch.setattr(torch, "empty", lambda *a, **k: nan_fill(empty(*a, **k)))
-        monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan_fill(empty_like(*a, **k)))
-
 
     TREES = {
         "one node": Tree.from_parents([-1]),
