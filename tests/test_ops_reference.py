@@ -86,3 +86,31 @@ def test_replay_equals_stepping_the_path():
         assert_close(ssm[b:b + 1], h_ref, atol=1e-5, name=f"ssm row {b}")
         seq = torch.cat([conv0[b].T, xBC[b, p]], dim=0)
         assert_close(conv[b], seq[-(kernel - 1):].T, atol=0, name=f"conv row {b}")
+
+
+def test_cached_tree_tensors_made_under_inference_mode_still_train():
+    """Index tensors and masks are cached across calls; one first built under
+    torch.inference_mode must still serve a later autograd graph (a cached inference tensor used
+    to make the next training-mode verify fail: 'Inference tensors cannot be saved for backward')."""
+    from ssmspec.ops.tree_conv.naive import naive_tree_conv
+    from ssmspec.ops.tree_scan.naive import naive_tree_scan
+    from ssmspec.trees import Tree
+
+    tree = Tree.from_parents([-1, 0, 0, 1, 3])  # a shape no other test caches first
+    batch, n, heads, head_dim, d_state = 1, tree.num_nodes, 2, 4, 8
+    with torch.inference_mode():
+        parents = tree.parents_tensor()
+        naive_tree_conv(torch.randn(batch, n, 6), torch.randn(batch, 6, 3), torch.randn(6, 4), None, parents)
+        naive_tree_scan(torch.randn(batch, n, heads, head_dim), torch.rand(batch, n, heads), -torch.rand(heads),
+                        torch.randn(batch, n, 1, d_state), torch.randn(batch, n, 1, d_state), None, parents,
+                        torch.randn(batch, heads, head_dim, d_state))
+    xbc = torch.randn(batch, n, 6, requires_grad=True)
+    x = torch.randn(batch, n, heads, head_dim, requires_grad=True)
+    parents = tree.parents_tensor()
+    assert not parents.is_inference() and not tree.mask_tensor().is_inference()
+    out = naive_tree_conv(xbc, torch.randn(batch, 6, 3), torch.randn(6, 4), None, parents).sum()
+    out = out + naive_tree_scan(x, torch.rand(batch, n, heads), -torch.rand(heads), torch.randn(batch, n, 1, d_state),
+                                torch.randn(batch, n, 1, d_state), None, parents,
+                                torch.randn(batch, heads, head_dim, d_state)).sum()
+    out.backward()
+    assert xbc.grad is not None and x.grad is not None

@@ -137,7 +137,10 @@ class Tree:
         device = torch.device(device)
         k = (key, str(device))
         if k not in self._tensors:
-            self._tensors[k] = build().to(device)
+            # kept across calls: never an inference tensor (one made under torch.inference_mode
+            # would be refused by autograd later, e.g. as a mask in training)
+            with torch.inference_mode(False):
+                self._tensors[k] = build().to(device)
         return self._tensors[k]
 
     def parents_tensor(self, device="cpu") -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from .chunk_scan.naive import naive_chunk_scan
 from .gemv.naive import naive_linear, naive_norm_linear
-from .state_replay.naive import naive_replay_conv_state, naive_replay_ssm_state, naive_replay_states
+from .state_replay.naive import naive_replay_states
 from .step_update.naive import (
     naive_add_rms_norm,
     naive_gated_rms_norm,
@@ -31,8 +31,6 @@ _REFERENCE = {
     "tree_scan": naive_tree_scan,
     "tree_scan_gated": naive_tree_scan_gated,
     "tree_conv": naive_tree_conv,
-    "replay_ssm_state": naive_replay_ssm_state,
-    "replay_conv_state": naive_replay_conv_state,
     "replay_states": naive_replay_states,
     "chunk_scan": naive_chunk_scan,
     "mamba_step": naive_mamba_step,
@@ -49,8 +47,6 @@ _TRITON = {
     "tree_scan": ("ssmspec.ops.tree_scan.triton", "tree_scan"),
     "tree_scan_gated": ("ssmspec.ops.tree_scan.triton", "tree_scan_gated"),
     "tree_conv": ("ssmspec.ops.tree_conv.triton", "tree_conv"),
-    "replay_ssm_state": ("ssmspec.ops.state_replay.triton", "replay_ssm_state"),
-    "replay_conv_state": ("ssmspec.ops.state_replay.triton", "replay_conv_state"),
     "replay_states": ("ssmspec.ops.state_replay.triton", "replay_states"),
     "mamba_step": ("ssmspec.ops.step_update.triton", "mamba_step"),
     "mamba_step_out": ("ssmspec.ops.step_update.triton", "mamba_step_out"),
@@ -120,14 +116,6 @@ def tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, 
 
 def tree_conv(xBC, conv_state, weight, bias, parents, activation="silu"):
     return resolve("tree_conv", xBC.device)(xBC, conv_state, weight, bias, parents, activation)
-
-
-def replay_ssm_state(ssm_state, x, dt, A, B, path, path_len):
-    return resolve("replay_ssm_state", x.device)(ssm_state, x, dt, A, B, path, path_len)
-
-
-def replay_conv_state(conv_state, xBC, path, path_len):
-    return resolve("replay_conv_state", xBC.device)(conv_state, xBC, path, path_len)
 
 
 def replay_states(conv_state, ssm_state, xBC, x, dt, A, B, path, path_len):

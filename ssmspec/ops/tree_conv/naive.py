@@ -19,11 +19,14 @@ def conv_window_indices(parents: torch.Tensor, kernel_size: int) -> torch.Tensor
     Returns:
         (N, K) int64 indices into the extended sequence of length K-1+N.
     """
-    return _conv_window_indices(tuple(parents.tolist()), kernel_size).to(parents.device)
+    # The cache holds plain tuples: a cached tensor made under torch.inference_mode would be an
+    # inference tensor, which autograd then refuses as an index.
+    rows = _conv_window_indices(tuple(parents.tolist()), kernel_size)
+    return torch.tensor(rows, dtype=torch.long).reshape(-1, kernel_size).to(parents.device)
 
 
 @lru_cache(maxsize=256)
-def _conv_window_indices(parents: tuple[int, ...], kernel_size: int) -> torch.Tensor:
+def _conv_window_indices(parents: tuple[int, ...], kernel_size: int) -> tuple[tuple[int, ...], ...]:
     history = kernel_size - 1
     rows = []
     for i in range(len(parents)):
@@ -36,8 +39,8 @@ def _conv_window_indices(parents: tuple[int, ...], kernel_size: int) -> torch.Te
             else:
                 prefix_back += 1
                 window.append(history - prefix_back)
-        rows.append(window[::-1])
-    return torch.tensor(rows, dtype=torch.long).reshape(-1, kernel_size)
+        rows.append(tuple(window[::-1]))
+    return tuple(rows)
 
 
 def naive_tree_conv(

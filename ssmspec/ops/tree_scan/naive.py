@@ -23,7 +23,8 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
 @lru_cache(maxsize=256)
 def _ancestor_mask(parents_list: tuple[int, ...]) -> torch.Tensor:
     n = len(parents_list)
-    mask = torch.zeros(n, n, dtype=torch.bool)
+    with torch.inference_mode(False):  # cached: must not be an inference tensor (autograd refuses those)
+        mask = torch.zeros(n, n, dtype=torch.bool)
     for i, p in enumerate(parents_list):
         if p >= i:
             raise ValueError(f"node {i} has parent {p}: packed order must put parents first")
