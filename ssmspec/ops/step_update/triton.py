@@ -55,15 +55,16 @@ def _softplus(x):
 
 
 @triton.jit
-def _conv_window(state_row, w_ptr, ch, mask_c, new, scc, sck, swc, swk, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Depthwise conv of one token over channels ch: the K-1 cached inputs (rounded to the
-    input dtype, as the reference does) then the new one. Returns fp32 without bias."""
+def _conv_history(state_row, w_ptr, ch, mask_c, in_dtype, scc, sck, swc, swk, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The part of one token's depthwise conv over channels ch that does not need the token: the
+    K-1 cached inputs (rounded to the input dtype, as the reference does) times their taps, fp32,
+    and the tap of the new input. Returns (partial sum, last tap)."""
     offs_t = tl.arange(0, BLOCK_K)
     m = mask_c[:, None] & (offs_t[None, :] < K - 1)
     old = tl.load(state_row + ch[:, None] * scc + offs_t[None, :] * sck, mask=m, other=0.0)
     w = tl.load(w_ptr + ch[:, None] * swc + offs_t[None, :] * swk, mask=m, other=0.0).to(tl.float32)
-    acc = tl.sum(old.to(new.dtype).to(tl.float32) * w, axis=1)
-    return acc + new.to(tl.float32) * tl.load(w_ptr + ch * swc + (K - 1) * swk, mask=mask_c, other=0.0).to(tl.float32)
+    acc = tl.sum(old.to(in_dtype).to(tl.float32) * w, axis=1)
+    return acc, tl.load(w_ptr + ch * swc + (K - 1) * swk, mask=mask_c, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -77,53 +78,6 @@ def _shift_in(state_row, ch, mask_c, new, scc, sck, K: tl.constexpr, BLOCK_K: tl
     nxt = tl.where(offs_t[None, :] == K - 2, new[:, None].to(nxt.dtype), nxt)
     tl.debug_barrier()
     tl.store(state_row + ch[:, None] * scc + offs_t[None, :] * sck, nxt, mask=mask_c[:, None] & (offs_t[None, :] < K - 1))
-
-
-@triton.jit
-def _ssm_unit(xbc_ptr, dtr_ptr, z_ptr, cs_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr, sq_ptr,
-              b, h, grp, offs_p, offs_s, mask_p, mask_s, d_inner, cx, cB, cC, h_ptrs, mask_ps, state, H, G,
-              dt_min, dt_max, sxb, sxc, sdb, sdh, szb, szc, scb, scc, sck, swc, swk, sgb, pblk, n_pblk,
-              K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_SQ: tl.constexpr):
-    """One (batch row, head, P block) unit of the step from its loaded (P_blk, S) state tile:
-    the conv of its x channels (their conv state shifted in place) and of its group's B and C
-    (read only), dt, the state update (stored), y, the D skip and the gate y * silu(z)."""
-    state_row = cs_ptr + b * scb
-    in_dtype = xbc_ptr.dtype.element_ty
-    new_x = tl.load(xbc_ptr + b * sxb + cx * sxc, mask=mask_p, other=0.0)
-    new_B = tl.load(xbc_ptr + b * sxb + cB * sxc, mask=mask_s, other=0.0)
-    new_C = tl.load(xbc_ptr + b * sxb + cC * sxc, mask=mask_s, other=0.0)
-    acc_x = _conv_window(state_row, cw_ptr, cx, mask_p, new_x, scc, sck, swc, swk, K, BLOCK_K)
-    # B and C: every program of the group convolves them from the old window (cheap, 2S
-    # channels); their conv-state shift is left to _gated_norm_kernel, which runs after all
-    # readers are done.
-    acc_B = _conv_window(state_row, cw_ptr, cB, mask_s, new_B, scc, sck, swc, swk, K, BLOCK_K)
-    acc_C = _conv_window(state_row, cw_ptr, cC, mask_s, new_C, scc, sck, swc, swk, K, BLOCK_K)
-    if HAS_BIAS:
-        acc_x += tl.load(cb_ptr + cx, mask=mask_p, other=0.0).to(tl.float32)
-        acc_B += tl.load(cb_ptr + cB, mask=mask_s, other=0.0).to(tl.float32)
-        acc_C += tl.load(cb_ptr + cC, mask=mask_s, other=0.0).to(tl.float32)
-    # silu, then round to the input dtype as the reference's conv output is.
-    x = (acc_x * tl.sigmoid(acc_x)).to(in_dtype).to(tl.float32)
-    Bv = (acc_B * tl.sigmoid(acc_B)).to(in_dtype).to(tl.float32)
-    Cv = (acc_C * tl.sigmoid(acc_C)).to(in_dtype).to(tl.float32)
-
-    dt = _softplus(tl.load(dtr_ptr + b * sdb + h * sdh).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32))
-    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-    decay = tl.exp(-dt * tl.exp(tl.load(Alog_ptr + h).to(tl.float32)))  # A = -exp(A_log)
-    state = state * decay + (dt * x)[:, None] * Bv[None, :]
-    y = tl.sum(state * Cv[None, :], axis=1) + x * tl.load(D_ptr + h).to(tl.float32)
-    zv = tl.load(z_ptr + b * szb + cx * szc, mask=mask_p, other=0.0).to(tl.float32)
-    out_dtype = z_ptr.dtype.element_ty
-    gated = y.to(out_dtype).to(tl.float32) * (zv * tl.sigmoid(zv))
-    tl.store(g_ptr + b * sgb + cx, gated, mask=mask_p)
-    if WRITE_SQ:  # this block's sum of squares, for the norm folded into out_proj (batch 1)
-        tl.store(sq_ptr + (b * H + h) * n_pblk + pblk,
-                 tl.sum(tl.where(mask_p, gated * gated, 0.0), axis=0))
-    # In-place writes last; the barrier in _shift_in also orders every replicated copy of the
-    # state tile's loads before these stores.
-    _shift_in(state_row, cx, mask_p, new_x, scc, sck, K, BLOCK_K)  # this program owns these x channels
-    tl.store(h_ptrs, state, mask=mask_ps)
-
 
 
 @triton.jit
@@ -157,20 +111,58 @@ def _step_ssm_kernel(
     cB = d_inner + grp * S + offs_s
     cC = d_inner + G * S + grp * S + offs_s
 
-    # The (P_blk, S) state is the big read: issue it first so its latency hides behind the conv.
+    # Everything that does not depend on in_proj is read before the wait (PRELOAD_STATE): the
+    # (P_blk, S) state, the conv history and taps, the conv bias, dt_bias, A and D. The state and
+    # the conv history were last written by this kernel and out_proj's kernel in the previous
+    # step (or by replay), and every step begins with the embedding lookup, a plain (non-PDL)
+    # launch that waits for all earlier work, so they are final here.
     h_ptrs = h_ptr + b * shb + h * shh + offs_p[:, None] * shp + offs_s[None, :] * shs
     mask_ps = mask_p[:, None] & mask_s[None, :]
     state = tl.load(h_ptrs, mask=mask_ps, other=0.0)
+    state_row = cs_ptr + b * scb
+    in_dtype = xbc_ptr.dtype.element_ty
+    # B and C: every program of the group convolves them from the old window (cheap, 2S
+    # channels); their conv-state shift is left to the next kernel (_gated_norm_kernel or
+    # _step_out_kernel), which runs after all readers are done.
+    acc_x, wx = _conv_history(state_row, cw_ptr, cx, mask_p, in_dtype, scc, sck, swc, swk, K, BLOCK_K)
+    acc_B, wB = _conv_history(state_row, cw_ptr, cB, mask_s, in_dtype, scc, sck, swc, swk, K, BLOCK_K)
+    acc_C, wC = _conv_history(state_row, cw_ptr, cC, mask_s, in_dtype, scc, sck, swc, swk, K, BLOCK_K)
+    if HAS_BIAS:
+        acc_x += tl.load(cb_ptr + cx, mask=mask_p, other=0.0).to(tl.float32)
+        acc_B += tl.load(cb_ptr + cB, mask=mask_s, other=0.0).to(tl.float32)
+        acc_C += tl.load(cb_ptr + cC, mask=mask_s, other=0.0).to(tl.float32)
+    dt_b = tl.load(dtb_ptr + h).to(tl.float32)
+    A = -tl.exp(tl.load(Alog_ptr + h).to(tl.float32))
+    D = tl.load(D_ptr + h).to(tl.float32)
     if USE_PDL and PRELOAD_STATE:
-        # The state was last written by this same kernel in the previous step (or by replay),
-        # and every step begins with the embedding lookup, a plain (non-PDL) launch that waits
-        # for all earlier work: so the state may be read before waiting on in_proj.
         gdc_wait()
 
-    _ssm_unit(xbc_ptr, dtr_ptr, z_ptr, cs_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr, sq_ptr,
-              b, h, grp, offs_p, offs_s, mask_p, mask_s, d_inner, cx, cB, cC, h_ptrs, mask_ps, state, H, G,
-              dt_min, dt_max, sxb, sxc, sdb, sdh, szb, szc, scb, scc, sck, swc, swk, sgb, tl.program_id(2),
-              tl.num_programs(2), K, HAS_BIAS, BLOCK_K, WRITE_SQ)
+    new_x = tl.load(xbc_ptr + b * sxb + cx * sxc, mask=mask_p, other=0.0)
+    new_B = tl.load(xbc_ptr + b * sxb + cB * sxc, mask=mask_s, other=0.0)
+    new_C = tl.load(xbc_ptr + b * sxb + cC * sxc, mask=mask_s, other=0.0)
+    acc_x += new_x.to(tl.float32) * wx
+    acc_B += new_B.to(tl.float32) * wB
+    acc_C += new_C.to(tl.float32) * wC
+    # silu, then round to the input dtype as the reference's conv output is.
+    x = (acc_x * tl.sigmoid(acc_x)).to(in_dtype).to(tl.float32)
+    Bv = (acc_B * tl.sigmoid(acc_B)).to(in_dtype).to(tl.float32)
+    Cv = (acc_C * tl.sigmoid(acc_C)).to(in_dtype).to(tl.float32)
+
+    dt = _softplus(tl.load(dtr_ptr + b * sdb + h * sdh).to(tl.float32) + dt_b)
+    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    state = state * tl.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
+    y = tl.sum(state * Cv[None, :], axis=1) + x * D
+    zv = tl.load(z_ptr + b * szb + cx * szc, mask=mask_p, other=0.0).to(tl.float32)
+    out_dtype = z_ptr.dtype.element_ty
+    gated = y.to(out_dtype).to(tl.float32) * (zv * tl.sigmoid(zv))
+    tl.store(g_ptr + b * sgb + cx, gated, mask=mask_p)
+    if WRITE_SQ:  # this block's sum of squares, for the gated norm kernel
+        tl.store(sq_ptr + (b * H + h) * tl.num_programs(2) + tl.program_id(2),
+                 tl.sum(tl.where(mask_p, gated * gated, 0.0), axis=0))
+    # In-place writes last; the barrier in _shift_in also orders every replicated copy of the
+    # state tile's loads before these stores.
+    _shift_in(state_row, cx, mask_p, new_x, scc, sck, K, BLOCK_K)  # this program owns these x channels
+    tl.store(h_ptrs, state, mask=mask_ps)
 
 
 @triton.jit
