@@ -219,6 +219,11 @@ def main() -> int:
                 gemv.TUNED[out_shape] = gemv.GemvConfig(1, 0, 4, preload=True)  # out_proj on 4 warps, not 8
                 record("AR step CUDA graph [folded, out_proj 4 warps]", step_graph_ms(m)[0])
                 del gemv.TUNED[out_shape]
+                in_shape = tuple(m.layers[0].mixer.in_proj.weight.shape)
+                for warps in (2, 8):  # in_proj on other warp counts than the default 4
+                    gemv.TUNED[in_shape] = gemv.GemvConfig(1, 0, warps, preload=True)
+                    record(f"AR step CUDA graph [folded, in_proj {warps} warps]", step_graph_ms(m)[0])
+                    del gemv.TUNED[in_shape]
     base = step_logits.get("reference", step_logits.get("unfolded"))
     for name in variants:
         if base is not None and base is not step_logits[name]:
