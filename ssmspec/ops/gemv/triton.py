@@ -81,8 +81,11 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.
                res_ptr=None, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0, HAS_RES: tl.constexpr = False,
                BLOCK_G: tl.constexpr = 1, GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0):
     """One tile of BLOCK_N output rows. NORM_GROUPS > 0: the input is RMS-normalised over that
-    many groups first (rounded to its dtype, as RMSNorm's output is; no norm weight: it is folded
-    into w). HAS_RES: the output, rounded to y's dtype, is added to the residual at res_ptr."""
+    many groups (no norm weight: it is folded into w). A preloaded row with one group, or with
+    power-of-two groups over a power-of-two K (GROUPED), scales its dot products by 1/rms at the
+    end; otherwise x is normalised first and rounded to its dtype, as RMSNorm's output is.
+    HAS_RES: the output, rounded to y's dtype, is added to the residual at res_ptr. BLOCK_K2:
+    a second preloaded piece of K (see `preload_blocks`)."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     k_lo = split * K_SPLIT
