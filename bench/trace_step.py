@@ -5,7 +5,10 @@ kernel), duration and the gap since the previous kernel ended (negative: it over
 programmatic dependent launch allows), then per-kind averages over all layers. Run on a CUDA
 machine from the repository root:
 
-    python bench/trace_step.py --preset mamba2-2.7b [--unfolded]
+    python bench/trace_step.py --preset mamba2-2.7b [--unfolded] [--tree 3,2,1]
+
+With --tree, the traced call is one greedy tree iteration (verify + accept + replay, one CUDA
+graph) from the same prefilled state each time; the cache-restore copies are left out.
 """
 from __future__ import annotations
 
@@ -18,9 +21,10 @@ import tempfile
 
 import torch
 
-from ssmspec.decoding.graphs import StepGraph
+from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch
+from ssmspec.trees import Tree
 
 
 def kernel_events(fn, reps: int = 3) -> list[tuple[float, float, str]]:
@@ -50,6 +54,8 @@ def main() -> int:
     ap.add_argument("--preset", default="mamba2-2.7b")
     ap.add_argument("--unfolded", action="store_true", help="keep the norm weights (no fused-norm routes)")
     ap.add_argument("--layer", type=int, default=30)
+    ap.add_argument("--all", action="store_true", help="print every kernel of the call, not two layers")
+    ap.add_argument("--tree", default=None, help="trace a greedy tree iteration of this configuration, e.g. 3,2,1")
 
     args = ap.parse_args()
     dispatch.set_backend("triton")
@@ -59,11 +65,23 @@ def main() -> int:
     cache = model.new_cache(1, 256)
     with torch.inference_mode():
         model(torch.randint(0, 1000, (1, 16), device="cuda"), cache)
-    ids = torch.randint(0, 1000, (1, 1), device="cuda")
-    graph = StepGraph(model, cache)
-    events = kernel_events(lambda: graph(ids))
+    if args.tree:
+        tree = Tree.from_config([int(b) for b in args.tree.split(",")])
+        tokens = torch.randint(0, 1000, (1, tree.num_nodes), device="cuda")
+        graph = GreedyTreeGraph(model, cache, tree)
+        snapshot = cache.clone()
+
+        def call():
+            cache.copy_(snapshot)
+            graph(tokens)
+        what = f"tree {args.tree} ({tree.num_nodes} nodes) iteration"
+    else:
+        ids = torch.randint(0, 1000, (1, 1), device="cuda")
+        graph = StepGraph(model, cache)
+        call, what = (lambda: graph(ids)), "AR step"
+    events = [e for e in kernel_events(call) if not e[2].startswith("Memcpy")]
     t0, t_end = events[0][0], events[-1][0] + events[-1][1]
-    print(f"{args.preset} {'unfolded' if args.unfolded else 'folded'}: {len(events)} kernels, "
+    print(f"{args.preset} {'unfolded' if args.unfolded else 'folded'} {what}: {len(events)} kernels, "
           f"first start to last end {t_end - t0:.1f} us")
     per_layer = (len(events) - 8) / len(model.layers)
     kinds = collections.defaultdict(list)
@@ -73,11 +91,15 @@ def main() -> int:
         gap = None if prev_end is None else ts - prev_end
         kinds[short].append((dur, gap))
         prev_end = ts + dur
-    first = int(args.layer * per_layer)
+    first = 1 if args.all else int(args.layer * per_layer)
+    shown = len(events) - 1 if args.all else int(2 * per_layer)
+    convs = [i for i, e in enumerate(events) if e[2].startswith("_tree_conv")]
+    if args.tree and not args.all and len(convs) > args.layer + 2:  # align the window on a layer's conv
+        first, shown = convs[args.layer], convs[args.layer + 2] - convs[args.layer]
     layer_start = events[first][0]
-    print(f"layer {args.layer}..{args.layer + 1} (~{per_layer:.1f} kernels per layer):")
+    print("every kernel:" if args.all else f"layer {args.layer}..{args.layer + 1} (~{per_layer:.1f} kernels per layer):")
     prev_end = events[first - 1][0] + events[first - 1][1]
-    for ts, dur, name in events[first:first + int(2 * per_layer)]:
+    for ts, dur, name in events[first:first + shown]:
         print(f"  {name.split('(')[0][:40]:<40} start {ts - layer_start:8.2f}  dur {dur:7.2f}  gap {ts - prev_end:7.2f}")
         prev_end = ts + dur
     print("per kind (mean over the step): duration, gap since the previous kernel ended")

@@ -238,7 +238,8 @@ else:
         kernels = {"tree_scan": TS.tree_scan, "tree_conv": TC.tree_conv, "mamba_step": SU.mamba_step, "rms_norm": SU.rms_norm,
                    "gated_rms_norm": SU.gated_rms_norm, "time_step": SU.time_step, "linear": GV.linear,
                    "add_rms_norm": SU.add_rms_norm, "mamba_step_out": SU.mamba_step_out,
-                   "norm_linear": GV.norm_linear, "tree_scan_gated": TS.tree_scan_gated, "replay_states": SR.replay_states}
+                   "norm_linear": GV.norm_linear, "tree_scan_gated": TS.tree_scan_gated, "replay_states": SR.replay_states,
+                   "replay_states_layers": SR.replay_states_layers}
         model = _tiny_model_with_head_dim(layers, head_dim)
         prompt = torch.randint(0, 64, (batch, 5))
         tree = Tree.from_config((2, 2))
@@ -347,6 +348,10 @@ else:
             want = naive_norm_linear(x, w, bias, norm_groups, 1e-5, residual)
             got = GV.norm_linear(x, w, bias, norm_groups, 1e-5, residual)
             assert_close(got, want, atol=1e-4, rtol=1e-4, name=f"bias {bias is not None}, residual {residual is not None}")
+        spent = res.clone()  # given up by the caller: the cuBLAS route adds into it in place
+        got = GV.norm_linear(x, w, None, norm_groups, 1e-5, spent, reuse_residual=True)
+        assert_close(got, naive_norm_linear(x, w, None, norm_groups, 1e-5, res), atol=1e-4, rtol=1e-4, name="reuse")
+        assert (got.data_ptr() == spent.data_ptr()) == (rows > GV.SKINNY_MAX_ROWS)
         if rows == 1:
             for cfg in (GV.GemvConfig(1, 0, 1, preload=True), GV.GemvConfig(2, 32, 1, unroll=True),
                         GV.GemvConfig(4, 64, 1, persistent=3)):
@@ -373,6 +378,35 @@ else:
         for cfg in ((16, 32, 1, 1), (32, 128, 1, 1)):
             assert_close(GV.skinny_linear(x5, w, None, cfg, res5, norm_groups, 1e-5),
                          naive_norm_linear(x5, w, None, norm_groups, 1e-5, res5), atol=1e-4, rtol=1e-4, name=str(cfg))
+
+
+    @pytest.mark.parametrize("norm_groups", [1, 2])
+    def test_norm_linear_from_partial_sums_of_squares(norm_groups, nan_outputs):
+        """The skinny GEMM takes the norm from its input's partial sums of squares (x_sq, as the
+        producer kernel writes them: no norm launch) and writes its output's (return_sq): the
+        reference's results, and parts that add up to the output rows' sums of squares."""
+        import triton
+
+        from ssmspec.ops.gemv.naive import naive_norm_linear
+
+        n, k, rows = 70, 128, 5
+        x, w, res = torch.randn(1, rows, k) * 3, torch.randn(n, k) / 8, torch.randn(1, rows, n)
+        sums = x.reshape(rows, norm_groups, -1).pow(2).sum(-1)  # (rows, groups)
+        split = torch.rand(rows, norm_groups, 3) + 0.1
+        x_sq = sums[..., None] * split / split.sum(-1, keepdim=True)  # three uneven parts per group
+        want, want_sq = naive_norm_linear(x, w, None, norm_groups, 1e-5, res, return_sq=True)
+        for cfg in ((16, 32, 1, 1), (32, 128, 1, 1)):  # 128 > a group of 64 at two groups: the block shrinks
+            got, got_sq = GV.skinny_linear(x, w, None, cfg, res, norm_groups, 1e-5, x_sq=x_sq, return_sq=True)
+            assert_close(got, want, atol=1e-4, rtol=1e-4, name=str(cfg))
+            assert got_sq.shape == (rows, 1, triton.cdiv(n, cfg[0]))
+            assert_close(got_sq.sum(-1, keepdim=True), want_sq, atol=1e-3, rtol=1e-5, name=f"sq {cfg}")
+        got, got_sq = GV.norm_linear(x, w, None, norm_groups, 1e-5, res, x_sq=x_sq, return_sq=True)
+        assert_close(got, want, atol=1e-4, rtol=1e-4, name="norm_linear")
+        # the parts are what the norm uses: four times the sums halve every scale
+        wrong = GV.skinny_linear(x, w, None, None, None, norm_groups, 1e-5, x_sq=x_sq * 4)
+        assert_close(wrong, naive_norm_linear(x, w, None, norm_groups, 1e-5) / 2, atol=1e-4, rtol=1e-4, name="x4")
+        with pytest.raises(ValueError, match="x_sq"):
+            GV.skinny_linear(x, w, None, None, None, norm_groups, 1e-5, x_sq=x_sq[:, :, 0])
 
 
     @pytest.mark.parametrize("shape", [(1, 4, 16, 16, 1, 1, 4), (1, 6, 16, 8, 2, 3, 3), (1, 3, 8, 16, 1, 1, 4),

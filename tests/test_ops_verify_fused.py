@@ -1,8 +1,9 @@
-"""The verify path's fused kernels (tree_scan_gated, replay_states) against their references.
+"""The verify path's fused kernels (tree_scan_gated, replay_states[_layers]) against their references.
 
 Same arrangement as tests/test_ops_triton.py: the default run checks the references against the
 ops they fuse and spawns this file in a child process with TRITON_INTERPRET=1, where the kernel
-tests below are defined and run (fp32 only; bf16 at model sizes is in tests/gpu).
+tests below are defined and run (fp32, and bf16 only where the kernels copy or widen it exactly;
+bf16 at model sizes is in tests/gpu).
 """
 from __future__ import annotations
 
@@ -77,10 +78,44 @@ def _replay_args(r):
     return (r["conv_state"], r["ssm_state"], r["xBC"], r["x"], r["dt"], r["A"], r["B"], r["path"], r["path_len"])
 
 
+_LAYER_KEYS = ("conv_state", "ssm_state", "xBC", "x", "dt", "A", "B")
+
+
+def _layers_inputs(n_layers, lens, dtype=torch.float32, steps=5, shape=(2, 6, 12, 10, 2), kernel_size=4):
+    """Replay inputs of n_layers Mamba layers, each layer its own allocations of one layout (as
+    a model holds them; activations in `dtype`, SSM states and dt fp32), one path per batch row
+    with the valid lengths `lens`. Returns (per-layer dicts, path, path_len)."""
+    heads, head_dim, d_state, groups = shape[1:]
+    batch, n = len(lens), 12
+    layers = []
+    for _ in range(n_layers):
+        v = _verify_inputs(batch, n, heads, head_dim, d_state, groups, dtype=dtype)
+        layers.append({
+            "conv_state": torch.randn(batch, v["xBC"].shape[-1], kernel_size - 1).to(dtype),
+            "ssm_state": torch.randn(batch, heads, head_dim, d_state),
+            "xBC": v["xBC"], "x": v["x"], "dt": torch.rand(batch, n, heads) * 0.5 + 0.01, "A": v["A"], "B": v["B"],
+        })
+    return layers, torch.randint(0, n, (batch, steps)), torch.tensor(lens)
+
+
+def _layers_args(layers, path, path_len):
+    """replay_states_layers' arguments: one list per tensor kind, then the shared path."""
+    return (*([layer[k] for layer in layers] for k in _LAYER_KEYS), path, path_len)
+
+
+def _cloned(layers):
+    return [{k: t.clone() if k in ("conv_state", "ssm_state") else t for k, t in layer.items()} for layer in layers]
+
+
 if not INTERPRETED:
     import torch.nn.functional as F
 
-    from ssmspec.ops.state_replay.naive import naive_replay_conv_state, naive_replay_ssm_state, naive_replay_states
+    from ssmspec.ops.state_replay.naive import (
+        naive_replay_conv_state,
+        naive_replay_ssm_state,
+        naive_replay_states,
+        naive_replay_states_layers,
+    )
     from ssmspec.ops.step_update.naive import naive_time_step
     from ssmspec.ops.tree_scan.naive import naive_tree_scan, naive_tree_scan_gated
 
@@ -116,8 +151,21 @@ if not INTERPRETED:
 
         assert dispatch._REFERENCE["tree_scan_gated"] is naive_tree_scan_gated
         assert dispatch._REFERENCE["replay_states"] is naive_replay_states
+        assert dispatch._REFERENCE["replay_states_layers"] is naive_replay_states_layers
         assert dispatch._TRITON["tree_scan_gated"] == ("ssmspec.ops.tree_scan.triton", "tree_scan_gated")
         assert dispatch._TRITON["replay_states"] == ("ssmspec.ops.state_replay.triton", "replay_states")
+        assert dispatch._TRITON["replay_states_layers"] == ("ssmspec.ops.state_replay.triton", "replay_states_layers")
+
+    def test_naive_replay_states_layers_is_each_layers_replay():
+        layers, path, path_len = _layers_inputs(3, [5, 1])
+        want = _cloned(layers)
+        naive_replay_states_layers(*_layers_args(layers, path, path_len))
+        for got, ref in zip(layers, want):
+            naive_replay_states(*(ref[k] for k in _LAYER_KEYS), path, path_len)
+            assert torch.equal(got["conv_state"], ref["conv_state"]) and torch.equal(got["ssm_state"], ref["ssm_state"])
+        with pytest.raises(ValueError, match="per layer"):
+            args = _layers_args(layers, path, path_len)
+            naive_replay_states_layers(args[0][:2], *args[1:])
 
 else:
     from ssmspec.ops import dispatch
@@ -133,11 +181,15 @@ else:
         tree = TREES[tree_name]
         v = _verify_inputs(shape[0], tree.num_nodes, *shape[1:])
         args = _gated_args(v, clamp, tree.parents_tensor())
-        want_g, want_dt = naive_tree_scan_gated(*args)
-        g, dt = TS.tree_scan_gated(*args)
+        want_g, want_dt, want_sq = naive_tree_scan_gated(*args, return_sq=True)
+        g, dt, sq = TS.tree_scan_gated(*args, return_sq=True)
         assert_close(dt, want_dt, atol=1e-6, rtol=1e-6, name=f"dt {tree_name}")
         assert_close(g, want_g, atol=1e-4, rtol=1e-4, name=f"g {tree_name}")
         assert g.dtype == v["z"].dtype and g.shape == v["z"].shape
+        # the partial sums of squares for out_proj's gated norm: one part per head of the group
+        batch, heads, groups = shape[0], shape[1], shape[4]
+        assert sq.shape == (batch * tree.num_nodes, groups, heads // groups)
+        assert_close(sq.sum(-1, keepdim=True), want_sq, atol=1e-3, rtol=1e-4, name=f"sq {tree_name}")
 
     def test_tree_scan_gated_without_D_contiguous_inputs_two_P_blocks(nan_outputs):
         """P = 72: two P-block programs per head (the second partial), only the first stores dt."""
@@ -145,10 +197,12 @@ else:
         v = _verify_inputs(2, tree.num_nodes, 4, 72, 16, 2)
         v = {k: t.contiguous() for k, t in v.items()}
         args = _gated_args(v, CLAMPS[0], tree.parents_tensor(), with_D=False)
-        want_g, want_dt = naive_tree_scan_gated(*args)
-        g, dt = TS.tree_scan_gated(*args)
+        want_g, want_dt, want_sq = naive_tree_scan_gated(*args, return_sq=True)
+        g, dt, sq = TS.tree_scan_gated(*args, return_sq=True)
         assert_close(dt, want_dt, atol=1e-6, rtol=1e-6, name="dt")
         assert_close(g, want_g, atol=1e-4, rtol=1e-4, name="g")
+        assert sq.shape == (2 * tree.num_nodes, 2, 2 * 2)  # 2 heads per group x 2 P blocks
+        assert_close(sq.sum(-1, keepdim=True), want_sq, atol=1e-3, rtol=1e-4, name="sq")
 
     def test_tree_scan_unchanged_beside_the_fused_switch(nan_outputs):
         tree = TREES["uneven 3,4,2,1"]
@@ -184,10 +238,55 @@ else:
         assert torch.equal(r["conv_state"], want["conv_state"])
         assert_close(r["ssm_state"], want["ssm_state"], atol=1e-5, rtol=1e-5, name="ssm_state")
 
+    @pytest.mark.parametrize("lens", [(5,), (1,), (5, 1), (2, 5)], ids=["full", "root-only", "full+root", "partial+full"])
+    @pytest.mark.parametrize("dtype, n_layers", [(torch.float32, 3), (torch.bfloat16, 2)], ids=["fp32-3", "bf16-2"])
+    def test_replay_states_layers_matches_per_layer_reference(monkeypatch, lens, dtype, n_layers):
+        """One launch over all layers (no per-layer fallback) equals each layer's naive replay;
+        bf16: bf16 conv states and activations, as in a bf16 model (fp32 SSM states and dt)."""
+        layers, path, path_len = _layers_inputs(n_layers, list(lens), dtype=dtype)
+        want = _cloned(layers)
+        for ref in want:
+            naive_replay_states(*(ref[k] for k in _LAYER_KEYS), path, path_len)
+        monkeypatch.setattr(SR, "replay_states", lambda *a: pytest.fail("fell back to per-layer launches"))
+        SR.replay_states_layers(*_layers_args(layers, path, path_len))
+        for i, (got, ref) in enumerate(zip(layers, want)):
+            assert got["conv_state"].dtype == dtype and torch.equal(got["conv_state"], ref["conv_state"]), f"layer {i} conv"
+            assert_close(got["ssm_state"], ref["ssm_state"], atol=1e-5, rtol=1e-5, name=f"layer {i} ssm_state")
+
+    def test_replay_states_layers_wide_and_looped():
+        """Two conv channel blocks (288 channels), a partial second head-dim block, K = 5 and
+        18 steps (the looped path), with every layer read through layer 0's strides."""
+        layers, path, path_len = _layers_inputs(2, [18, 7], steps=18, shape=(2, 5, 48, 24, 1), kernel_size=5)
+        want = _cloned(layers)
+        for ref in want:
+            naive_replay_states(*(ref[k] for k in _LAYER_KEYS), path, path_len)
+        SR.replay_states_layers(*_layers_args(layers, path, path_len))
+        for i, (got, ref) in enumerate(zip(layers, want)):
+            assert torch.equal(got["conv_state"], ref["conv_state"]), f"layer {i} conv"
+            assert_close(got["ssm_state"], ref["ssm_state"], atol=1e-5, rtol=1e-5, name=f"layer {i} ssm_state")
+
+    def test_replay_states_layers_falls_back_when_layouts_differ(monkeypatch):
+        """A layer whose xBC is contiguous (other strides than layer 0's) cannot share one set of
+        strides: each layer then gets its own replay_states launch, with the same result."""
+        layers, path, path_len = _layers_inputs(3, [5, 2])
+        layers[1]["xBC"] = layers[1]["xBC"].contiguous()
+        want = _cloned(layers)
+        for ref in want:
+            naive_replay_states(*(ref[k] for k in _LAYER_KEYS), path, path_len)
+        calls = []
+        per_layer = SR.replay_states
+        monkeypatch.setattr(SR, "replay_states", lambda *a: calls.append(1) or per_layer(*a))
+        SR.replay_states_layers(*_layers_args(layers, path, path_len))
+        assert len(calls) == 3
+        for i, (got, ref) in enumerate(zip(layers, want)):
+            assert torch.equal(got["conv_state"], ref["conv_state"]), f"layer {i} conv"
+            assert_close(got["ssm_state"], ref["ssm_state"], atol=1e-5, rtol=1e-5, name=f"layer {i} ssm_state")
+
     def test_dispatch_triton_backend_runs_the_kernels(monkeypatch, nan_outputs):
         monkeypatch.setattr(dispatch, "_backend", "triton")
         assert dispatch.resolve("tree_scan_gated", torch.device("cpu")) is TS.tree_scan_gated
         assert dispatch.resolve("replay_states", torch.device("cpu")) is SR.replay_states
+        assert dispatch.resolve("replay_states_layers", torch.device("cpu")) is SR.replay_states_layers
         tree = TREES["chain of 7"]
         v = _verify_inputs(1, tree.num_nodes, 3, 8, 16, 1)
         args = _gated_args(v, CLAMPS[0], tree.parents_tensor())

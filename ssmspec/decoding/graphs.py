@@ -16,6 +16,7 @@ import torch
 
 from ..models.cache import ModelCache
 from ..models.lm import LanguageModel
+from ..ops import dispatch
 
 
 def _warm_up_and_capture(fn, cache: ModelCache, warmup: int = 2) -> torch.cuda.CUDAGraph:
@@ -68,12 +69,13 @@ class GreedyTreeGraph:
     Greedy acceptance on the device: node i > 0 is accepted when its token equals the target's
     argmax at its parent; a node survives when every node on its path is accepted; the deepest
     surviving node (lowest packed index among equals) ends the accepted path, and the target's
-    argmax there is the bonus token. The path and its length go to `model.replay` as device
-    tensors.
+    argmax there is the bonus token (the rule and its reference: ops/greedy_accept/naive.py; two
+    Triton launches under the kernel backend). The path and its length go to `model.replay` as
+    device tensors.
 
     Usage: `g = GreedyTreeGraph(model, cache, tree)`; `tokens, n = g(tree_tokens)` with
     tree_tokens (B, N) advances the cache over root + accepted nodes and returns the static
-    buffers `tokens` (B, D+1) (accepted drafted tokens then the bonus, valid up to n) and
+    buffers `tokens` (B, D+1) (accepted drafted tokens, the bonus, then 0s) and
     `n` (B,) = accepted drafted tokens + 1.
     """
 
@@ -96,26 +98,9 @@ class GreedyTreeGraph:
 
         def iteration():
             logits, acts = model.verify(self.tokens_in, tree, cache)
-            best_tok = logits.argmax(-1)  # (B, N) the target's choice after each node
-            parent = self.parents.clamp_min(0)
-            accepted = self.tokens_in == best_tok[:, parent]  # (B, N)
-            accepted[:, 0] = True
-            # survives[b, i] = all nodes on i's path accepted.
-            rejected_on_path = (~accepted).float() @ self.mask.float().T  # (B, N)
-            survives = rejected_on_path == 0
-            # deepest survivor; ties -> lowest packed index (score strictly decreasing in index)
-            score = torch.where(survives, self.depth * (n_nodes + 1) + (n_nodes - torch.arange(n_nodes, device=device)), -1)
-            last = score.argmax(-1)  # (B,)
-            path = self.paths[last]  # (B, D+1)
-            path_len = self.depth[last] + 1
+            path, path_len, out, last = dispatch.greedy_accept(logits, self.tokens_in, self.parents, self.depth,
+                                                               self.mask, self.paths)
             model.replay(cache, acts, path, path_len)
-            # produced tokens: the accepted drafted tokens (path[1:]) then the bonus at `last`
-            rows = torch.arange(batch, device=device)[:, None]
-            out = torch.cat([self.tokens_in[rows, path[:, 1:]], best_tok[rows, last[:, None]]], dim=1)
-            steps = torch.arange(depth_count, device=device)[None, :]
-            out[:, :-1] = torch.where(steps[:, :-1] < path_len[:, None] - 1, out[:, :-1], 0)
-            # move the bonus right after the last accepted drafted token
-            out = out.scatter(1, (path_len - 1)[:, None], best_tok[rows, last[:, None]])
             self.out_tokens, self.out_len, self.out_last = out, path_len, last
 
         self._iteration = iteration

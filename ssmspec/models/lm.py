@@ -42,15 +42,17 @@ def _mlp_through_dispatch(mlp: MLP, h: torch.Tensor) -> torch.Tensor:
     return dispatch.linear(up, mlp.down_proj.weight, mlp.down_proj.bias)
 
 
-def _folded_mlp_residual(mlp: MLP, h: torch.Tensor, eps: float) -> torch.Tensor:
+def _folded_mlp_residual(mlp: MLP, h: torch.Tensor, eps: float, h_sq: torch.Tensor | None = None):
     """h + MLP(norm(h)) with the pre-norm folded into the up/gate projections (models/fold.py):
-    the norm runs inside those projections and the residual add inside the down projection."""
-    up = dispatch.norm_linear(h, mlp.up_proj.weight, mlp.up_proj.bias, 1, eps)
+    the norm runs inside those projections and the residual add inside the down projection.
+    h_sq: h's partial sums of squares or None (ops/gemv `norm_linear`). Returns the output and
+    its partial sums of squares (or None)."""
+    up = dispatch.norm_linear(h, mlp.up_proj.weight, mlp.up_proj.bias, 1, eps, x_sq=h_sq)
     if mlp.cfg.gated:
-        up = mlp.act(dispatch.norm_linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias, 1, eps)) * up
+        up = mlp.act(dispatch.norm_linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias, 1, eps, x_sq=h_sq)) * up
     else:
         up = mlp.act(up)
-    return dispatch.norm_linear(up, mlp.down_proj.weight, mlp.down_proj.bias, 0, residual=h)
+    return dispatch.norm_linear(up, mlp.down_proj.weight, mlp.down_proj.bias, 0, residual=h, return_sq=True)
 
 
 class Sublayer(nn.Module):
@@ -178,17 +180,22 @@ class LanguageModel(nn.Module):
         projections.
 
         run_mixer(i, layer, normed) -> (output, activations or None);
-        run_folded(i, layer, h) -> (h + sublayer(h), activations or None).
+        run_folded(i, layer, h, h_sq) -> (h + sublayer(h), its partial sums of squares or None,
+        activations or None), where h_sq are h's (or None): a folded sublayer's output projection
+        hands the next one's norm its sums of squares (ops/gemv `norm_linear`). run_folded may
+        overwrite h (the residual add in place): h is dead once its sublayer has run.
         Returns (logits, acts).
         """
         x = None  # the previous sublayer's output, not yet added to h
+        h_sq = None  # h's partial sums of squares while h is a folded sublayer's output
         acts = []
         for i, layer in enumerate(self.layers):
             if layer.norms_folded:
                 if x is not None:
-                    h, x = h + x, None
-                h, a = run_folded(i, layer, h)
+                    h, x, h_sq = h + x, None, None
+                h, h_sq, a = run_folded(i, layer, h, h_sq)
             else:
+                h_sq = None
                 if x is None:
                     normed = layer.norm(h)
                 else:
@@ -211,10 +218,11 @@ class LanguageModel(nn.Module):
                 return layer.mixer.step(normed, cache.layers[i], cache.seqlen), None
             return _mlp_through_dispatch(layer.mixer, normed), None
 
-        def run_folded(i, layer, h):
+        def run_folded(i, layer, h, h_sq):
             if layer.kind == "mamba":
-                return layer.mixer.folded_residual_step(h, cache.layers[i], layer.norm.eps), None
-            return _folded_mlp_residual(layer.mixer, h, layer.norm.eps), None
+                return layer.mixer.folded_residual_step(h, cache.layers[i], layer.norm.eps), None, None
+            out, _ = _folded_mlp_residual(layer.mixer, h, layer.norm.eps)
+            return out, None, None
 
         logits, _ = self._fused_stack(self.embeddings(input_ids), run_mixer, run_folded)
         cache.seqlen += 1
@@ -265,19 +273,26 @@ class LanguageModel(nn.Module):
                 return layer.mixer.verify(normed, cache.layers[i], cache.seqlen, depth, mask)
             return _mlp_through_dispatch(layer.mixer, normed), None
 
-        def run_folded(i, layer, h):
+        def run_folded(i, layer, h, h_sq):
             if layer.kind == "mamba":
-                return layer.mixer.folded_residual_verify(h, cache.layers[i], parents, layer.norm.eps)
-            return _folded_mlp_residual(layer.mixer, h, layer.norm.eps), None
+                return layer.mixer.folded_residual_verify(h, cache.layers[i], parents, layer.norm.eps, h_sq)
+            return *_folded_mlp_residual(layer.mixer, h, layer.norm.eps, h_sq), None
 
         logits, acts = self._fused_stack(self.embeddings(tokens), run_mixer, run_folded)
         return logits, TreeActivations(acts)
 
     def replay(self, cache: ModelCache, acts: TreeActivations, path: torch.Tensor, path_len: torch.Tensor) -> None:
         """Advance the cache along the accepted path: (B, M) node indices (root first), (B,) lengths."""
+        mamba = [i for i, layer in enumerate(self.layers) if layer.kind == "mamba"]
+        if mamba:  # every Mamba layer in one call: one launch on the kernels instead of one per layer
+            states = [cache.layers[i] for i in mamba]
+            saved = [acts.layers[i] for i in mamba]
+            dispatch.replay_states_layers(
+                [s.conv_state for s in states], [s.ssm_state for s in states], [a.xBC for a in saved],
+                [a.x for a in saved], [a.dt for a in saved], [self.layers[i].mixer.A for i in mamba],
+                [a.B for a in saved], path, path_len,
+            )
         for i, layer in enumerate(self.layers):
-            if layer.kind == "mamba":
-                layer.mixer.replay(cache.layers[i], acts.layers[i], path, path_len)
-            elif layer.kind == "attention":
+            if layer.kind == "attention":
                 layer.mixer.replay(cache.layers[i], acts.layers[i], cache.seqlen, path, path_len)
         cache.seqlen += path_len.to(cache.seqlen.dtype)

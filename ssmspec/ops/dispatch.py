@@ -12,7 +12,8 @@ import torch
 
 from .chunk_scan.naive import naive_chunk_scan
 from .gemv.naive import naive_linear, naive_norm_linear
-from .state_replay.naive import naive_replay_states
+from .greedy_accept.naive import naive_greedy_accept
+from .state_replay.naive import naive_replay_states, naive_replay_states_layers
 from .step_update.naive import (
     naive_add_rms_norm,
     naive_gated_rms_norm,
@@ -32,6 +33,7 @@ _REFERENCE = {
     "tree_scan_gated": naive_tree_scan_gated,
     "tree_conv": naive_tree_conv,
     "replay_states": naive_replay_states,
+    "replay_states_layers": naive_replay_states_layers,
     "chunk_scan": naive_chunk_scan,
     "mamba_step": naive_mamba_step,
     "mamba_step_out": naive_mamba_step_out,
@@ -41,6 +43,7 @@ _REFERENCE = {
     "time_step": naive_time_step,
     "linear": naive_linear,
     "norm_linear": naive_norm_linear,
+    "greedy_accept": naive_greedy_accept,
 }
 # op name -> (module, function) of its Triton kernel, filled in as kernels land.
 _TRITON = {
@@ -48,6 +51,7 @@ _TRITON = {
     "tree_scan_gated": ("ssmspec.ops.tree_scan.triton", "tree_scan_gated"),
     "tree_conv": ("ssmspec.ops.tree_conv.triton", "tree_conv"),
     "replay_states": ("ssmspec.ops.state_replay.triton", "replay_states"),
+    "replay_states_layers": ("ssmspec.ops.state_replay.triton", "replay_states_layers"),
     "mamba_step": ("ssmspec.ops.step_update.triton", "mamba_step"),
     "mamba_step_out": ("ssmspec.ops.step_update.triton", "mamba_step_out"),
     "rms_norm": ("ssmspec.ops.step_update.triton", "rms_norm"),
@@ -56,6 +60,7 @@ _TRITON = {
     "time_step": ("ssmspec.ops.step_update.triton", "time_step"),
     "linear": ("ssmspec.ops.gemv.triton", "linear"),
     "norm_linear": ("ssmspec.ops.gemv.triton", "norm_linear"),
+    "greedy_accept": ("ssmspec.ops.greedy_accept.triton", "greedy_accept"),
 }
 
 
@@ -109,9 +114,11 @@ def tree_scan(x, dt, A, B, C, D, parents, initial_state):
     return resolve("tree_scan", x.device)(x, dt, A, B, C, D, parents, initial_state)
 
 
-def tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, initial_state):
-    """Time step, tree scan and silu(z) gate of the verify path: returns (g, dt)."""
-    return resolve("tree_scan_gated", x.device)(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, initial_state)
+def tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, initial_state, return_sq=False):
+    """Time step, tree scan and silu(z) gate of the verify path: returns (g, dt), and with
+    return_sq g's sums of squares per group for out_proj's norm (see `naive_tree_scan_gated`)."""
+    return resolve("tree_scan_gated", x.device)(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents,
+                                                initial_state, return_sq=return_sq)
 
 
 def tree_conv(xBC, conv_state, weight, bias, parents, activation="silu"):
@@ -121,6 +128,11 @@ def tree_conv(xBC, conv_state, weight, bias, parents, activation="silu"):
 def replay_states(conv_state, ssm_state, xBC, x, dt, A, B, path, path_len):
     """replay_conv_state and replay_ssm_state of one layer (one launch with kernels)."""
     return resolve("replay_states", x.device)(conv_state, ssm_state, xBC, x, dt, A, B, path, path_len)
+
+
+def replay_states_layers(conv_states, ssm_states, xBCs, xs, dts, As, Bs, path, path_len):
+    """replay_states of every Mamba layer (lists, one entry per layer; one launch with kernels)."""
+    return resolve("replay_states_layers", path.device)(conv_states, ssm_states, xBCs, xs, dts, As, Bs, path, path_len)
 
 
 def chunk_scan(x, dt, A, B, C, D, chunk_size=64, initial_state=None):
@@ -166,7 +178,15 @@ def linear(x, weight, bias=None):
     return resolve("linear", x.device)(x, weight, bias)
 
 
-def norm_linear(x, weight, bias=None, norm_groups=1, eps=1e-5, residual=None):
-    """[residual +] linear(RMSNorm(x), weight, bias), the norm's weight folded into `weight`."""
-    return resolve("norm_linear", x.device)(x, weight, bias, norm_groups, eps, residual)
+def norm_linear(x, weight, bias=None, norm_groups=1, eps=1e-5, residual=None, x_sq=None, return_sq=False,
+                reuse_residual=False):
+    """[residual +] linear(RMSNorm(x), weight, bias), the norm's weight folded into `weight`;
+    x_sq / return_sq: partial sums of squares handed between kernels; reuse_residual: the output
+    may overwrite residual (see `naive_norm_linear`)."""
+    return resolve("norm_linear", x.device)(x, weight, bias, norm_groups, eps, residual, x_sq=x_sq,
+                                            return_sq=return_sq, reuse_residual=reuse_residual)
 
+
+def greedy_accept(logits, tokens, parents, depth, mask, paths):
+    """Greedy tree acceptance on the device: (path, path_len, produced tokens, last node)."""
+    return resolve("greedy_accept", logits.device)(logits, tokens, parents, depth, mask, paths)

@@ -286,4 +286,10 @@ def test_norm_linear_gpu(rows, n, k, norm_groups):
     assert _rel(got - res, want - res) < 1e-2
     got = norm_linear(x, w, None, norm_groups, 1e-5)
     assert _rel(got, want - res) < 1e-2
+    if 1 < rows <= 16:  # the skinny GEMM with the norm from its producer's partial sums of squares
+        sums = x.float().reshape(rows, norm_groups, -1).pow(2).sum(-1)
+        x_sq = torch.stack([sums * 0.25, sums * 0.75], dim=-1)  # two parts per group
+        got, got_sq = norm_linear(x, w, None, norm_groups, 1e-5, res, x_sq=x_sq, return_sq=True)
+        assert _rel(got - res, want - res) < 1e-2
+        assert _rel(got_sq.sum(-1).flatten(), got.float().pow(2).sum(-1).flatten()) < 1e-4
 

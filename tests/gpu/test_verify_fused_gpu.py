@@ -63,6 +63,9 @@ def test_tree_scan_gated_gpu(tree_name, batch, clamp):
         assert_close(dt, want_dt, atol=1e-6, rtol=1e-5, name=f"dt {precision}")
         # g is bf16: only the rounding of y and of the product differ (about 2^-9 relative each)
         assert torch.isfinite(g).all() and _rel(g, want_g) < tol, f"{precision}: rel err {_rel(g, want_g):.2e}"
+    g, dt, sq = tree_scan_gated(*args, return_sq=True)  # the partial sums of squares for out_proj's norm
+    want_sq = g.float().unflatten(-1, (v["B"].shape[2], -1)).pow(2).sum(-1).flatten()
+    assert _rel(sq.sum(-1).flatten(), want_sq) < 1e-5
 
 
 @pytest.mark.parametrize("tree_name", list(TREES))
@@ -86,3 +89,52 @@ def test_replay_states_gpu(tree_name, batch):
     replay_states(conv_state, ssm_state, v["xBC"], v["x"], dt, v["A"], v["B"], path, path_len)
     assert torch.equal(conv_state, c_want)
     assert_close(ssm_state, s_want, atol=1e-5, rtol=1e-5, name="ssm_state")
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_replay_states_layers_in_cuda_graph_gpu(batch, monkeypatch):
+    """All layers' replay in one launch, captured in a CUDA graph and replayed twice with other
+    lengths written into the static path_len: each replay reads the pointer table again (its
+    pinned host copy must outlive the capture) and advances every layer as the reference does."""
+    import gc
+
+    from ssmspec.ops.state_replay import triton as SR
+    from ssmspec.ops.state_replay.naive import naive_replay_states_layers
+
+    monkeypatch.setattr(SR, "replay_states", lambda *a: pytest.fail("fell back to per-layer launches"))
+    tree, n_layers = TREES["64: 3,4,2,1"], 3
+    n = tree.num_nodes
+    acts = [_layer_inputs(batch, n) for _ in range(n_layers)]  # each layer its own allocations
+    dts = [torch.rand(batch, n, H, device=DEV) * 0.1 for _ in range(n_layers)]
+    deepest = max(range(n), key=lambda i: len(tree.path(i)))
+    path = torch.tensor([tree.path(deepest)] * batch, device=DEV)  # (B, M), M = depth + 1
+    m = path.shape[1]
+    path_len = torch.full((batch,), m, device=DEV)  # static: rewritten before each replay
+    conv = [torch.randn(batch, CONV_DIM, K - 1, device=DEV, dtype=torch.bfloat16) for _ in range(n_layers)]
+    ssm = [torch.randn(batch, H, P, S, device=DEV) for _ in range(n_layers)]
+
+    def args(conv_states, ssm_states):
+        return (conv_states, ssm_states, [a["xBC"] for a in acts], [a["x"] for a in acts], dts,
+                [a["A"] for a in acts], [a["B"] for a in acts], path, path_len)
+
+    side = torch.cuda.Stream()  # compile outside the capture, on copies of the states
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        SR.replay_states_layers(*args([c.clone() for c in conv], [h.clone() for h in ssm]))
+    torch.cuda.current_stream().wait_stream(side)
+    tables = len(SR._CAPTURED_TABLES)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        SR.replay_states_layers(*args(conv, ssm))
+    assert len(SR._CAPTURED_TABLES) == tables + 1
+    gc.collect()
+    junk = [torch.full((n_layers, 7), -1, dtype=torch.int64, pin_memory=True) for _ in range(8)]  # noqa: F841
+    c_want, s_want = [c.clone() for c in conv], [h.clone() for h in ssm]
+    for lens in ([m, 1, 0, max(1, m // 2)], [1, m, 2, m]):
+        path_len.copy_(torch.tensor(lens[:batch], device=DEV))
+        graph.replay()
+        naive_replay_states_layers(*args(c_want, s_want))
+        torch.cuda.synchronize()
+        for i in range(n_layers):
+            assert torch.equal(conv[i], c_want[i]), f"layer {i} conv_state after lengths {lens[:batch]}"
+            assert_close(ssm[i], s_want[i], atol=1e-5, rtol=1e-5, name=f"layer {i} ssm_state {lens[:batch]}")

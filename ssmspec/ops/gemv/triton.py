@@ -298,12 +298,42 @@ def _skinny_dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _skinny_k_loop(x_ptr, w_ptr, acc, offs_m, offs_n, mask_m, mask_n, k_lo, k_hi, sxm, swn, IEEE: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_hi
+        xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        wt = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                     eviction_policy="evict_first")
+        acc = _skinny_dot(xt, tl.trans(wt), acc, IEEE)
+    return acc
+
+
+@triton.jit
+def _rstd_from_parts(sq_ptr, offs_m, mask_m, group, n_parts, group_size, eps, NORM_GROUPS: tl.constexpr,
+                     BLOCK_Q: tl.constexpr):
+    """1 / rms of norm group `group` of every row, from the (rows, NORM_GROUPS, n_parts) partial
+    sums of squares its producer wrote."""
+    offs_q = tl.arange(0, BLOCK_Q)
+    parts = tl.load(sq_ptr + (offs_m[:, None] * NORM_GROUPS + group) * n_parts + offs_q[None, :],
+                    mask=mask_m[:, None] & (offs_q < n_parts)[None, :], other=0.0)
+    return tl.rsqrt(tl.sum(parts, axis=1) / group_size + eps)
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr,
                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   USE_PDL: tl.constexpr, res_ptr=None, srm=0, HAS_RES: tl.constexpr = False):
+                   USE_PDL: tl.constexpr, res_ptr=None, srm=0, HAS_RES: tl.constexpr = False,
+                   xsq_ptr=None, n_xparts=1, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0,
+                   BLOCK_Q: tl.constexpr = 16, ysq_ptr=None, WRITE_SQ: tl.constexpr = False):
     # Launched without PDL (USE_PDL False): its early-launched instances held their pipeline's
     # shared memory while waiting and ran 1.4x slower in the H100 sweep (13.7 -> 20.5 us at 8 rows).
     # HAS_RES: the output, rounded to y's dtype, is added to the residual (as in _gemv_tile).
+    # NORM_GROUPS > 0: x is normalised over that many groups of K (no weight: folded into w) from
+    # the partial sums of squares at xsq_ptr, which x's producer wrote (no norm launch, no second
+    # pass over x): each group's dot products are scaled by its 1/rms.
+    # WRITE_SQ: this program's share of the output rows' sums of squares, for the next norm.
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -312,23 +342,28 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
     mask_n = offs_n < N
     mask_m = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        wt = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
-                     eviction_policy="evict_first")
-        if IEEE:  # fp32 weights: full fp32 products, as cuBLAS (no TF32) computes them
-            acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xt, tl.trans(wt), acc)
+    if NORM_GROUPS == 0:
+        acc = _skinny_k_loop(x_ptr, w_ptr, acc, offs_m, offs_n, mask_m, mask_n, 0, K, sxm, swn, IEEE, BLOCK_K)
+    elif NORM_GROUPS == 1:
+        acc = _skinny_k_loop(x_ptr, w_ptr, acc, offs_m, offs_n, mask_m, mask_n, 0, K, sxm, swn, IEEE, BLOCK_K)
+        acc *= _rstd_from_parts(xsq_ptr, offs_m, mask_m, 0, n_xparts, group_size, eps, 1, BLOCK_Q)[:, None]
+    else:
+        for grp in range(0, NORM_GROUPS):
+            part = _skinny_k_loop(x_ptr, w_ptr, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), offs_m, offs_n,
+                                  mask_m, mask_n, grp * group_size, (grp + 1) * group_size, sxm, swn, IEEE, BLOCK_K)
+            r = _rstd_from_parts(xsq_ptr, offs_m, mask_m, grp, n_xparts, group_size, eps, NORM_GROUPS, BLOCK_Q)
+            acc += part * r[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if HAS_RES:  # h + out in h's dtype, as torch adds the rounded output to the residual
         acc = (tl.load(res_ptr + offs_m[:, None] * srm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
                + acc.to(y_ptr.dtype.element_ty).to(tl.float32))
-    tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    out = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :], out, mask=mask)
+    if WRITE_SQ:  # of the stored (rounded) values, as the next norm reads them
+        of = tl.where(mask, out.to(tl.float32), 0.0)
+        tl.store(ysq_ptr + offs_m * tl.num_programs(0) + tl.program_id(0), tl.sum(of * of, axis=1), mask=mask_m)
 
 
 SKINNY_DEFAULT = (32, 128, 4, 4)
@@ -338,10 +373,12 @@ SKINNY_TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {(2560, 5120): 
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None,
-                  residual: torch.Tensor | None = None, norm_groups: int = 0, eps: float = 0.0) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, norm_groups: int = 0, eps: float = 0.0,
+                  x_sq: torch.Tensor | None = None, return_sq: bool = False):
     """x (..., K) with M rows in all, weight (N, K) -> (..., N) for small M (any M works; the
-    tile pads M up to a power of two >= 16, so it pays only for few rows). norm_groups and
-    residual as in `norm_linear` (the norm by the norm kernel, the residual add in the epilogue)."""
+    tile pads M up to a power of two >= 16, so it pays only for few rows). norm_groups, residual,
+    x_sq and return_sq as in `norm_linear`: with x_sq the norm scales each group's dot products
+    inside the GEMM, without it the norm kernel runs first."""
     n, k = weight.shape
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
@@ -355,21 +392,43 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             res = res.contiguous()
     block_n, block_k, warps, stages = config or SKINNY_TUNED.get((n, k), SKINNY_DEFAULT)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    if norm_groups:
-        # The norm kernel first, once, rather than inside every program: on the H100 the norm
-        # inside (each program's tiles squared, or their Gram matrix X X^T on the tensor cores)
-        # cost 3-16 us per call at 16 rows, more than the extra launch (BENCHMARKS.md, run 15).
+    group_size = k // norm_groups if norm_groups else 1
+    if norm_groups and x_sq is not None:
+        while block_k > 16 and group_size % block_k:  # a K block must not straddle two groups
+            block_k //= 2
+    use_parts = bool(norm_groups) and x_sq is not None and group_size % block_k == 0
+    if use_parts:
+        x_sq = _check_parts(x_sq, m, norm_groups, "x_sq")
+    elif norm_groups:
+        # Without the producer's sums of squares, the norm kernel first, once, rather than inside
+        # every program: on the H100 the norm inside (each program's tiles squared, or their Gram
+        # matrix X X^T on the tensor cores) cost 3-16 us per call at 16 rows, more than the extra
+        # launch (BENCHMARKS.md, run 15).
         from ..step_update.triton import rms_norm
 
-        rows = rms_norm(rows.reshape(-1, k // norm_groups), None, eps).reshape(m, k)
-    _skinny_kernel[(triton.cdiv(n, block_n),)](
+        rows = rms_norm(rows.reshape(-1, group_size), None, eps).reshape(m, k)
+    grid = triton.cdiv(n, block_n)
+    y_sq = torch.empty(m, 1, grid, device=x.device, dtype=torch.float32) if return_sq else None
+    _skinny_kernel[(grid,)](
         rows, weight, bias if bias is not None else weight, y, m, n, k, rows.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         num_stages=stages, USE_PDL=False, res_ptr=res, srm=res.stride(0) if res is not None else 0,
         HAS_RES=res is not None,
+        xsq_ptr=x_sq if use_parts else None, n_xparts=x_sq.shape[-1] if use_parts else 1, group_size=group_size,
+        eps=float(eps), NORM_GROUPS=norm_groups if use_parts else 0,
+        BLOCK_Q=max(16, triton.next_power_of_2(x_sq.shape[-1])) if use_parts else 16,
+        ysq_ptr=y_sq, WRITE_SQ=return_sq,
     )
-    return y.reshape(tuple(x.shape[:-1]) + (n,))
+    y = y.reshape(tuple(x.shape[:-1]) + (n,))
+    return (y, y_sq) if return_sq else y
+
+
+def _check_parts(sq: torch.Tensor, rows: int, groups: int, name: str) -> torch.Tensor:
+    """Partial sums of squares as (rows, groups, parts) fp32, contiguous."""
+    if sq.dim() != 3 or tuple(sq.shape[:2]) != (rows, groups) or sq.dtype != torch.float32:
+        raise ValueError(f"{name}: expected (rows {rows}, groups {groups}, parts) fp32, got {tuple(sq.shape)} {sq.dtype}")
+    return sq.contiguous()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None) -> torch.Tensor:
@@ -399,39 +458,53 @@ def _interpreting() -> bool:
 
 
 def norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm_groups: int = 1,
-                eps: float = 1e-5, residual: torch.Tensor | None = None, config=None) -> torch.Tensor:
+                eps: float = 1e-5, residual: torch.Tensor | None = None, config=None,
+                x_sq: torch.Tensor | None = None, return_sq: bool = False, reuse_residual: bool = False):
     """[residual +] linear(RMSNorm(x) over norm_groups groups, weight, bias) on the kernels; same
     contract as `naive_norm_linear` (the norm has no weight of its own: it is folded into
     `weight`, see `ssmspec.models.fold`). One row runs the GEMV with the norm and the residual
-    add inside its one launch (the 1/rms scaling the dot products), 2..SKINNY_MAX_ROWS rows the norm kernel and the skinny GEMM with
-    the residual add in its epilogue, more rows the norm kernel and cuBLAS. `config`: the GEMV's,
-    as in `linear`."""
+    add inside its one launch (the 1/rms scaling the dot products), 2..SKINNY_MAX_ROWS rows the
+    skinny GEMM with the residual add in its epilogue, more rows the norm kernel and cuBLAS.
+    `config`: the GEMV's, as in `linear`.
+
+    x_sq / return_sq: partial sums of squares of the rows, (rows, groups, parts) fp32, that a
+    producer hands to the next norm so that it need not reduce its input again. The skinny GEMM
+    uses x_sq to scale each group's dot products (no norm launch) and, with return_sq, writes
+    its output's partials; other routes ignore x_sq and return None for them. Returns y, or
+    (y, y_sq or None) with return_sq.
+
+    reuse_residual: the caller no longer needs `residual`, so the output may be written into its
+    storage (the cuBLAS route adds in place, sparing addmm's copy of it)."""
     from .naive import naive_norm_linear
 
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if rows == 0 or (x.device.type != "cuda" and not _interpreting()) or (norm_groups and k % norm_groups):
-        return naive_norm_linear(x, weight, bias, norm_groups, eps, residual)
+        return naive_norm_linear(x, weight, bias, norm_groups, eps, residual, x_sq, return_sq)
     if not ENABLED or rows > SKINNY_MAX_ROWS or weight.stride(-1) != 1:
-        return _norm_then_cublas(x, weight, bias, norm_groups, eps, residual)
+        y = _norm_then_cublas(x, weight, bias, norm_groups, eps, residual, reuse_residual)
+        return (y, None) if return_sq else y
     if residual is not None and tuple(residual.shape) != tuple(x.shape[:-1]) + (weight.shape[0],):
         raise ValueError(f"norm_linear: residual {tuple(residual.shape)} does not match the output")
     if rows > 1:
-        return skinny_linear(x, weight, bias, residual=residual, norm_groups=norm_groups, eps=eps)
+        return skinny_linear(x, weight, bias, residual=residual, norm_groups=norm_groups, eps=eps, x_sq=x_sq,
+                             return_sq=return_sq)
     n = weight.shape[0]
     cfg = GemvConfig(*(config or _config(n, k, x.device)))
     if cfg[3] > 1:
-        return _norm_then_cublas(x, weight, bias, norm_groups, eps, residual)
+        y = _norm_then_cublas(x, weight, bias, norm_groups, eps, residual)
+        return (y, None) if return_sq else y
     y = torch.empty(x.shape[:-1] + (n,), device=x.device,
                     dtype=torch.result_type(x, weight) if residual is None else residual.dtype)
     _launch_gemv(_as_vector(x, k), weight, bias, y, cfg, partial=False,
                  residual=None if residual is None else _as_vector(residual, n), norm_groups=norm_groups, eps=eps)
-    return y
+    return (y, None) if return_sq else y
 
 
-def _norm_then_cublas(x, weight, bias, norm_groups, eps, residual):
+def _norm_then_cublas(x, weight, bias, norm_groups, eps, residual, reuse_residual=False):
     """`norm_linear` for many rows: the norm kernel (ops/step_update rms_norm over each group),
-    then cuBLAS with the residual add in its epilogue (addmm: one rounding instead of two)."""
+    then cuBLAS with the residual add in its epilogue (addmm: one rounding instead of two; in
+    place into the residual when the caller allows, else on a copy of it)."""
     from ..step_update.triton import rms_norm
 
     k, n = x.shape[-1], weight.shape[0]
@@ -440,5 +513,8 @@ def _norm_then_cublas(x, weight, bias, norm_groups, eps, residual):
     if residual is None:
         return F.linear(x, weight, bias)
     if bias is None and residual.dtype == x.dtype == weight.dtype:
+        if reuse_residual and residual.is_contiguous():
+            residual.view(-1, n).addmm_(x.reshape(-1, k), weight.t())
+            return residual
         return torch.addmm(residual.reshape(-1, n), x.reshape(-1, k), weight.t()).reshape(residual.shape)
     return residual + F.linear(x, weight, bias).to(residual.dtype)

@@ -84,3 +84,31 @@ def naive_replay_states(
     """
     naive_replay_conv_state(conv_state, xBC, path, path_len)
     naive_replay_ssm_state(ssm_state, x, dt, A, B, path, path_len)
+
+
+def naive_replay_states_layers(
+    conv_states: list[torch.Tensor],
+    ssm_states: list[torch.Tensor],
+    xBCs: list[torch.Tensor],
+    xs: list[torch.Tensor],
+    dts: list[torch.Tensor],
+    As: list[torch.Tensor],
+    Bs: list[torch.Tensor],
+    path: torch.Tensor,
+    path_len: torch.Tensor,
+) -> None:
+    """`naive_replay_states` of each of L Mamba layers along one accepted path.
+
+    Args:
+        conv_states: L tensors (B, C, K-1) oldest first, updated in place.
+        ssm_states: L tensors (B, H, P, S) fp32, updated in place.
+        xBCs: L tensors (B, N, C) pre-conv inputs; xs: L (B, N, H, P); dts: L (B, N, H);
+            Bs: L (B, N, G, S) cached activations of the verified tree.
+        As: L tensors (H,).
+        path: (B, M) int64 node indices, root first, shared by all layers.
+        path_len: (B,) int.
+    """
+    if len({len(conv_states), len(ssm_states), len(xBCs), len(xs), len(dts), len(As), len(Bs)}) != 1:
+        raise ValueError("replay_states_layers: pass one conv state, SSM state, xBC, x, dt, A and B per layer")
+    for conv_state, ssm_state, xBC, x, dt, A, B in zip(conv_states, ssm_states, xBCs, xs, dts, As, Bs):
+        naive_replay_states(conv_state, ssm_state, xBC, x, dt, A, B, path, path_len)

@@ -2,6 +2,9 @@
 
 `replay_states` runs both updates in one launch (the verify path's replay of a Mamba layer):
 its 1-D grid's first programs are the SSM tiles, the rest the conv-state channel blocks.
+`replay_states_layers` does the same for every Mamba layer of a model in one launch: the layer
+is the grid's second dimension and each layer's tensors come from a table of base addresses
+(a model's Mamba layers share shapes and strides, so one set of strides serves all of them).
 
 All read the accepted length from device memory and loop over it inside the kernel, so a
 whole speculative iteration can be captured in a CUDA graph with no host sync. All update the
@@ -219,6 +222,42 @@ def replay_conv_state(conv_state: torch.Tensor, xBC: torch.Tensor, path: torch.T
 
 
 @triton.jit
+def _replay_states_program(
+    pid, cs_ptr, xbc_ptr, h_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, path_ptr, len_ptr,
+    n_ssm, n_bh, n_pblocks, n_cblocks,
+    H, P, S, M, heads_per_group, CH,
+    shb, shh, shp, shs,
+    sxb, sxn, sxh, sxp,
+    sdb, sdn, sdh,
+    sBb, sBn, sBg, sBs,
+    ssb, ssc, ssk,
+    scb, scn, scc,
+    spb, spm,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr,
+    HIST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    # Program pid of one layer's replay. The branch is uniform per program, so the tiles'
+    # barriers stay legal. Program order follows replay_ssm_state's 3-D grid (batch*head
+    # fastest), then replay_conv_state's.
+    if pid < n_ssm:
+        pid_bh = pid % n_bh
+        rest = pid // n_bh
+        _replay_ssm_tile(
+            h_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, path_ptr, len_ptr,
+            pid_bh // H, pid_bh % H, rest % n_pblocks, rest // n_pblocks,
+            P, S, M, heads_per_group,
+            shb, shh, shp, shs, sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs, spb, spm,
+            BLOCK_P, BLOCK_S, UNROLL,
+        )
+    else:
+        pid_c = pid - n_ssm
+        _replay_conv_tile(
+            cs_ptr, xbc_ptr, path_ptr, len_ptr, pid_c // n_cblocks, pid_c % n_cblocks,
+            CH, M, ssb, ssc, ssk, scb, scn, scc, spb, spm, HIST, BLOCK_H, BLOCK_C,
+        )
+
+
+@triton.jit
 def _replay_states_kernel(
     cs_ptr, xbc_ptr, h_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, path_ptr, len_ptr,
     n_ssm, n_bh, n_pblocks, n_cblocks,
@@ -237,25 +276,13 @@ def _replay_states_kernel(
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
         gdc_launch_dependents()
         gdc_wait()
-    pid = tl.program_id(0)
-    # The branch is uniform per program, so the tiles' barriers stay legal. Program order follows
-    # replay_ssm_state's 3-D grid (batch*head fastest), then replay_conv_state's.
-    if pid < n_ssm:
-        pid_bh = pid % n_bh
-        rest = pid // n_bh
-        _replay_ssm_tile(
-            h_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, path_ptr, len_ptr,
-            pid_bh // H, pid_bh % H, rest % n_pblocks, rest // n_pblocks,
-            P, S, M, heads_per_group,
-            shb, shh, shp, shs, sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs, spb, spm,
-            BLOCK_P, BLOCK_S, UNROLL,
-        )
-    else:
-        pid_c = pid - n_ssm
-        _replay_conv_tile(
-            cs_ptr, xbc_ptr, path_ptr, len_ptr, pid_c // n_cblocks, pid_c % n_cblocks,
-            CH, M, ssb, ssc, ssk, scb, scn, scc, spb, spm, HIST, BLOCK_H, BLOCK_C,
-        )
+    _replay_states_program(
+        tl.program_id(0), cs_ptr, xbc_ptr, h_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, path_ptr, len_ptr,
+        n_ssm, n_bh, n_pblocks, n_cblocks, H, P, S, M, heads_per_group, CH,
+        shb, shh, shp, shs, sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs,
+        ssb, ssc, ssk, scb, scn, scc, spb, spm,
+        BLOCK_P, BLOCK_S, UNROLL, HIST, BLOCK_H, BLOCK_C,
+    )
 
 
 def replay_states(
@@ -303,6 +330,145 @@ def replay_states(
         heads, head_dim, d_state, steps, heads // B.shape[2], channels,
         *ssm_state.stride(), *x.stride(), *dt.stride(), *B.stride(),
         *conv_state.stride(), *xBC.stride(), *path.stride(),
+        **blocks, HIST=max(history, 1), BLOCK_H=triton.next_power_of_2(max(history, 1)), BLOCK_C=_CONV_BLOCK,
+        num_warps=4, **_pdl_args(ssm_state.device),
+    )
+
+
+@triton.jit
+def _table_ptr(table_ptr, layer, column: tl.constexpr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    # Entry (layer, column) of the (L, 7) pointer table as a pointer to DTYPE.
+    ptr = tl.load(table_ptr + layer * 7 + column).to(tl.pointer_type(DTYPE))
+    if ALIGNED:  # what Triton's argument specialisation tells replay_states of 16-byte-aligned tensors
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def _replay_states_layers_kernel(
+    table_ptr, path_ptr, len_ptr,
+    n_ssm, n_bh, n_pblocks, n_cblocks,
+    H, P, S, M, heads_per_group, CH,
+    shb, shh, shp, shs,
+    sxb, sxn, sxh, sxp,
+    sdb, sdn, sdh,
+    sBb, sBn, sBg, sBs,
+    ssb, ssc, ssk,
+    scb, scn, scc,
+    spb, spm,
+    CS_DTYPE: tl.constexpr, XBC_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr, DT_DTYPE: tl.constexpr,
+    A_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr,
+    HIST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
+        gdc_launch_dependents()
+        gdc_wait()
+    layer = tl.program_id(1)
+    # Table columns in replay_states_layers' argument order: conv, ssm, xBC, x, dt, A, B.
+    _replay_states_program(
+        tl.program_id(0),
+        _table_ptr(table_ptr, layer, 0, CS_DTYPE, ALIGNED), _table_ptr(table_ptr, layer, 2, XBC_DTYPE, ALIGNED),
+        _table_ptr(table_ptr, layer, 1, tl.float32, ALIGNED), _table_ptr(table_ptr, layer, 3, X_DTYPE, ALIGNED),
+        _table_ptr(table_ptr, layer, 4, DT_DTYPE, ALIGNED), _table_ptr(table_ptr, layer, 5, A_DTYPE, ALIGNED),
+        _table_ptr(table_ptr, layer, 6, B_DTYPE, ALIGNED), path_ptr, len_ptr,
+        n_ssm, n_bh, n_pblocks, n_cblocks, H, P, S, M, heads_per_group, CH,
+        shb, shh, shp, shs, sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs,
+        ssb, ssc, ssk, scb, scn, scc, spb, spm,
+        BLOCK_P, BLOCK_S, UNROLL, HIST, BLOCK_H, BLOCK_C,
+    )
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+_CAPTURED_TABLES: list[torch.Tensor] = []
+"""Pinned host pointer tables of captured launches: a captured copy reads its host buffer at every
+replay of the graph, so these live as long as the process (a few KB per capture)."""
+
+
+def _pointer_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """(L, 7) int64 addresses on `device`, built without a host sync and safe to capture in a CUDA graph."""
+    if device.type != "cuda":  # the interpreter reads host memory
+        return torch.tensor(rows, dtype=torch.int64)
+    host = torch.tensor(rows, dtype=torch.int64, pin_memory=True)
+    if torch.cuda.is_current_stream_capturing():
+        _CAPTURED_TABLES.append(host)
+    # Outside capture the caching host allocator keeps `host` until the copy has run.
+    return host.to(device, non_blocking=True)
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+def replay_states_layers(
+    conv_states: list[torch.Tensor],
+    ssm_states: list[torch.Tensor],
+    xBCs: list[torch.Tensor],
+    xs: list[torch.Tensor],
+    dts: list[torch.Tensor],
+    As: list[torch.Tensor],
+    Bs: list[torch.Tensor],
+    path: torch.Tensor,
+    path_len: torch.Tensor,
+) -> None:
+    """`replay_states` of every Mamba layer of a model in a single launch.
+
+    Same contract as `naive_replay_states_layers`. The launch reads each layer's tensors through a
+    device table of base addresses and uses layer 0's strides for all, so every layer's tensors
+    must have the same shapes, strides and dtypes as layer 0's; where they do not, this falls back
+    to one `replay_states` launch per layer.
+
+    Args:
+        conv_states: L tensors (B, C, K-1) oldest first, updated in place.
+        ssm_states: L tensors (B, H, P, S) fp32, updated in place.
+        xBCs: L tensors (B, N, C) pre-conv inputs; xs: L (B, N, H, P); dts: L (B, N, H);
+            Bs: L (B, N, G, S) cached activations of the verified tree.
+        As: L tensors (H,).
+        path: (B, M) int node indices, root first, shared by all layers.
+        path_len: (B,) int (read on the device).
+    """
+    if len({len(conv_states), len(ssm_states), len(xBCs), len(xs), len(dts), len(As), len(Bs)}) != 1:
+        raise ValueError("replay_states_layers: pass one conv state, SSM state, xBC, x, dt, A and B per layer")
+    layers = list(zip(conv_states, ssm_states, xBCs, xs, dts, As, Bs))
+    for conv_state, ssm_state, xBC, x, _, _, B in layers:
+        _check_conv_replay("replay_states_layers", conv_state, xBC, path, path_len)
+        _check_ssm_replay("replay_states_layers", ssm_state, x, B, path, path_len)
+    if not layers:
+        return
+    first = [_layout(t) for t in layers[0]]
+    shared = all(t.dtype in _TL_DTYPES for t in layers[0]) and all([_layout(t) for t in layer] == first
+                                                                     for layer in layers[1:])
+    if len(layers) == 1 or not shared:
+        for layer in layers:
+            replay_states(*layer, path, path_len)
+        return
+    conv_state, ssm_state, xBC, x, dt, A, B = layers[0]
+    batch, channels, history = conv_state.shape
+    _, heads, head_dim, d_state = ssm_state.shape
+    steps = path.shape[1]
+    if steps == 0:
+        return
+    blocks = _ssm_blocks(head_dim, d_state, steps)
+    n_bh = batch * heads
+    n_pblocks = triton.cdiv(head_dim, blocks["BLOCK_P"])
+    n_ssm = n_bh * n_pblocks * triton.cdiv(d_state, blocks["BLOCK_S"]) if ssm_state.numel() else 0
+    n_cblocks = triton.cdiv(channels, _CONV_BLOCK)
+    n_conv = batch * n_cblocks if history and conv_state.numel() else 0
+    if n_ssm + n_conv == 0:
+        return
+    rows = [[t.data_ptr() for t in layer] for layer in layers]
+    table = _pointer_table(rows, ssm_state.device)
+    _replay_states_layers_kernel[(n_ssm + n_conv, len(layers))](
+        table, path, path_len,
+        n_ssm, n_bh, n_pblocks, n_cblocks,
+        heads, head_dim, d_state, steps, heads // B.shape[2], channels,
+        *ssm_state.stride(), *x.stride(), *dt.stride(), *B.stride(),
+        *conv_state.stride(), *xBC.stride(), *path.stride(),
+        CS_DTYPE=_TL_DTYPES[conv_state.dtype], XBC_DTYPE=_TL_DTYPES[xBC.dtype], X_DTYPE=_TL_DTYPES[x.dtype],
+        DT_DTYPE=_TL_DTYPES[dt.dtype], A_DTYPE=_TL_DTYPES[A.dtype], B_DTYPE=_TL_DTYPES[B.dtype],
+        ALIGNED=all(p % 16 == 0 for row in rows for p in row),
         **blocks, HIST=max(history, 1), BLOCK_H=triton.next_power_of_2(max(history, 1)), BLOCK_C=_CONV_BLOCK,
         num_warps=4, **_pdl_args(ssm_state.device),
     )

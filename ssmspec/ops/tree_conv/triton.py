@@ -24,44 +24,54 @@ def _tree_conv_kernel(
     swc, swk,
     sob, son, soc,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
+    if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
-        gdc_wait()
     b = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_j = tl.arange(0, BLOCK_K)  # tap j reads the input j tokens back along the node's path
     mask_n = offs_n < N
     mask_c = offs_c < CH
-    mask = mask_n[:, None] & mask_c[None, :]
+    mask_j = offs_j < K
 
-    acc = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
-    # Step j reads the input j tokens back along the node's path: a tree node while the walk is
-    # inside the tree, then the cached prefix inputs (slot K-2 is the most recent) once it has
-    # passed the root.
+    # The window of every node: src[n, j] is the tree node j steps back on n's path, or -1 once
+    # the walk has passed the root, where slot[n, j] is the cached prefix input it reads instead
+    # (slot K-2 the most recent). The walk reads only `parents`, so it runs before the PDL wait,
+    # with the taps, the bias and the cached inputs: the conv state was last written by a replay
+    # or step before this verify's embedding lookup, a plain launch that waits for all earlier
+    # work. After the wait, one gather of the tree inputs instead of K dependent steps.
     cur = tl.where(mask_n, offs_n, -1)
     back = tl.zeros([BLOCK_N], dtype=tl.int32)
+    src = tl.full([BLOCK_N, BLOCK_K], -1, tl.int32)
+    slot = tl.full([BLOCK_N, BLOCK_K], -1, tl.int32)
     for j in tl.static_range(K):
         in_tree = cur >= 0
-        from_tree = tl.load(x_ptr + b * sxb + cur[:, None] * sxn + offs_c[None, :] * sxc,
-                            mask=mask & in_tree[:, None], other=0.0).to(tl.float32)
-        slot = (K - 2) - back
-        from_state = tl.load(state_ptr + b * ssb + offs_c[None, :] * ssc + slot[:, None] * ssk,
-                             mask=mask & (~in_tree[:, None]) & (slot[:, None] >= 0), other=0.0)
-        # Round the cached inputs to the tree inputs' dtype first, as the reference does.
-        from_state = from_state.to(x_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + offs_c * swc + (K - 1 - j) * swk, mask=mask_c, other=0.0).to(tl.float32)
-        acc += tl.where(in_tree[:, None], from_tree, from_state) * w[None, :]
+        tap = (offs_j == j)[None, :]
+        src = tl.where(tap & in_tree[:, None], cur[:, None], src)
+        slot = tl.where(tap & ~in_tree[:, None], ((K - 2) - back)[:, None], slot)
         back = tl.where(in_tree, back, back + 1)
         cur = tl.where(in_tree, tl.load(par_ptr + cur, mask=in_tree, other=-1).to(tl.int32), -1)
+    live = (mask_n[:, None] & mask_j[None, :])[:, :, None] & mask_c[None, None, :]
+    w = tl.load(w_ptr + offs_c[None, :] * swc + (K - 1 - offs_j)[:, None] * swk,
+                mask=mask_j[:, None] & mask_c[None, :], other=0.0).to(tl.float32)  # (taps, channels)
+    from_state = tl.load(state_ptr + b * ssb + offs_c[None, None, :] * ssc + slot[:, :, None] * ssk,
+                         mask=live & (slot >= 0)[:, :, None], other=0.0)
+    # Round the cached inputs to the tree inputs' dtype first, as the reference does.
+    window = from_state.to(x_ptr.dtype.element_ty).to(tl.float32)
+    if USE_PDL:  # wait for the previous kernel (in_proj) before reading its output or writing
+        gdc_wait()
+    window += tl.load(x_ptr + b * sxb + src[:, :, None] * sxn + offs_c[None, None, :] * sxc,
+                      mask=live & (src >= 0)[:, :, None], other=0.0).to(tl.float32)
+    acc = tl.sum(window * w[None, :, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
     tl.store(out_ptr + b * sob + offs_n[:, None] * son + offs_c[None, :] * soc,
-             acc.to(out_ptr.dtype.element_ty), mask=mask)
+             acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_c[None, :])
 
 
 def tree_conv(
@@ -109,6 +119,6 @@ def tree_conv(
         n, channels,
         *xBC.stride(), *conv_state.stride(), *weight.stride(), *out.stride(),
         K=kernel_size, HAS_BIAS=bias is not None, SILU=activation == "silu",
-        BLOCK_N=block_n, BLOCK_C=block_c, num_warps=1, **_pdl_args(out.device),
+        BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_K=triton.next_power_of_2(kernel_size), num_warps=1, **_pdl_args(out.device),
     )
     return out

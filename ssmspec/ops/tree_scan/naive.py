@@ -93,7 +93,8 @@ def naive_tree_scan_gated(
     z: torch.Tensor,
     parents: torch.Tensor,
     initial_state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_sq: bool = False,
+):
     """The verify path's time step, tree scan and gate y * silu(z) in one op.
 
     dt = clamp(softplus(dt_raw + dt_bias), dt_min, dt_max) in fp32 (as `naive_time_step`),
@@ -110,11 +111,17 @@ def naive_tree_scan_gated(
         z: (B, N, H*P) gate.
         parents: (N,) int, -1 for the root.
         initial_state: (B, H, P, S) the state before the root.
+        return_sq: also return g's sums of squares per group of heads (the G groups of B),
+            (B*N, G, 1) fp32, for out_proj's gated norm (kernels return them split in parts).
     Returns:
-        g: (B, N, H*P) in z's dtype, y * silu(z); dt: (B, N, H) fp32, kept for replay.
+        g: (B, N, H*P) in z's dtype, y * silu(z); dt: (B, N, H) fp32, kept for replay; with
+        return_sq, the sums of squares.
     """
     dt = naive_time_step(dt_raw, dt_bias, dt_min, dt_max)  # (B, N, H) fp32
     y = naive_tree_scan(x, dt, A, B, C, D, parents, initial_state)
     y = y.flatten(-2).to(z.dtype)  # (B, N, H*P)
     g = (y.float() * F.silu(z.float())).to(z.dtype)
+    if return_sq:
+        groups = B.shape[2]
+        return g, dt, g.float().unflatten(-1, (groups, -1)).pow(2).sum(-1).reshape(-1, groups, 1)
     return g, dt

@@ -26,6 +26,20 @@ from ..step_update.triton import _pdl_args, _softplus
 
 
 @triton.jit
+def _ancestors(par_ptr, offs_n, mask_n, N, anc):
+    """anc[i, j] = 1 where node j is on node i's root path (i included): every node's parent
+    chain walked at once, cur[i] being node i's k-th ancestor after step k."""
+    cur = tl.where(mask_n, offs_n, -1)
+    steps = 0
+    while (tl.max(cur, axis=0) >= 0) & (steps < N):  # the step bound guards a malformed parents
+        valid = cur >= 0
+        anc = tl.where(cur[:, None] == offs_n[None, :], 1, anc)
+        cur = tl.where(valid, tl.load(par_ptr + cur, mask=valid, other=-1).to(tl.int32), -1)
+        steps += 1
+    return anc
+
+
+@triton.jit
 def _tree_scan_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, par_ptr, h0_ptr, y_ptr,
     bias_ptr, z_ptr, dt_out_ptr, dt_min, dt_max,
@@ -42,10 +56,10 @@ def _tree_scan_kernel(
     BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    sq_ptr=None, WRITE_SQ: tl.constexpr = False,
 ):
-    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
+    if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
-        gdc_wait()
     pid_bh = tl.program_id(0)
     pid_p = tl.program_id(1)
     b = pid_bh // H
@@ -59,44 +73,40 @@ def _tree_scan_kernel(
 
     A = tl.load(A_ptr + h).to(tl.float32)
     dt_base = dt_ptr + b * sdb + h * sdh
+    B_base = B_ptr + b * sBb + g * sBg
+    C_base = C_ptr + b * sCb + g * sCg
+    h0_base = h0_ptr + b * shb + h * shh
+
+    # Before the PDL wait, everything that no earlier kernel of this verify writes: the tree walk
+    # (parents only) and the first S chunk of the initial state. The state was last written by a
+    # replay or step before this verify's embedding lookup, a plain launch that waits for all
+    # earlier work.
+    anc = _ancestors(par_ptr, offs_n, mask_n, N, tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.int32))
+    h0_first = tl.load(h0_base + offs_p[:, None] * shp + offs_s[None, :] * shs,
+                       mask=mask_p[:, None] & (offs_s < S)[None, :], other=0.0).to(tl.float32)
+    if USE_PDL:  # wait for the previous kernel before reading activations or writing anything
+        gdc_wait()
+
     dt = tl.load(dt_base + offs_n * sdn, mask=mask_n, other=0.0).to(tl.float32)
     if FUSED:
         # dt_ptr is dt_raw: the time step of every node here (padding lanes stay 0), stored for
-        # replay by the P-block-0 program. The gate's z is loaded now, its latency hidden by the walk,
-        # and kept in its own dtype until the gate (fewer registers: measured faster than either
-        # loading it at the gate or holding it in fp32).
+        # replay by the P-block-0 program. The gate's z is loaded now, its latency hidden by the
+        # products, and kept in its own dtype until the gate (fewer registers: measured faster
+        # than either loading it at the gate or holding it in fp32).
         dt = _softplus(dt + tl.load(bias_ptr + h).to(tl.float32))
         dt = tl.where(mask_n, tl.minimum(tl.maximum(dt, dt_min), dt_max), 0.0)
         if pid_p == 0:
             tl.store(dt_out_ptr + (b * N + offs_n) * H + h, dt, mask=mask_n)
         zm = tl.load(z_ptr + b * szb + offs_n[:, None] * szn + (h * P + offs_p[None, :]) * szc,
                      mask=mask_n[:, None] & mask_p[None, :], other=0.0)
-
-    # Walk every node's parent chain at once: after step k, cur[i] is node i's k-th ancestor.
-    # anc[i, j] = 1 when j is on i's path; acum[i] = sum of dt*A along it (the path's log-decay).
-    cur = tl.where(mask_n, offs_n, -1)
-    acum = tl.zeros([BLOCK_N], dtype=tl.float32)
-    anc = tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.int32)
-    steps = 0
-    while (tl.max(cur, axis=0) >= 0) & (steps < N):  # the step bound guards a malformed parents
-        valid = cur >= 0
-        anc = tl.where(cur[:, None] == offs_n[None, :], 1, anc)
-        if not FUSED:
-            acum += tl.load(dt_base + cur * sdn, mask=valid, other=0.0).to(tl.float32) * A
-        cur = tl.where(valid, tl.load(par_ptr + cur, mask=valid, other=-1).to(tl.int32), -1)
-        steps += 1
-    if FUSED:
-        # dt is in registers already: sum it along each path through the mask rather than
-        # gather it (and recompute its softplus) at every step of the walk.
-        acum = tl.sum(tl.where(anc != 0, dt[None, :] * A, 0.0), axis=1)
+    # acum[i] = sum of dt*A along node i's path (its log-decay from the prefix), through the
+    # ancestor mask: dt is in registers already, cheaper than gathering it along each chain.
+    acum = tl.sum(tl.where(anc != 0, dt[None, :] * A, 0.0), axis=1)
 
     # scores[i, j] = C_i . B_j and the initial-state term C_i . h0[p, :], accumulated over S chunks
     # so that the operands stay small whatever S is.
     scores = tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.float32)
     from_h0 = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
-    B_base = B_ptr + b * sBb + g * sBg
-    C_base = C_ptr + b * sCb + g * sCg
-    h0_base = h0_ptr + b * shb + h * shh
     for s0 in range(0, S, BLOCK_S):
         ss = s0 + offs_s
         mask_s = ss < S
@@ -104,8 +114,11 @@ def _tree_scan_kernel(
                      mask=mask_n[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
         Bm = tl.load(B_base + offs_n[:, None] * sBn + ss[None, :] * sBs,
                      mask=mask_n[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
-        h0 = tl.load(h0_base + offs_p[:, None] * shp + ss[None, :] * shs,
-                     mask=mask_p[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
+        if s0 == 0:
+            h0 = h0_first
+        else:
+            h0 = tl.load(h0_base + offs_p[:, None] * shp + ss[None, :] * shs,
+                         mask=mask_p[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
         scores += tl.dot(Cm, tl.trans(Bm), input_precision=PRECISION)
         from_h0 += tl.dot(Cm, tl.trans(h0), input_precision=PRECISION)
 
@@ -121,8 +134,16 @@ def _tree_scan_kernel(
         # g = y * silu(z) with y rounded to z's (= the output's) dtype first, as the reference does.
         zf = zm.to(tl.float32)
         y = y.to(y_ptr.dtype.element_ty).to(tl.float32) * (zf * tl.sigmoid(zf))
-    tl.store(y_ptr + b * syb + h * syh + offs_n[:, None] * syn + offs_p[None, :] * syp, y.to(y_ptr.dtype.element_ty),
+    out = y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + b * syb + h * syh + offs_n[:, None] * syn + offs_p[None, :] * syp, out,
              mask=mask_n[:, None] & mask_p[None, :])
+    if WRITE_SQ:
+        # Each node's sum of squares over this program's channels, for out_proj's gated norm
+        # (ops/gemv norm_linear x_sq): at (b, node, h * P blocks + pid_p), so the parts of one
+        # norm group (its heads) are contiguous.
+        of = tl.where(mask_n[:, None] & mask_p[None, :], out.to(tl.float32), 0.0)
+        tl.store(sq_ptr + (b * N + offs_n) * (H * tl.num_programs(1)) + h * tl.num_programs(1) + pid_p,
+                 tl.sum(of * of, axis=1), mask=mask_n)
 
 
 def _check_tree_scan_shapes(x, dt, A, B, C, D, parents, initial_state, op="tree_scan"):
@@ -195,11 +216,14 @@ def tree_scan_gated(
     parents: torch.Tensor,
     initial_state: torch.Tensor,
     precision: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_sq: bool = False,
+):
     """Time step, tree scan and gate y * silu(z) of the verify path in one launch.
 
     Same contract as `naive_tree_scan_gated`; `precision` as in `tree_scan`. dt_raw, z, x, B
-    and C may be strided views (column slices of the in_proj / conv output).
+    and C may be strided views (column slices of the in_proj / conv output). With return_sq
+    also the gated output's partial sums of squares per group, (B*N, G, parts) fp32, each
+    program's share, for out_proj's gated norm (ops/gemv `norm_linear` x_sq).
 
     Args:
         x: (B, N, H, P) SSM inputs after the conv.
@@ -212,7 +236,8 @@ def tree_scan_gated(
         parents: (N,) int, -1 for the root, parents before children.
         initial_state: (B, H, P, S) the state before the root.
     Returns:
-        g: (B, N, H*P) in z's dtype; dt: (B, N, H) fp32, kept for replay.
+        g: (B, N, H*P) in z's dtype; dt: (B, N, H) fp32, kept for replay; with return_sq, the
+        partial sums of squares.
     """
     _check_tree_scan_shapes(x, dt_raw, A, B, C, D, parents, initial_state, op="tree_scan_gated")
     batch, n, heads, head_dim = x.shape
@@ -222,14 +247,27 @@ def tree_scan_gated(
         )
     g = torch.empty(batch, n, heads * head_dim, device=x.device, dtype=z.dtype)
     dt = torch.empty(batch, n, heads, device=x.device, dtype=torch.float32)
+    groups = B.shape[2]
+    sq = None
+    if return_sq:
+        parts = heads // groups * triton.cdiv(head_dim, _block_p(head_dim))
+        sq = torch.empty(batch * n, groups, parts, device=x.device, dtype=torch.float32)
     _launch(x, dt_raw, A, B, C, D, parents, initial_state, g.view(batch, n, heads, head_dim), precision,
-            fused=(dt_bias, float(dt_min), float(dt_max), z, dt))
-    return g, dt
+            fused=(dt_bias, float(dt_min), float(dt_max), z, dt), sq=sq)
+    return (g, dt, sq) if return_sq else (g, dt)
 
 
-def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None):
+def _block_p(head_dim: int) -> int:
+    # One block of up to 64 channels: splitting P into 32s (more programs) measured slower,
+    # 4.4/6.7/13.5 us against 4.0/4.6/9.3 us for 15/31/63 nodes (BENCHMARKS.md): the cost is
+    # the parent walk and the C.B product, which every P block repeats.
+    return min(64, max(16, triton.next_power_of_2(head_dim)))
+
+
+def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None, sq=None):
     """Run `_tree_scan_kernel` into y (B, N, H, P); fused = (dt_bias, dt_min, dt_max, z, dt_out)
-    makes dt the raw time step and y the gated output (tree_scan_gated)."""
+    makes dt the raw time step and y the gated output (tree_scan_gated); sq receives the gated
+    output's partial sums of squares."""
     if precision is None:
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
     batch, n, heads, head_dim = x.shape
@@ -237,10 +275,7 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None)
     if y.numel() == 0:
         return
     block_n = max(16, triton.next_power_of_2(n))
-    # One block of up to 64 channels: splitting P into 32s (more programs) measured slower,
-    # 4.4/6.7/13.5 us against 4.0/4.6/9.3 us for 15/31/63 nodes (BENCHMARKS.md): the cost is
-    # the parent walk and the C.B product, which every P block repeats.
-    block_p = min(64, max(16, triton.next_power_of_2(head_dim)))
+    block_p = _block_p(head_dim)
     block_s = min(64, max(16, triton.next_power_of_2(d_state)))
     grid = (batch * heads, triton.cdiv(head_dim, block_p))
     D_arg = D if D is not None else A  # never read when HAS_D is False
@@ -256,4 +291,5 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None)
         BLOCK_N=block_n, BLOCK_P=block_p, BLOCK_S=block_s,
         PRECISION=precision,
         num_warps=4 if block_n <= 32 else 8, **_pdl_args(y.device),
+        sq_ptr=sq, WRITE_SQ=sq is not None,
     )
