@@ -254,6 +254,38 @@ def copy_tbps() -> float:
     return 2 * src.numel() * 4 / us / 1e6
 
 
+SKINNY_CFGS = [(16, 128, 4, 4), (32, 128, 4, 4), (32, 64, 4, 6), (64, 64, 4, 4), (16, 256, 4, 3), (32, 256, 4, 3),
+               (64, 128, 4, 3), (16, 128, 2, 5), (16, 64, 4, 8)]
+# balanced grids: (0, block_k, warps, stages, programs per SM), BLOCK_N derived (ops/gemv skinny_linear)
+BALANCED_CFGS = [(0, bk, w, st, k) for k in (1, 2, 3, 4, 5, 6) for bk, w, st in ((128, 2, 5), (128, 4, 4), (256, 4, 3))]
+
+
+def skinny_sweep(shapes, ms=(8, 16, 32, 64), cfgs=SKINNY_CFGS) -> None:
+    """Skinny GEMM configs against cuBLAS at M rows, rotating >= 200 MB of weight copies."""
+    print("\nskinny GEMM (M rows at once) against cuBLAS; config = (block_n, block_k, warps, stages[, per SM])")
+    for label, n_out, k_in in shapes:
+        nbytes = n_out * k_in * 2
+        copies = max(2, math.ceil(200e6 / nbytes))
+        wts = [torch.randn(n_out, k_in, device=DEV, dtype=BF16) for _ in range(copies)]
+        for m in ms:
+            xin = torch.randn(m, k_in, device=DEV, dtype=BF16)
+            ref = torch.nn.functional.linear(xin, wts[0])
+            cub = time_us(lambda: [torch.nn.functional.linear(xin, w_) for w_ in wts]) / copies
+            res = []
+            for cfg in cfgs:
+                try:
+                    check(f"skinny {label} M={m} {cfg}", skinny_linear(xin, wts[0], None, config=cfg), ref, 4e-3)
+                    res.append((cfg, time_us(lambda cfg=cfg: [skinny_linear(xin, w_, None, config=cfg) for w_ in wts]) / copies))
+                except Exception as e:
+                    print(f"  skinny {label} M={m} {cfg} failed: {e!r}"[:200], flush=True)
+            res.sort(key=lambda r: r[1])
+            top = "; ".join(f"{c} {us:.2f}us" for c, us in res[:5])
+            print(f"  {label} M={m:>2}: cuBLAS {cub:7.2f} us ({nbytes / cub / 1e6:.2f} TB/s) | best skinny {top} "
+                  f"({nbytes / res[0][1] / 1e6:.2f} TB/s)", flush=True)
+            RESULTS["timings"].append({"what": f"skinny {label} M={m}", "cublas_us": cub, "rows": [(str(c), u) for c, u in res]})
+        del wts
+
+
 def gemv_sweep(only: str | None = None) -> None:
     """One-row GEMV and few-row skinny GEMM configs at the mamba2-2.7b projection shapes, against
     cuBLAS; rotating enough weight copies (>= 200 MB) that L2 cannot hold them. Prints tables
@@ -311,33 +343,7 @@ def gemv_sweep(only: str | None = None) -> None:
         RESULTS["timings"].append({"what": f"gemv sweep {label}", "bytes": nbytes, "rows": rows})
         del wts
 
-    print("\nskinny GEMM (M rows at once) against cuBLAS; config = (block_n, block_k, warps, stages)")
-    skinny_cfgs = [(16, 128, 4, 4), (32, 128, 4, 4), (32, 64, 4, 6), (64, 64, 4, 4), (16, 256, 4, 3), (32, 256, 4, 3),
-                   (64, 128, 4, 3), (16, 128, 2, 5), (16, 64, 4, 8)]
-    for label, n_out, k_in in shapes[:2]:
-        if only and label != only:
-            continue
-        nbytes = n_out * k_in * 2
-        copies = max(2, math.ceil(200e6 / nbytes))
-        wts = [torch.randn(n_out, k_in, device=DEV, dtype=BF16) for _ in range(copies)]
-
-        for m in (8, 16, 32, 64):
-            xin = torch.randn(m, k_in, device=DEV, dtype=BF16)
-            ref = torch.nn.functional.linear(xin, wts[0])
-            cub = time_us(lambda: [torch.nn.functional.linear(xin, w_) for w_ in wts]) / copies
-            res = []
-            for cfg in skinny_cfgs:
-                try:
-                    check(f"skinny {label} M={m} {cfg}", skinny_linear(xin, wts[0], None, config=cfg), ref, 4e-3)
-                    res.append((cfg, time_us(lambda cfg=cfg: [skinny_linear(xin, w_, None, config=cfg) for w_ in wts]) / copies))
-                except Exception as e:
-                    print(f"  skinny {label} M={m} {cfg} failed: {e!r}"[:200], flush=True)
-            res.sort(key=lambda r: r[1])
-            top = "; ".join(f"{c} {us:.2f}us" for c, us in res[:4])
-            print(f"  {label} M={m:>2}: cuBLAS {cub:7.2f} us ({nbytes / cub / 1e6:.2f} TB/s) | best skinny {top} "
-                  f"({nbytes / res[0][1] / 1e6:.2f} TB/s)", flush=True)
-            RESULTS["timings"].append({"what": f"skinny {label} M={m}", "cublas_us": cub, "rows": [(str(c), u) for c, u in res]})
-        del wts
+    skinny_sweep([sh for sh in shapes[:2] if not only or sh[0] == only])
     print("\nbest one-row configs: " + "; ".join(f"{k}: {v[0]} {v[1]:.2f} us" for k, v in best.items()))
 
 
@@ -374,6 +380,8 @@ def main() -> int:
     ap.add_argument("--gemv-sweep", action="store_true", help="only sweep the GEMV / skinny GEMM configs")
     ap.add_argument("--only", default=None, help="with --gemv-sweep: one of in_proj, out_proj, lm_head")
     ap.add_argument("--norm-linear", action="store_true", help="only time norm_linear against linear")
+    ap.add_argument("--skinny-sweep", action="store_true",
+                    help="only the skinny GEMM at 8 and 16 rows, tiled and balanced grids, 2.7b and hybrid-8b shapes")
     args = ap.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
@@ -381,6 +389,10 @@ def main() -> int:
         norm_linear_timings()
     elif args.gemv_sweep:
         gemv_sweep(args.only)
+    elif args.skinny_sweep:
+        shapes = [("in_proj", 2 * D_INNER + 2 * G * S + H, 2560), ("out_proj", 2560, D_INNER),
+                  ("in_proj-8b", 2 * 8192 + 2 * 8 * 128 + 128, 4096), ("out_proj-8b", 4096, 8192)]
+        skinny_sweep(shapes, ms=(16, 8), cfgs=SKINNY_CFGS[:2] + SKINNY_CFGS[7:8] + BALANCED_CFGS)
     else:
         if not args.skip_checks:
             run_checks()

@@ -395,10 +395,12 @@ else:
         split = torch.rand(rows, norm_groups, 3) + 0.1
         x_sq = sums[..., None] * split / split.sum(-1, keepdim=True)  # three uneven parts per group
         want, want_sq = naive_norm_linear(x, w, None, norm_groups, 1e-5, res, return_sq=True)
-        for cfg in ((16, 32, 1, 1), (32, 128, 1, 1)):  # 128 > a group of 64 at two groups: the block shrinks
+        # 128 > a group of 64 at two groups: the block shrinks; (0, ..., k): the balanced grid,
+        # k programs per SM (4 "SMs" under the interpreter), 70 columns as 8 and 9 per program
+        for cfg in ((16, 32, 1, 1), (32, 128, 1, 1), (0, 32, 1, 1, 2)):
             got, got_sq = GV.skinny_linear(x, w, None, cfg, res, norm_groups, 1e-5, x_sq=x_sq, return_sq=True)
             assert_close(got, want, atol=1e-4, rtol=1e-4, name=str(cfg))
-            assert got_sq.shape == (rows, 1, triton.cdiv(n, cfg[0]))
+            assert got_sq.shape == (rows, 1, 8 if len(cfg) == 5 else triton.cdiv(n, cfg[0]))
             assert_close(got_sq.sum(-1, keepdim=True), want_sq, atol=1e-3, rtol=1e-5, name=f"sq {cfg}")
         got, got_sq = GV.norm_linear(x, w, None, norm_groups, 1e-5, res, x_sq=x_sq, return_sq=True)
         assert_close(got, want, atol=1e-4, rtol=1e-4, name="norm_linear")

@@ -13,6 +13,7 @@ rows padded to a tensor-core tile. Larger inputs go to F.linear (cuBLAS).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -326,7 +327,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    USE_PDL: tl.constexpr, res_ptr=None, srm=0, HAS_RES: tl.constexpr = False,
                    xsq_ptr=None, n_xparts=1, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0,
-                   BLOCK_Q: tl.constexpr = 16, ysq_ptr=None, WRITE_SQ: tl.constexpr = False):
+                   BLOCK_Q: tl.constexpr = 16, ysq_ptr=None, WRITE_SQ: tl.constexpr = False,
+                   BALANCED: tl.constexpr = False):
     # Launched without PDL (USE_PDL False): its early-launched instances held their pipeline's
     # shared memory while waiting and ran 1.4x slower in the H100 sweep (13.7 -> 20.5 us at 8 rows).
     # HAS_RES: the output, rounded to y's dtype, is added to the residual (as in _gemv_tile).
@@ -334,12 +336,21 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
     # the partial sums of squares at xsq_ptr, which x's producer wrote (no norm launch, no second
     # pass over x): each group's dot products are scaled by its 1/rms.
     # WRITE_SQ: this program's share of the output rows' sums of squares, for the next norm.
+    # BALANCED: the grid is a multiple of the SM count and program p owns output columns
+    # [p N / P, (p + 1) N / P) (at most BLOCK_N of them), so every SM streams the same number of
+    # weight rows; with fixed BLOCK_N-wide tiles, 160 tiles on 132 SMs leave 28 SMs twice the work.
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if BALANCED:
+        pid = tl.program_id(0)
+        n_hi = ((pid + 1) * N) // tl.num_programs(0)
+        offs_n = (pid * N) // tl.num_programs(0) + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < n_hi
+    else:
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
-    mask_n = offs_n < N
     mask_m = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if NORM_GROUPS == 0:
@@ -367,9 +378,10 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
 
 
 SKINNY_DEFAULT = (32, 128, 4, 4)
-"""(BLOCK_N, BLOCK_K, num_warps, num_stages) of the skinny GEMM."""
+"""(BLOCK_N, BLOCK_K, num_warps, num_stages) of the skinny GEMM; a fifth entry k > 0 makes the
+grid balanced (k programs per SM, each owning N / (k * SMs) columns; BLOCK_N is then derived)."""
 # (N, K) -> config: the best of the H100 sweep at 8 and 16 rows (bench/results/gemv_sweep-h100.log)
-SKINNY_TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {(2560, 5120): (16, 128, 2, 5)}
+SKINNY_TUNED: dict[tuple[int, int], tuple[int, ...]] = {(2560, 5120): (16, 128, 2, 5)}
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None,
@@ -390,7 +402,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         res = residual.reshape(m, n)
         if res.stride(-1) != 1:
             res = res.contiguous()
-    block_n, block_k, warps, stages = config or SKINNY_TUNED.get((n, k), SKINNY_DEFAULT)
+    block_n, block_k, warps, stages, *per_sm = config or SKINNY_TUNED.get((n, k), SKINNY_DEFAULT)
+    grid = triton.cdiv(n, block_n) if block_n else 0
+    if per_sm and per_sm[0]:  # balanced: a multiple of the SM count, N split evenly
+        grid = min(_sm_count(x.device) * per_sm[0], n)
+        block_n = max(16, triton.next_power_of_2(triton.cdiv(n, grid)))
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     group_size = k // norm_groups if norm_groups else 1
     if norm_groups and x_sq is not None:
@@ -407,7 +423,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         from ..step_update.triton import rms_norm
 
         rows = rms_norm(rows.reshape(-1, group_size), None, eps).reshape(m, k)
-    grid = triton.cdiv(n, block_n)
     y_sq = torch.empty(m, 1, grid, device=x.device, dtype=torch.float32) if return_sq else None
     _skinny_kernel[(grid,)](
         rows, weight, bias if bias is not None else weight, y, m, n, k, rows.stride(0), weight.stride(0), y.stride(0),
@@ -418,10 +433,21 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         xsq_ptr=x_sq if use_parts else None, n_xparts=x_sq.shape[-1] if use_parts else 1, group_size=group_size,
         eps=float(eps), NORM_GROUPS=norm_groups if use_parts else 0,
         BLOCK_Q=max(16, triton.next_power_of_2(x_sq.shape[-1])) if use_parts else 16,
-        ysq_ptr=y_sq, WRITE_SQ=return_sq,
+        ysq_ptr=y_sq, WRITE_SQ=return_sq, BALANCED=bool(per_sm and per_sm[0]),
     )
     y = y.reshape(tuple(x.shape[:-1]) + (n,))
     return (y, y_sq) if return_sq else y
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the CPU interpreter: any small count exercises the balanced split
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _check_parts(sq: torch.Tensor, rows: int, groups: int, name: str) -> torch.Tensor:
