@@ -382,6 +382,8 @@ def main() -> int:
     ap.add_argument("--norm-linear", action="store_true", help="only time norm_linear against linear")
     ap.add_argument("--skinny-sweep", action="store_true",
                     help="only the skinny GEMM at 8 and 16 rows, tiled and balanced grids, 2.7b and hybrid-8b shapes")
+    ap.add_argument("--shapes", default=None,
+                    help="with --skinny-sweep: other shapes, label:N:K comma-separated (e.g. up:21504:4096)")
     args = ap.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
@@ -392,6 +394,8 @@ def main() -> int:
     elif args.skinny_sweep:
         shapes = [("in_proj", 2 * D_INNER + 2 * G * S + H, 2560), ("out_proj", 2560, D_INNER),
                   ("in_proj-8b", 2 * 8192 + 2 * 8 * 128 + 128, 4096), ("out_proj-8b", 4096, 8192)]
+        if args.shapes:
+            shapes = [(lbl, int(n), int(k)) for lbl, n, k in (item.split(":") for item in args.shapes.split(","))]
         skinny_sweep(shapes, ms=(16, 8), cfgs=SKINNY_CFGS[:2] + SKINNY_CFGS[7:8] + BALANCED_CFGS)
     else:
         if not args.skip_checks:
