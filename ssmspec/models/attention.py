@@ -7,8 +7,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops import dispatch
 from .cache import AttentionLayerCache
 from .config import AttentionConfig
+
+
+def _project_rows(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """linear(x), through the decode kernels (GEMV / skinny GEMM, ops/gemv) at inference: at a
+    few rows they stream the weights faster than cuBLAS. Training keeps nn.Linear (autograd)."""
+    if torch.is_grad_enabled():
+        return linear(x)
+    return dispatch.linear(x, linear.weight, linear.bias)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -53,9 +62,9 @@ class Attention(nn.Module):
 
     def _project(self, h: torch.Tensor, positions: torch.Tensor):
         c = self.cfg
-        q = self.q_proj(h).unflatten(-1, (c.n_heads, c.head_dim)).transpose(1, 2)  # (B, H, N, D)
-        k = self.k_proj(h).unflatten(-1, (c.n_kv_heads, c.head_dim)).transpose(1, 2)
-        v = self.v_proj(h).unflatten(-1, (c.n_kv_heads, c.head_dim)).transpose(1, 2)
+        q = _project_rows(self.q_proj, h).unflatten(-1, (c.n_heads, c.head_dim)).transpose(1, 2)  # (B, H, N, D)
+        k = _project_rows(self.k_proj, h).unflatten(-1, (c.n_kv_heads, c.head_dim)).transpose(1, 2)
+        v = _project_rows(self.v_proj, h).unflatten(-1, (c.n_kv_heads, c.head_dim)).transpose(1, 2)
         return self._rope(q, positions), self._rope(k, positions), v
 
     def _attend(self, q, k_new, v_new, cache, seqlen, new_mask):
@@ -77,7 +86,7 @@ class Attention(nn.Module):
         keys = keys.repeat_interleave(groups, dim=1)
         values = values.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])
-        return self.o_proj(out.transpose(1, 2).flatten(-2))
+        return _project_rows(self.o_proj, out.transpose(1, 2).flatten(-2))
 
     def _write(self, cache: AttentionLayerCache, seqlen, k, v, count=None):
         """Write k, v (B, Hkv, M, D) at each row's positions seqlen .. seqlen+M-1 (first `count` valid)."""

@@ -380,8 +380,20 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
 SKINNY_DEFAULT = (32, 128, 4, 4)
 """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the skinny GEMM; a fifth entry k > 0 makes the
 grid balanced (k programs per SM, each owning N / (k * SMs) columns; BLOCK_N is then derived)."""
-# (N, K) -> config: the best of the H100 sweep at 8 and 16 rows (bench/results/gemv_sweep-h100.log)
-SKINNY_TUNED: dict[tuple[int, int], tuple[int, ...]] = {(2560, 5120): (16, 128, 2, 5)}
+# (N, K) -> config: the best at 16 rows of the H100 sweeps (bench/results/gemv_sweep-h100.log, then
+# `bench_kernels.py --skinny-sweep`, bench/results/round4/skinny_sweep*.log): mamba2-2.7b out_proj,
+# hybrid-8b Mamba in/out_proj, MLP up/down, attention q/o and k/v, LM head. Unlisted shapes use
+# SKINNY_DEFAULT (the best at the 2.7b in_proj).
+SKINNY_TUNED: dict[tuple[int, int], tuple[int, ...]] = {
+    (2560, 5120): (0, 128, 2, 5, 2),  # 13.12 us vs 13.90 tiled (16, 128, 2, 5)
+    (18560, 4096): (0, 128, 4, 4, 3),  # 53.77 vs 55.20 default
+    (4096, 8192): (0, 128, 2, 5, 2),  # 26.53 vs 28.21
+    (21504, 4096): (0, 128, 4, 4, 3),  # 61.96 vs 65.50
+    (4096, 21504): (0, 128, 2, 5, 2),  # 63.75 vs 69.56
+    (4096, 4096): (0, 128, 2, 5, 2),  # 14.38 vs 15.24
+    (1024, 4096): (0, 128, 2, 5, 1),  # 8.67 vs 10.78
+    (131072, 4096): (16, 128, 2, 5),  # 359.2 vs 360.8
+}
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None,
