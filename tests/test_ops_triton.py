@@ -380,6 +380,24 @@ else:
                          naive_norm_linear(x5, w, None, norm_groups, 1e-5, res5), atol=1e-4, rtol=1e-4, name=str(cfg))
 
 
+    @pytest.mark.parametrize("activation", ["relu", "relu2", "silu", "gelu"])
+    def test_norm_linear_activation_in_the_epilogue(activation, nan_outputs):
+        """The MLP's up projection with its activation: inside the skinny GEMM's epilogue (relu,
+        relu2, silu), after it otherwise (gelu; one row), as the reference applies it."""
+        from ssmspec.ops.gemv.naive import naive_norm_linear
+
+        n, k = 70, 128
+        w = torch.randn(n, k) / 8
+        for rows in (1, 5):
+            x = torch.randn(1, rows, k) * 3
+            want = naive_norm_linear(x, w, None, 1, 1e-5, activation=activation)
+            got = GV.norm_linear(x, w, None, 1, 1e-5, activation=activation)
+            assert_close(got, want, atol=1e-4, rtol=1e-4, name=f"{activation} rows {rows}")
+            assert (want < 0).any() == (activation in ("silu", "gelu"))  # the activation was applied
+        with pytest.raises(ValueError, match="residual"):
+            GV.norm_linear(x, w, None, 1, 1e-5, torch.randn(1, 5, n), activation=activation)
+
+
     @pytest.mark.parametrize("norm_groups", [1, 2])
     def test_norm_linear_from_partial_sums_of_squares(norm_groups, nan_outputs):
         """The skinny GEMM takes the norm from its input's partial sums of squares (x_sq, as the

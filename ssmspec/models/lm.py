@@ -47,11 +47,13 @@ def _folded_mlp_residual(mlp: MLP, h: torch.Tensor, eps: float, h_sq: torch.Tens
     the norm runs inside those projections and the residual add inside the down projection.
     h_sq: h's partial sums of squares or None (ops/gemv `norm_linear`). Returns the output and
     its partial sums of squares (or None)."""
-    up = dispatch.norm_linear(h, mlp.up_proj.weight, mlp.up_proj.bias, 1, eps, x_sq=h_sq)
     if mlp.cfg.gated:
-        up = mlp.act(dispatch.norm_linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias, 1, eps, x_sq=h_sq)) * up
-    else:
-        up = mlp.act(up)
+        up = dispatch.norm_linear(h, mlp.up_proj.weight, mlp.up_proj.bias, 1, eps, x_sq=h_sq)
+        up = dispatch.norm_linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias, 1, eps, x_sq=h_sq,
+                                  activation=mlp.cfg.activation) * up
+    else:  # the activation inside the projection's epilogue on the kernels
+        up = dispatch.norm_linear(h, mlp.up_proj.weight, mlp.up_proj.bias, 1, eps, x_sq=h_sq,
+                                  activation=mlp.cfg.activation)
     return dispatch.norm_linear(up, mlp.down_proj.weight, mlp.down_proj.bias, 0, residual=h, return_sq=True)
 
 

@@ -3,16 +3,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from ..ops.gemv.naive import ACTIVATIONS
 from .config import MLPConfig
-
-ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "relu2": lambda x: torch.square(F.relu(x)),
-}
 
 
 class MLP(nn.Module):

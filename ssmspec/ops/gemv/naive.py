@@ -5,6 +5,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "relu2": lambda x: torch.square(F.relu(x)),
+}
+"""Activations by name (the MLP's); `norm_linear` can apply one to its output."""
+
 
 def naive_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K), weight (N, K), bias (N,) or None -> (..., N), as nn.Linear."""
@@ -13,7 +21,7 @@ def naive_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def naive_norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm_groups: int = 1,
                       eps: float = 1e-5, residual: torch.Tensor | None = None, x_sq: torch.Tensor | None = None,
-                      return_sq: bool = False, reuse_residual: bool = False):
+                      return_sq: bool = False, reuse_residual: bool = False, activation: str | None = None):
     """[residual +] linear(RMSNorm(x), weight, bias), the norm without a weight of its own.
 
     A pre-norm sublayer's RMSNorm weight (and the Mamba mixer's gated-norm weight) can be folded
@@ -28,7 +36,8 @@ def naive_norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return the output's sums of squares over the whole row, (rows, 1, 1) fp32, of the values as
     returned (kernels return them split in parts, or None on routes that do not produce them).
     reuse_residual: the caller gives up `residual`; a kernel may write the output into it (the
-    reference does not).
+    reference does not). activation: a name of ACTIVATIONS applied to the (rounded) output, as
+    the MLP applies it to its up projection; only without a residual.
 
     Args:
         x: (..., K); weight: (N, K); bias: (N,) or None; residual: (..., N) or None.
@@ -39,6 +48,10 @@ def naive_norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         xf = x.float().unflatten(-1, (norm_groups, -1))  # (..., groups, K / groups)
         x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2).to(x.dtype)
     out = F.linear(x, weight, bias)
+    if activation is not None:
+        if residual is not None:
+            raise ValueError("norm_linear: an activation applies to an output without a residual")
+        out = ACTIVATIONS[activation](out)
     out = out if residual is None else residual + out.to(residual.dtype)
     if return_sq:
         return out, out.float().pow(2).sum(-1).reshape(-1, 1, 1)

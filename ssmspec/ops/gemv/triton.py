@@ -328,7 +328,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
                    USE_PDL: tl.constexpr, res_ptr=None, srm=0, HAS_RES: tl.constexpr = False,
                    xsq_ptr=None, n_xparts=1, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0,
                    BLOCK_Q: tl.constexpr = 16, ysq_ptr=None, WRITE_SQ: tl.constexpr = False,
-                   BALANCED: tl.constexpr = False):
+                   BALANCED: tl.constexpr = False, ACT: tl.constexpr = 0):
     # Launched without PDL (USE_PDL False): its early-launched instances held their pipeline's
     # shared memory while waiting and ran 1.4x slower in the H100 sweep (13.7 -> 20.5 us at 8 rows).
     # HAS_RES: the output, rounded to y's dtype, is added to the residual (as in _gemv_tile).
@@ -371,6 +371,16 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
         acc = (tl.load(res_ptr + offs_m[:, None] * srm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
                + acc.to(y_ptr.dtype.element_ty).to(tl.float32))
     out = acc.to(y_ptr.dtype.element_ty)
+    if ACT != 0:  # on the rounded output, as torch applies it to the projection's result
+        of = out.to(tl.float32)
+        if ACT == 1:  # relu
+            of = tl.maximum(of, 0.0)
+        elif ACT == 2:  # relu2
+            of = tl.maximum(of, 0.0)
+            of = of * of
+        else:  # silu
+            of = of * tl.sigmoid(of)
+        out = of.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :], out, mask=mask)
     if WRITE_SQ:  # of the stored (rounded) values, as the next norm reads them
         of = tl.where(mask, out.to(tl.float32), 0.0)
@@ -396,13 +406,21 @@ SKINNY_TUNED: dict[tuple[int, int], tuple[int, ...]] = {
 }
 
 
+SKINNY_ACTIVATIONS = {"relu": 1, "relu2": 2, "silu": 3}
+"""Activations the skinny GEMM applies in its epilogue (ops/gemv/naive ACTIVATIONS' formulas)."""
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None,
                   residual: torch.Tensor | None = None, norm_groups: int = 0, eps: float = 0.0,
-                  x_sq: torch.Tensor | None = None, return_sq: bool = False):
+                  x_sq: torch.Tensor | None = None, return_sq: bool = False, activation: str | None = None):
     """x (..., K) with M rows in all, weight (N, K) -> (..., N) for small M (any M works; the
     tile pads M up to a power of two >= 16, so it pays only for few rows). norm_groups, residual,
-    x_sq and return_sq as in `norm_linear`: with x_sq the norm scales each group's dot products
-    inside the GEMM, without it the norm kernel runs first."""
+    x_sq, return_sq and activation (one of SKINNY_ACTIVATIONS, in the epilogue) as in
+    `norm_linear`: with x_sq the norm scales each group's dot products inside the GEMM, without
+    it the norm kernel runs first."""
+    if activation is not None and (activation not in SKINNY_ACTIVATIONS or residual is not None or return_sq):
+        raise ValueError(f"skinny_linear: activation {activation!r} needs no residual, no return_sq and one of "
+                         f"{sorted(SKINNY_ACTIVATIONS)}")
     n, k = weight.shape
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
@@ -446,6 +464,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         eps=float(eps), NORM_GROUPS=norm_groups if use_parts else 0,
         BLOCK_Q=max(16, triton.next_power_of_2(x_sq.shape[-1])) if use_parts else 16,
         ysq_ptr=y_sq, WRITE_SQ=return_sq, BALANCED=bool(per_sm and per_sm[0]),
+        ACT=SKINNY_ACTIVATIONS[activation] if activation else 0,
     )
     y = y.reshape(tuple(x.shape[:-1]) + (n,))
     return (y, y_sq) if return_sq else y
@@ -497,7 +516,8 @@ def _interpreting() -> bool:
 
 def norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm_groups: int = 1,
                 eps: float = 1e-5, residual: torch.Tensor | None = None, config=None,
-                x_sq: torch.Tensor | None = None, return_sq: bool = False, reuse_residual: bool = False):
+                x_sq: torch.Tensor | None = None, return_sq: bool = False, reuse_residual: bool = False,
+                activation: str | None = None):
     """[residual +] linear(RMSNorm(x) over norm_groups groups, weight, bias) on the kernels; same
     contract as `naive_norm_linear` (the norm has no weight of its own: it is folded into
     `weight`, see `ssmspec.models.fold`). One row runs the GEMV with the norm and the residual
@@ -512,13 +532,22 @@ def norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     (y, y_sq or None) with return_sq.
 
     reuse_residual: the caller no longer needs `residual`, so the output may be written into its
-    storage (the cuBLAS route adds in place, sparing addmm's copy of it)."""
-    from .naive import naive_norm_linear
+    storage (the cuBLAS route adds in place, sparing addmm's copy of it). activation: applied to
+    the output (no residual), inside the skinny GEMM's epilogue when it is one of
+    SKINNY_ACTIVATIONS, else after."""
+    from .naive import ACTIVATIONS, naive_norm_linear
 
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if rows == 0 or (x.device.type != "cuda" and not _interpreting()) or (norm_groups and k % norm_groups):
-        return naive_norm_linear(x, weight, bias, norm_groups, eps, residual, x_sq, return_sq)
+        return naive_norm_linear(x, weight, bias, norm_groups, eps, residual, x_sq, return_sq, activation=activation)
+    if activation is not None:
+        if residual is not None:
+            raise ValueError("norm_linear: an activation applies to an output without a residual")
+        if not (1 < rows <= SKINNY_MAX_ROWS and ENABLED and activation in SKINNY_ACTIVATIONS
+                and weight.stride(-1) == 1 and not return_sq):
+            return ACTIVATIONS[activation](norm_linear(x, weight, bias, norm_groups, eps, config=config, x_sq=x_sq))
+        return skinny_linear(x, weight, bias, norm_groups=norm_groups, eps=eps, x_sq=x_sq, activation=activation)
     if not ENABLED or rows > SKINNY_MAX_ROWS or weight.stride(-1) != 1:
         y = _norm_then_cublas(x, weight, bias, norm_groups, eps, residual, reuse_residual)
         return (y, None) if return_sq else y
