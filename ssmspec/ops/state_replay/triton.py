@@ -285,6 +285,20 @@ def _replay_states_kernel(
     )
 
 
+def _states_grid(conv_state: torch.Tensor, ssm_state: torch.Tensor, steps: int):
+    """The 1-D grid of `_replay_states_kernel` (SSM tiles first, then conv-state channel blocks):
+    (SSM tile sizes, batch*heads, P blocks, SSM programs, conv blocks per row, conv programs)."""
+    batch, channels, history = conv_state.shape
+    _, heads, head_dim, d_state = ssm_state.shape
+    blocks = _ssm_blocks(head_dim, d_state, steps)
+    n_bh = batch * heads
+    n_pblocks = triton.cdiv(head_dim, blocks["BLOCK_P"])
+    n_ssm = n_bh * n_pblocks * triton.cdiv(d_state, blocks["BLOCK_S"]) if ssm_state.numel() else 0
+    n_cblocks = triton.cdiv(channels, _CONV_BLOCK)
+    n_conv = batch * n_cblocks if history and conv_state.numel() else 0
+    return blocks, n_bh, n_pblocks, n_ssm, n_cblocks, n_conv
+
+
 def replay_states(
     conv_state: torch.Tensor,
     ssm_state: torch.Tensor,
@@ -311,17 +325,12 @@ def replay_states(
     """
     _check_conv_replay("replay_states", conv_state, xBC, path, path_len)
     _check_ssm_replay("replay_states", ssm_state, x, B, path, path_len)
-    batch, channels, history = conv_state.shape
+    channels, history = conv_state.shape[1:]
     _, heads, head_dim, d_state = ssm_state.shape
     steps = path.shape[1]
     if steps == 0:
         return
-    blocks = _ssm_blocks(head_dim, d_state, steps)
-    n_bh = batch * heads
-    n_pblocks = triton.cdiv(head_dim, blocks["BLOCK_P"])
-    n_ssm = n_bh * n_pblocks * triton.cdiv(d_state, blocks["BLOCK_S"]) if ssm_state.numel() else 0
-    n_cblocks = triton.cdiv(channels, _CONV_BLOCK)
-    n_conv = batch * n_cblocks if history and conv_state.numel() else 0
+    blocks, n_bh, n_pblocks, n_ssm, n_cblocks, n_conv = _states_grid(conv_state, ssm_state, steps)
     if n_ssm + n_conv == 0:
         return
     _replay_states_kernel[(n_ssm + n_conv,)](
@@ -445,17 +454,12 @@ def replay_states_layers(
             replay_states(*layer, path, path_len)
         return
     conv_state, ssm_state, xBC, x, dt, A, B = layers[0]
-    batch, channels, history = conv_state.shape
+    channels, history = conv_state.shape[1:]
     _, heads, head_dim, d_state = ssm_state.shape
     steps = path.shape[1]
     if steps == 0:
         return
-    blocks = _ssm_blocks(head_dim, d_state, steps)
-    n_bh = batch * heads
-    n_pblocks = triton.cdiv(head_dim, blocks["BLOCK_P"])
-    n_ssm = n_bh * n_pblocks * triton.cdiv(d_state, blocks["BLOCK_S"]) if ssm_state.numel() else 0
-    n_cblocks = triton.cdiv(channels, _CONV_BLOCK)
-    n_conv = batch * n_cblocks if history and conv_state.numel() else 0
+    blocks, n_bh, n_pblocks, n_ssm, n_cblocks, n_conv = _states_grid(conv_state, ssm_state, steps)
     if n_ssm + n_conv == 0:
         return
     rows = [[t.data_ptr() for t in layer] for layer in layers]
