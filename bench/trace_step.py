@@ -42,11 +42,26 @@ def kernel_events(fn, reps: int = 3) -> list[tuple[float, float, str]]:
     with open(path) as f:
         trace = json.load(f)
     events = sorted((e["ts"], e["dur"], e["name"]) for e in trace["traceEvents"]
-                    if e.get("cat") == "kernel" and "dur" in e)
+                    if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e)
     # split the calls at the biggest gaps between kernels
     gaps = sorted(range(1, len(events)), key=lambda i: events[i][0] - (events[i - 1][0] + events[i - 1][1]))[-(reps - 1):]
     start = max(gaps) if gaps else 0
     return events[start:]
+
+
+def event_ms(restore, graph, iters: int = 30) -> float:
+    """Median ms of the graph's replay alone by CUDA events (as bench_decode times it), after
+    restore() each time."""
+    times = []
+    for _ in range(iters):
+        restore()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[iters // 2]
 
 
 def main() -> int:
@@ -71,18 +86,23 @@ def main() -> int:
         graph = GreedyTreeGraph(model, cache, tree)
         snapshot = cache.clone()
 
-        def call():
+        def restore():
             cache.copy_(snapshot)
+
+        def call():
+            restore()
             graph(tokens)
         what = f"tree {args.tree} ({tree.num_nodes} nodes) iteration"
     else:
         ids = torch.randint(0, 1000, (1, 1), device="cuda")
         graph = StepGraph(model, cache)
-        call, what = (lambda: graph(ids)), "AR step"
-    events = [e for e in kernel_events(call) if not e[2].startswith("Memcpy")]
+        graph(ids)
+        call, restore, what = (lambda: graph(ids)), (lambda: None), "AR step"
+    # the cache restore's copies are device-to-device; a host-to-device copy is the graph's own
+    events = [e for e in kernel_events(call) if not e[2].startswith("Memcpy DtoD")]
     t0, t_end = events[0][0], events[-1][0] + events[-1][1]
     print(f"{args.preset} {'unfolded' if args.unfolded else 'folded'} {what}: {len(events)} kernels, "
-          f"first start to last end {t_end - t0:.1f} us")
+          f"first start to last end {t_end - t0:.1f} us; CUDA events around the replay {event_ms(restore, graph) * 1e3:.1f} us")
     per_layer = (len(events) - 8) / len(model.layers)
     kinds = collections.defaultdict(list)
     prev_end = None
