@@ -70,6 +70,9 @@ def main() -> int:
     ap.add_argument("--unfolded", action="store_true", help="keep the norm weights (no fused-norm routes)")
     ap.add_argument("--layer", type=int, default=30)
     ap.add_argument("--all", action="store_true", help="print every kernel of the call, not two layers")
+    ap.add_argument("--full-accept", action="store_true",
+                    help="with --tree: tree tokens along the target's greedy chain (every level accepted, as "
+                         "bench_decode.py times it) instead of random ones")
     ap.add_argument("--tree", default=None, help="trace a greedy tree iteration of this configuration, e.g. 3,2,1")
 
     args = ap.parse_args()
@@ -83,6 +86,10 @@ def main() -> int:
     if args.tree:
         tree = Tree.from_config([int(b) for b in args.tree.split(",")])
         tokens = torch.randint(0, 1000, (1, tree.num_nodes), device="cuda")
+        if args.full_accept:
+            from bench_decode import tree_tokens_following  # bench/ is this script's directory
+
+            tokens, _ = tree_tokens_following(model, cache, int(tokens[0, 0]), tree, model.config.vocab_size)
         graph = GreedyTreeGraph(model, cache, tree)
         snapshot = cache.clone()
 
