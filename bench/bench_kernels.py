@@ -286,6 +286,35 @@ def skinny_sweep(shapes, ms=(8, 16, 32, 64), cfgs=SKINNY_CFGS) -> None:
         del wts
 
 
+def scan_sweep() -> None:
+    """tree_scan_gated (the verify path's scan) at the mamba2-2.7b shape, 16 and 64 nodes, over
+    warps per program and state chunk width, each checked against the default config's output."""
+    from ssmspec.ops.tree_scan import triton as scan
+
+    print("\ntree_scan_gated: (warps, BLOCK_S) -> us (default: 4 warps up to 32 nodes, else 8; BLOCK_S 64)")
+    for spec in ((3, 2, 1), (3, 4, 2, 1)):
+        tree = Tree.from_config(spec)
+        n = tree.num_nodes
+        x, dt, A, B, C, D, h0 = tree_inputs(1, n)
+        z = torch.randn(1, n, H * P, device=DEV, dtype=BF16)
+        args = (x, dt.to(BF16), torch.zeros(H, device=DEV), 1e-3, 0.1, A, B, C, D, z, tree.parents_tensor(DEV), h0)
+        ref, _ = scan.tree_scan_gated(*args)
+        rows = []
+        for warps in (2, 4, 8):
+            for block_s in (32, 64, 128):
+                scan.SCAN_WARPS, scan.SCAN_BLOCK_S = warps, block_s
+                try:
+                    check(f"scan {n} nodes ({warps}, {block_s})", scan.tree_scan_gated(*args)[0], ref, 1e-2)
+                    rows.append(((warps, block_s), time_us(lambda: scan.tree_scan_gated(*args))))
+                except Exception as e:
+                    print(f"  scan {n} nodes ({warps}, {block_s}) failed: {e!r}"[:200], flush=True)
+        scan.SCAN_WARPS = scan.SCAN_BLOCK_S = None
+        default = time_us(lambda: scan.tree_scan_gated(*args))
+        rows.sort(key=lambda r: r[1])
+        print(f"  {n} nodes: default {default:.2f} us | " + "; ".join(f"{c} {us:.2f}" for c, us in rows[:6]), flush=True)
+        RESULTS["timings"].append({"what": f"scan sweep {n} nodes", "default_us": default, "rows": [(str(c), u) for c, u in rows]})
+
+
 def gemv_sweep(only: str | None = None) -> None:
     """One-row GEMV and few-row skinny GEMM configs at the mamba2-2.7b projection shapes, against
     cuBLAS; rotating enough weight copies (>= 200 MB) that L2 cannot hold them. Prints tables
@@ -382,6 +411,7 @@ def main() -> int:
     ap.add_argument("--norm-linear", action="store_true", help="only time norm_linear against linear")
     ap.add_argument("--skinny-sweep", action="store_true",
                     help="only the skinny GEMM at 8 and 16 rows, tiled and balanced grids, 2.7b and hybrid-8b shapes")
+    ap.add_argument("--scan-sweep", action="store_true", help="only sweep tree_scan_gated's warps and state chunk")
     ap.add_argument("--shapes", default=None,
                     help="with --skinny-sweep: other shapes, label:N:K comma-separated (e.g. up:21504:4096)")
     args = ap.parse_args()
@@ -391,6 +421,8 @@ def main() -> int:
         norm_linear_timings()
     elif args.gemv_sweep:
         gemv_sweep(args.only)
+    elif args.scan_sweep:
+        scan_sweep()
     elif args.skinny_sweep:
         shapes = [("in_proj", 2 * D_INNER + 2 * G * S + H, 2560), ("out_proj", 2560, D_INNER),
                   ("in_proj-8b", 2 * 8192 + 2 * 8 * 128 + 128, 4096), ("out_proj-8b", 4096, 8192)]

@@ -257,6 +257,12 @@ def tree_scan_gated(
     return (g, dt, sq) if return_sq else (g, dt)
 
 
+SCAN_WARPS: int | None = None
+"""Warps per program; None: 4 up to 32 nodes, else 8 (benchmarks sweep this)."""
+SCAN_BLOCK_S: int | None = None
+"""State columns per chunk of the C.B and C.h0 products; None: up to 64 (benchmarks sweep this)."""
+
+
 def _block_p(head_dim: int) -> int:
     # One block of up to 64 channels: splitting P into 32s (more programs) measured slower,
     # 4.4/6.7/13.5 us against 4.0/4.6/9.3 us for 15/31/63 nodes (BENCHMARKS.md): the cost is
@@ -276,7 +282,7 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
         return
     block_n = max(16, triton.next_power_of_2(n))
     block_p = _block_p(head_dim)
-    block_s = min(64, max(16, triton.next_power_of_2(d_state)))
+    block_s = SCAN_BLOCK_S or min(64, max(16, triton.next_power_of_2(d_state)))
     grid = (batch * heads, triton.cdiv(head_dim, block_p))
     D_arg = D if D is not None else A  # never read when HAS_D is False
     # the unfused scan never reads the fused-only arguments: any tensor stands in for them
@@ -290,6 +296,6 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
         HAS_D=D is not None, FUSED=fused is not None,
         BLOCK_N=block_n, BLOCK_P=block_p, BLOCK_S=block_s,
         PRECISION=precision,
-        num_warps=4 if block_n <= 32 else 8, **_pdl_args(y.device),
+        num_warps=SCAN_WARPS or (4 if block_n <= 32 else 8), **_pdl_args(y.device),
         sq_ptr=sq, WRITE_SQ=sq is not None,
     )
