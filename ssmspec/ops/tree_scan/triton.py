@@ -260,7 +260,8 @@ def tree_scan_gated(
 SCAN_WARPS: int | None = None
 """Warps per program; None: 4 up to 32 nodes, else 8 (benchmarks sweep this)."""
 SCAN_BLOCK_S: int | None = None
-"""State columns per chunk of the C.B and C.h0 products; None: up to 64 (benchmarks sweep this)."""
+"""State columns per chunk of the C.B and C.h0 products; None: up to 128 up to 32 nodes, else up
+to 64 (benchmarks sweep this)."""
 
 
 def _block_p(head_dim: int) -> int:
@@ -282,7 +283,10 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
         return
     block_n = max(16, triton.next_power_of_2(n))
     block_p = _block_p(head_dim)
-    block_s = SCAN_BLOCK_S or min(64, max(16, triton.next_power_of_2(d_state)))
+    # Up to 32 nodes the whole state in one chunk: 3.26 against 4.14 us at 16 nodes and S = 128
+    # (bench_kernels.py --scan-sweep, H100); at 64 nodes 128 and 64 tie (8.10 / 8.22 us) and 64
+    # keeps the fp32 tiles small.
+    block_s = SCAN_BLOCK_S or min(128 if block_n <= 32 else 64, max(16, triton.next_power_of_2(d_state)))
     grid = (batch * heads, triton.cdiv(head_dim, block_p))
     D_arg = D if D is not None else A  # never read when HAS_D is False
     # the unfused scan never reads the fused-only arguments: any tensor stands in for them
