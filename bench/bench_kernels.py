@@ -286,6 +286,34 @@ def skinny_sweep(shapes, ms=(8, 16, 32, 64), cfgs=SKINNY_CFGS) -> None:
         del wts
 
 
+def conv_sweep(n: int) -> None:
+    """tree_conv at the mamba2-2.7b shape over (nodes, channels, warps) per program."""
+    from ssmspec.ops.tree_conv import triton as conv
+
+    tree = Tree.from_config((3, 2, 1) if n == 16 else (3, 4, 2, 1))
+    xbc = torch.randn(1, n, CONV_DIM, device=DEV, dtype=BF16)
+    state = torch.randn(1, CONV_DIM, K - 1, device=DEV, dtype=BF16)
+    w, b = torch.randn(CONV_DIM, K, device=DEV, dtype=BF16), torch.randn(CONV_DIM, device=DEV, dtype=BF16)
+    args = (xbc, state, w, b, tree.parents_tensor(DEV))
+    default_tile = conv.CONV_TILE
+    ref = conv.tree_conv(*args)
+    default = time_us(lambda: conv.tree_conv(*args))
+    rows = []
+    for tile in ((1, 128, 1), (2, 128, 1), (4, 128, 1), (2, 256, 1), (2, 256, 2), (4, 256, 2), (1, 256, 1), (8, 128, 2),
+                 (2, 64, 1), (4, 64, 1)):
+        conv.CONV_TILE = tile
+        try:
+            check(f"conv {n} nodes {tile}", conv.tree_conv(*args), ref, 1e-2)
+            rows.append((tile, time_us(lambda: conv.tree_conv(*args))))
+        except Exception as e:
+            print(f"  conv {n} nodes {tile} failed: {e!r}"[:200], flush=True)
+    conv.CONV_TILE = default_tile
+    rows.sort(key=lambda r: r[1])
+    print(f"  conv {n} nodes: default {default_tile} {default:.2f} us | " + "; ".join(f"{c} {us:.2f}" for c, us in rows[:6]),
+          flush=True)
+    RESULTS["timings"].append({"what": f"conv sweep {n} nodes", "default_us": default, "rows": [(str(c), u) for c, u in rows]})
+
+
 def scan_sweep() -> None:
     """tree_scan_gated (the verify path's scan) at the mamba2-2.7b shape, 16 and 64 nodes, over
     warps per program and state chunk width, each checked against the default config's output."""
@@ -310,6 +338,7 @@ def scan_sweep() -> None:
                     print(f"  scan {n} nodes ({warps}, {block_s}) failed: {e!r}"[:200], flush=True)
         scan.SCAN_WARPS = scan.SCAN_BLOCK_S = None
         default = time_us(lambda: scan.tree_scan_gated(*args))
+        conv_sweep(n)
         rows.sort(key=lambda r: r[1])
         print(f"  {n} nodes: default {default:.2f} us | " + "; ".join(f"{c} {us:.2f}" for c, us in rows[:6]), flush=True)
         RESULTS["timings"].append({"what": f"scan sweep {n} nodes", "default_us": default, "rows": [(str(c), u) for c, u in rows]})

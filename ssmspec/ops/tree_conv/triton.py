@@ -15,6 +15,10 @@ from ..pdl import gdc_launch_dependents, gdc_wait
 from ..step_update.triton import _pdl_args
 
 
+CONV_TILE = (2, 128, 1)
+"""(nodes, channels, warps) per program (benchmarks sweep this: bench_kernels.py --scan-sweep)."""
+
+
 @triton.jit
 def _tree_conv_kernel(
     x_ptr, state_ptr, w_ptr, bias_ptr, par_ptr, out_ptr,
@@ -111,14 +115,13 @@ def tree_conv(
         return out
     # Small tiles, many programs: a 16-node tree at C = 5376 is only ~86k outputs, so big tiles
     # would leave most SMs idle (measured: 16 x 256 tiles, 21 programs, 10 us; see BENCHMARKS.md).
-    block_n = 2
-    block_c = 128
+    block_n, block_c, warps = CONV_TILE
     grid = (batch, triton.cdiv(n, block_n), triton.cdiv(channels, block_c))
     _tree_conv_kernel[grid](
         xBC, conv_state, weight, bias if bias is not None else weight, parents, out,
         n, channels,
         *xBC.stride(), *conv_state.stride(), *weight.stride(), *out.stride(),
         K=kernel_size, HAS_BIAS=bias is not None, SILU=activation == "silu",
-        BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_K=triton.next_power_of_2(kernel_size), num_warps=1, **_pdl_args(out.device),
+        BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_K=triton.next_power_of_2(kernel_size), num_warps=warps, **_pdl_args(out.device),
     )
     return out
