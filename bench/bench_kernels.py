@@ -295,7 +295,7 @@ def conv_sweep(n: int) -> None:
     state = torch.randn(1, CONV_DIM, K - 1, device=DEV, dtype=BF16)
     w, b = torch.randn(CONV_DIM, K, device=DEV, dtype=BF16), torch.randn(CONV_DIM, device=DEV, dtype=BF16)
     args = (xbc, state, w, b, tree.parents_tensor(DEV))
-    default_tile = conv.CONV_TILE
+    default_tile = conv.CONV_TILE  # None: chosen by node count
     ref = conv.tree_conv(*args)
     default = time_us(lambda: conv.tree_conv(*args))
     rows = []

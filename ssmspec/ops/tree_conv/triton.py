@@ -15,8 +15,10 @@ from ..pdl import gdc_launch_dependents, gdc_wait
 from ..step_update.triton import _pdl_args
 
 
-CONV_TILE = (2, 128, 1)
-"""(nodes, channels, warps) per program (benchmarks sweep this: bench_kernels.py --scan-sweep)."""
+CONV_TILE: tuple[int, int, int] | None = None
+"""(nodes, channels, warps) per program; None: the best of the H100 sweep (bench_kernels.py
+--scan-sweep, 2.7b shape): (1, 256, 1) up to 32 nodes (16 nodes: 1.17 against 1.86 us for
+(2, 128, 1)), else (2, 256, 2) (64 nodes: 1.71 against 1.93 us)."""
 
 
 @triton.jit
@@ -115,7 +117,7 @@ def tree_conv(
         return out
     # Small tiles, many programs: a 16-node tree at C = 5376 is only ~86k outputs, so big tiles
     # would leave most SMs idle (measured: 16 x 256 tiles, 21 programs, 10 us; see BENCHMARKS.md).
-    block_n, block_c, warps = CONV_TILE
+    block_n, block_c, warps = CONV_TILE or ((1, 256, 1) if n <= 32 else (2, 256, 2))
     grid = (batch, triton.cdiv(n, block_n), triton.cdiv(channels, block_c))
     _tree_conv_kernel[grid](
         xBC, conv_state, weight, bias if bias is not None else weight, parents, out,
