@@ -16,8 +16,7 @@ from ..pdl import gdc_launch_dependents, gdc_wait
 from ..step_update.triton import _pdl_args
 
 
-_PF_SPAN = 2048
-PF_SPAN = tl.constexpr(_PF_SPAN)
+PF_SPAN = 2048
 """2-byte elements (4 KB) per L2 prefetch instruction."""
 PREFETCH = True
 """tree_conv's `prefetch` hint on Hopper (benchmarks switch it off to compare)."""
@@ -158,7 +157,7 @@ def tree_conv(
 def _prefetch_args(weight: torch.Tensor | None, programs: int, device: torch.device) -> dict:
     """Launch arguments of the L2 prefetch of `weight` spread over the conv's programs."""
     if (weight is None or not PREFETCH or not pdl.enabled(device) or weight.element_size() != 2
-            or not weight.is_contiguous() or weight.numel() < _PF_SPAN):
+            or not weight.is_contiguous() or weight.numel() < PF_SPAN):
         return {}
-    chunks = triton.next_power_of_2(triton.cdiv(triton.cdiv(weight.numel(), _PF_SPAN), programs))
+    chunks = triton.next_power_of_2(triton.cdiv(triton.cdiv(weight.numel(), PF_SPAN), programs))
     return {"pf_ptr": weight, "pf_end": weight.numel(), "PF_CHUNKS": chunks}
