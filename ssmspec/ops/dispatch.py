@@ -121,9 +121,8 @@ def tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, 
                                                 initial_state, return_sq=return_sq)
 
 
-def tree_conv(xBC, conv_state, weight, bias, parents, activation="silu", prefetch=None):
-    """Path-aware causal conv of a packed tree; prefetch: a weight to stage in L2 (a hint)."""
-    return resolve("tree_conv", xBC.device)(xBC, conv_state, weight, bias, parents, activation, prefetch=prefetch)
+def tree_conv(xBC, conv_state, weight, bias, parents, activation="silu"):
+    return resolve("tree_conv", xBC.device)(xBC, conv_state, weight, bias, parents, activation)
 
 
 def replay_states(conv_state, ssm_state, xBC, x, dt, A, B, path, path_len):

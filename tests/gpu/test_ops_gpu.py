@@ -81,9 +81,6 @@ def test_tree_conv_and_replay_gpu(tree_name):
     _poison(want.numel() * 2)
     got = tree_conv(xbc, cs, w, bias, parents)
     assert torch.isfinite(got).all() and _rel(got, want) < 4e-3  # bf16 output: rounding-level
-    # the L2 prefetch of the next weight (out_proj's) is a hint: the same output, bit for bit
-    out_w = torch.randn(2560, H * P, device=DEV, dtype=torch.bfloat16)
-    assert torch.equal(tree_conv(xbc, cs, w, bias, parents, prefetch=out_w), got)
     deepest = max(range(n), key=lambda i: len(tree.path(i)))
     path = torch.tensor([tree.path(deepest)] * 2, device=DEV)
     path_len = torch.tensor([path.shape[1], max(1, path.shape[1] // 2)], device=DEV)

@@ -50,12 +50,8 @@ def naive_tree_conv(
     bias: torch.Tensor | None,
     parents: torch.Tensor,
     activation: str | None = "silu",
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv where each node convolves over its own path, then the activation.
-
-    prefetch: a hint for kernels (a weight the next launches read, to stage in L2 while the
-    memory bus is idle); it changes no result, and the reference ignores it.
 
     Args:
         xBC: (B, N, C) pre-conv inputs of the tree nodes.

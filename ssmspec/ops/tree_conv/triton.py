@@ -11,23 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import pdl
 from ..pdl import gdc_launch_dependents, gdc_wait
 from ..step_update.triton import _pdl_args
-
-
-PF_SPAN = 2048
-"""2-byte elements (4 KB) per L2 prefetch instruction."""
-PREFETCH = True
-"""tree_conv's `prefetch` hint on Hopper (benchmarks switch it off to compare)."""
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Hopper bulk prefetch of PF_SPAN 2-byte elements at each pointer into L2 (no register
-    written, nothing waited for)."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 4096;\n mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 CONV_TILE: tuple[int, int, int] | None = None
@@ -47,7 +32,6 @@ def _tree_conv_kernel(
     K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,
-    pf_ptr=None, pf_end=0, PF_CHUNKS: tl.constexpr = 0,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
@@ -85,12 +69,6 @@ def _tree_conv_kernel(
     window = from_state.to(x_ptr.dtype.element_ty).to(tl.float32)
     if USE_PDL:  # wait for the previous kernel (in_proj) before reading its output or writing
         gdc_wait()
-    if PF_CHUNKS > 0:
-        # L2 prefetch of the weight the verify reads next (out_proj): in_proj is done, and until
-        # out_proj starts the memory bus carries only this conv and the scan's small reads.
-        pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
-        offs = (pid * PF_CHUNKS + tl.arange(0, PF_CHUNKS)) * PF_SPAN
-        _prefetch_l2(pf_ptr + tl.minimum(offs, pf_end - PF_SPAN))
     window += tl.load(x_ptr + b * sxb + src[:, :, None] * sxn + offs_c[None, None, :] * sxc,
                       mask=live & (src >= 0)[:, :, None], other=0.0).to(tl.float32)
     acc = tl.sum(window * w[None, :, :], axis=1)
@@ -109,12 +87,10 @@ def tree_conv(
     bias: torch.Tensor | None,
     parents: torch.Tensor,
     activation: str | None = "silu",
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv where each node convolves over its own path, then the activation.
 
-    Same contract as `naive_tree_conv`. prefetch: a contiguous 2-byte weight that the programs
-    stage in L2 after their PDL wait (Hopper only; elsewhere ignored).
+    Same contract as `naive_tree_conv`.
 
     Args:
         xBC: (B, N, C) pre-conv inputs of the tree nodes.
@@ -149,15 +125,5 @@ def tree_conv(
         *xBC.stride(), *conv_state.stride(), *weight.stride(), *out.stride(),
         K=kernel_size, HAS_BIAS=bias is not None, SILU=activation == "silu",
         BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_K=triton.next_power_of_2(kernel_size), num_warps=warps, **_pdl_args(out.device),
-        **_prefetch_args(prefetch, grid[0] * grid[1] * grid[2], out.device),
     )
     return out
-
-
-def _prefetch_args(weight: torch.Tensor | None, programs: int, device: torch.device) -> dict:
-    """Launch arguments of the L2 prefetch of `weight` spread over the conv's programs."""
-    if (weight is None or not PREFETCH or not pdl.enabled(device) or weight.element_size() != 2
-            or not weight.is_contiguous() or weight.numel() < PF_SPAN):
-        return {}
-    chunks = triton.next_power_of_2(triton.cdiv(triton.cdiv(weight.numel(), PF_SPAN), programs))
-    return {"pf_ptr": weight, "pf_end": weight.numel(), "PF_CHUNKS": chunks}
