@@ -422,11 +422,6 @@ else:
             assert_close(got_sq.sum(-1, keepdim=True), want_sq, atol=1e-3, rtol=1e-5, name=f"sq {cfg}")
         got, got_sq = GV.norm_linear(x, w, None, norm_groups, 1e-5, res, x_sq=x_sq, return_sq=True)
         assert_close(got, want, atol=1e-4, rtol=1e-4, name="norm_linear")
-        # launch_early: the first block of weight columns read up front (before the PDL wait on a GPU)
-        got = GV.norm_linear(x, w, None, norm_groups, 1e-5, res, x_sq=x_sq, launch_early=True)
-        assert_close(got, want, atol=1e-4, rtol=1e-4, name="launch_early")
-        assert_close(GV.skinny_linear(x, w, None, None, res, launch_early=True),
-                     naive_norm_linear(x, w, None, 0, 1e-5, res), atol=1e-4, rtol=1e-4, name="launch_early, no norm")
         # the parts are what the norm uses: four times the sums halve every scale
         wrong = GV.skinny_linear(x, w, None, None, None, norm_groups, 1e-5, x_sq=x_sq * 4)
         assert_close(wrong, naive_norm_linear(x, w, None, norm_groups, 1e-5) / 2, atol=1e-4, rtol=1e-4, name="x4")

@@ -227,7 +227,7 @@ class Mamba2Mixer(nn.Module):
             g_sq = None
         out, out_sq = dispatch.norm_linear(gated, self.out_proj.weight, self.out_proj.bias, norm_groups,
                                            self.norm.eps, residual=h, x_sq=g_sq, return_sq=True,
-                                           reuse_residual=True, launch_early=True)
+                                           reuse_residual=True)
         return out, out_sq, MambaTreeActivations(xBC=xBC, x=x, dt=dt, B=B)
 
     def replay(self, cache: MambaLayerCache, acts: MambaTreeActivations, path: torch.Tensor, path_len: torch.Tensor):

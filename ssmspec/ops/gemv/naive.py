@@ -21,8 +21,7 @@ def naive_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def naive_norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm_groups: int = 1,
                       eps: float = 1e-5, residual: torch.Tensor | None = None, x_sq: torch.Tensor | None = None,
-                      return_sq: bool = False, reuse_residual: bool = False, activation: str | None = None,
-                      launch_early: bool = False):
+                      return_sq: bool = False, reuse_residual: bool = False, activation: str | None = None):
     """[residual +] linear(RMSNorm(x), weight, bias), the norm without a weight of its own.
 
     A pre-norm sublayer's RMSNorm weight (and the Mamba mixer's gated-norm weight) can be folded
@@ -38,8 +37,7 @@ def naive_norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     returned (kernels return them split in parts, or None on routes that do not produce them).
     reuse_residual: the caller gives up `residual`; a kernel may write the output into it (the
     reference does not). activation: a name of ACTIVATIONS applied to the (rounded) output, as
-    the MLP applies it to its up projection; only without a residual. launch_early: a
-    scheduling hint for kernels (ignored here).
+    the MLP applies it to its up projection; only without a residual.
 
     Args:
         x: (..., K); weight: (N, K); bias: (N,) or None; residual: (..., N) or None.

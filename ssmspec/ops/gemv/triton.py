@@ -328,10 +328,9 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
                    USE_PDL: tl.constexpr, res_ptr=None, srm=0, HAS_RES: tl.constexpr = False,
                    xsq_ptr=None, n_xparts=1, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0,
                    BLOCK_Q: tl.constexpr = 16, ysq_ptr=None, WRITE_SQ: tl.constexpr = False,
-                   BALANCED: tl.constexpr = False, ACT: tl.constexpr = 0, PRE_K: tl.constexpr = 0):
-    # Launched without PDL unless the caller asks (launch_early, USE_PDL): early-launched instances
-    # of a GEMM that follows another GEMM held their pipeline's shared memory while waiting and ran
-    # 1.4x slower in the H100 sweep (13.7 -> 20.5 us at 8 rows).
+                   BALANCED: tl.constexpr = False, ACT: tl.constexpr = 0):
+    # Launched without PDL (USE_PDL False): its early-launched instances held their pipeline's
+    # shared memory while waiting and ran 1.4x slower in the H100 sweep (13.7 -> 20.5 us at 8 rows).
     # HAS_RES: the output, rounded to y's dtype, is added to the residual (as in _gemv_tile).
     # NORM_GROUPS > 0: x is normalised over that many groups of K (no weight: folded into w) from
     # the partial sums of squares at xsq_ptr, which x's producer wrote (no norm launch, no second
@@ -342,6 +341,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
     # weight rows; with fixed BLOCK_N-wide tiles, 160 tiles on 132 SMs leave 28 SMs twice the work.
     if USE_PDL:
         gdc_launch_dependents()
+        gdc_wait()
     if BALANCED:
         pid = tl.program_id(0)
         n_hi = ((pid + 1) * N) // tl.num_programs(0)
@@ -353,24 +353,10 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_start = 0
-    if PRE_K > 0:
-        # PRE_K > 0 (with PDL, at most one norm group): the first PRE_K columns of this
-        # program's weight rows are read before the wait, while the previous kernel still runs.
-        offs_pk = tl.arange(0, PRE_K)
-        w_pre = tl.load(w_ptr + offs_n[:, None] * swn + offs_pk[None, :], mask=mask_n[:, None] & (offs_pk < K)[None, :],
-                        other=0.0, eviction_policy="evict_first")
-    if USE_PDL:  # ops/pdl.py: nothing of the previous kernel's is read before this
-        gdc_wait()
-    if PRE_K > 0:
-        x_pre = tl.load(x_ptr + offs_m[:, None] * sxm + offs_pk[None, :], mask=mask_m[:, None] & (offs_pk < K)[None, :],
-                        other=0.0)
-        acc = _skinny_dot(x_pre, tl.trans(w_pre), acc, IEEE)
-        k_start = PRE_K
     if NORM_GROUPS == 0:
-        acc = _skinny_k_loop(x_ptr, w_ptr, acc, offs_m, offs_n, mask_m, mask_n, k_start, K, sxm, swn, IEEE, BLOCK_K)
+        acc = _skinny_k_loop(x_ptr, w_ptr, acc, offs_m, offs_n, mask_m, mask_n, 0, K, sxm, swn, IEEE, BLOCK_K)
     elif NORM_GROUPS == 1:
-        acc = _skinny_k_loop(x_ptr, w_ptr, acc, offs_m, offs_n, mask_m, mask_n, k_start, K, sxm, swn, IEEE, BLOCK_K)
+        acc = _skinny_k_loop(x_ptr, w_ptr, acc, offs_m, offs_n, mask_m, mask_n, 0, K, sxm, swn, IEEE, BLOCK_K)
         acc *= _rstd_from_parts(xsq_ptr, offs_m, mask_m, 0, n_xparts, group_size, eps, 1, BLOCK_Q)[:, None]
     else:
         for grp in range(0, NORM_GROUPS):
@@ -426,12 +412,11 @@ SKINNY_ACTIVATIONS = {"relu": 1, "relu2": 2, "silu": 3}
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None,
                   residual: torch.Tensor | None = None, norm_groups: int = 0, eps: float = 0.0,
-                  x_sq: torch.Tensor | None = None, return_sq: bool = False, activation: str | None = None,
-                  launch_early: bool = False):
+                  x_sq: torch.Tensor | None = None, return_sq: bool = False, activation: str | None = None):
     """x (..., K) with M rows in all, weight (N, K) -> (..., N) for small M (any M works; the
     tile pads M up to a power of two >= 16, so it pays only for few rows). norm_groups, residual,
-    x_sq, return_sq, activation (one of SKINNY_ACTIVATIONS, in the epilogue) and launch_early as
-    in `norm_linear`: with x_sq the norm scales each group's dot products inside the GEMM, without
+    x_sq, return_sq and activation (one of SKINNY_ACTIVATIONS, in the epilogue) as in
+    `norm_linear`: with x_sq the norm scales each group's dot products inside the GEMM, without
     it the norm kernel runs first."""
     if activation is not None and (activation not in SKINNY_ACTIVATIONS or residual is not None or return_sq):
         raise ValueError(f"skinny_linear: activation {activation!r} needs no residual, no return_sq and one of "
@@ -473,36 +458,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         rows, weight, bias if bias is not None else weight, y, m, n, k, rows.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=stages, res_ptr=res, srm=res.stride(0) if res is not None else 0,
+        num_stages=stages, USE_PDL=False, res_ptr=res, srm=res.stride(0) if res is not None else 0,
         HAS_RES=res is not None,
         xsq_ptr=x_sq if use_parts else None, n_xparts=x_sq.shape[-1] if use_parts else 1, group_size=group_size,
         eps=float(eps), NORM_GROUPS=norm_groups if use_parts else 0,
         BLOCK_Q=max(16, triton.next_power_of_2(x_sq.shape[-1])) if use_parts else 16,
         ysq_ptr=y_sq, WRITE_SQ=return_sq, BALANCED=bool(per_sm and per_sm[0]),
         ACT=SKINNY_ACTIVATIONS[activation] if activation else 0,
-        **_early_args(launch_early and not (norm_groups > 1 and use_parts) and (use_parts or not norm_groups), k,
-                      y.device),
     )
     y = y.reshape(tuple(x.shape[:-1]) + (n,))
     return (y, y_sq) if return_sq else y
-
-
-SKINNY_PRE_K = 512
-"""Weight columns an early-launched skinny GEMM reads before its PDL wait."""
-SKINNY_EARLY = True
-"""Honour launch_early (benchmarks switch it off to compare)."""
-
-
-def _early_args(early: bool, k: int, device: torch.device) -> dict:
-    """PDL launch arguments of the skinny GEMM: early (see `norm_linear` launch_early) on devices
-    with PDL, else a plain launch. Plain by default: early-launched instances of a GEMM that follows
-    another GEMM hold their pipeline's shared memory while waiting (1.4x slower in the H100 sweep)."""
-    if not (early and SKINNY_EARLY):
-        return {"USE_PDL": False}
-    pre_k = {"PRE_K": min(SKINNY_PRE_K, max(16, triton.next_power_of_2(k) // 2))}  # peeled first block
-    if not pdl.enabled(device):
-        return {"USE_PDL": False, **pre_k}
-    return {"USE_PDL": True, "launch_pdl": True, **pre_k}
 
 
 def _sm_count(device: torch.device) -> int:
@@ -552,7 +517,7 @@ def _interpreting() -> bool:
 def norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm_groups: int = 1,
                 eps: float = 1e-5, residual: torch.Tensor | None = None, config=None,
                 x_sq: torch.Tensor | None = None, return_sq: bool = False, reuse_residual: bool = False,
-                activation: str | None = None, launch_early: bool = False):
+                activation: str | None = None):
     """[residual +] linear(RMSNorm(x) over norm_groups groups, weight, bias) on the kernels; same
     contract as `naive_norm_linear` (the norm has no weight of its own: it is folded into
     `weight`, see `ssmspec.models.fold`). One row runs the GEMV with the norm and the residual
@@ -569,8 +534,7 @@ def norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     reuse_residual: the caller no longer needs `residual`, so the output may be written into its
     storage (the cuBLAS route adds in place, sparing addmm's copy of it). activation: applied to
     the output (no residual), inside the skinny GEMM's epilogue when it is one of
-    SKINNY_ACTIVATIONS, else after. launch_early: x comes from a kernel launched with PDL (the
-    tree scan), so the skinny GEMM may launch early and read part of its weight before waiting."""
+    SKINNY_ACTIVATIONS, else after."""
     from .naive import ACTIVATIONS, naive_norm_linear
 
     k = x.shape[-1]
@@ -591,7 +555,7 @@ def norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"norm_linear: residual {tuple(residual.shape)} does not match the output")
     if rows > 1:
         return skinny_linear(x, weight, bias, residual=residual, norm_groups=norm_groups, eps=eps, x_sq=x_sq,
-                             return_sq=return_sq, launch_early=launch_early)
+                             return_sq=return_sq)
     n = weight.shape[0]
     cfg = GemvConfig(*(config or _config(n, k, x.device)))
     if cfg[3] > 1:
