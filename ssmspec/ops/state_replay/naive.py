@@ -108,7 +108,13 @@ def naive_replay_states_layers(
         path: (B, M) int64 node indices, root first, shared by all layers.
         path_len: (B,) int.
     """
-    if len({len(conv_states), len(ssm_states), len(xBCs), len(xs), len(dts), len(As), len(Bs)}) != 1:
-        raise ValueError("replay_states_layers: pass one conv state, SSM state, xBC, x, dt, A and B per layer")
-    for conv_state, ssm_state, xBC, x, dt, A, B in zip(conv_states, ssm_states, xBCs, xs, dts, As, Bs):
+    for conv_state, ssm_state, xBC, x, dt, A, B in layer_arguments(conv_states, ssm_states, xBCs, xs, dts, As, Bs):
         naive_replay_states(conv_state, ssm_state, xBC, x, dt, A, B, path, path_len)
+
+
+def layer_arguments(*per_layer: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+    """The per-layer lists of `naive_replay_states_layers` as one (conv state, SSM state, xBC,
+    x, dt, A, B) tuple per layer; the lists must be equally long."""
+    if len({len(items) for items in per_layer}) != 1:
+        raise ValueError("replay_states_layers: pass one conv state, SSM state, xBC, x, dt, A and B per layer")
+    return list(zip(*per_layer))

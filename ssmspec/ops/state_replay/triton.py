@@ -19,6 +19,7 @@ import triton.language as tl
 
 from ..pdl import gdc_launch_dependents, gdc_wait
 from ..step_update.triton import _pdl_args
+from .naive import layer_arguments
 
 
 @triton.jit
@@ -438,9 +439,7 @@ def replay_states_layers(
         path: (B, M) int node indices, root first, shared by all layers.
         path_len: (B,) int (read on the device).
     """
-    if len({len(conv_states), len(ssm_states), len(xBCs), len(xs), len(dts), len(As), len(Bs)}) != 1:
-        raise ValueError("replay_states_layers: pass one conv state, SSM state, xBC, x, dt, A and B per layer")
-    layers = list(zip(conv_states, ssm_states, xBCs, xs, dts, As, Bs))
+    layers = layer_arguments(conv_states, ssm_states, xBCs, xs, dts, As, Bs)
     for conv_state, ssm_state, xBC, x, _, _, B in layers:
         _check_conv_replay("replay_states_layers", conv_state, xBC, path, path_len)
         _check_ssm_replay("replay_states_layers", ssm_state, x, B, path, path_len)
