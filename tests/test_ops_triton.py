@@ -380,37 +380,6 @@ else:
                          naive_norm_linear(x5, w, None, norm_groups, 1e-5, res5), atol=1e-4, rtol=1e-4, name=str(cfg))
 
 
-    @pytest.mark.parametrize("batch, spec", [(1, (3, 2, 1)), (2, (2, 2)), (1, (1, 1, 1, 1))],
-                             ids=["16-nodes", "batch2", "chain"])
-    def test_norm_linear_with_the_tree_conv_in_its_epilogue(batch, spec, nan_outputs):
-        """in_proj with the path-aware conv of its xBC columns in the skinny GEMM's epilogue (one-hot
-        gathers of the tile's rows, the cached prefix before the root) equals the linear layer
-        followed by tree_conv, for conv columns that start and end inside column tiles."""
-        from ssmspec.ops.gemv.naive import naive_norm_linear
-        from ssmspec.ops.tree_conv.naive import naive_tree_conv
-
-        tree = Tree.from_config(spec)
-        n_nodes, k, channels, first, n = tree.num_nodes, 64, 40, 21, 70
-        x = torch.randn(batch, n_nodes, k) * 2
-        w = torch.randn(n, k) / 8
-        conv = (torch.randn(channels, 4), torch.randn(channels), torch.randn(batch, channels, 3), tree.parents_tensor(),
-                first)
-        y_want = naive_norm_linear(x, w, None, 1, 1e-5)
-        conv_want = naive_tree_conv(y_want[..., first:first + channels], conv[2], conv[0], conv[1], conv[3])
-        for cfg in ((16, 32, 1, 1), (32, 64, 1, 1)):
-            y, got = GV.skinny_linear(x, w, None, cfg, norm_groups=1, eps=1e-5, tree_conv=conv)
-            assert_close(y, y_want, atol=1e-4, rtol=1e-4, name=f"y {cfg}")
-            assert_close(got, conv_want, atol=1e-4, rtol=1e-4, name=f"conv {cfg}")
-        y, got = GV.norm_linear(x, w, None, 1, 1e-5, tree_conv=conv)
-        assert_close(got, conv_want, atol=1e-4, rtol=1e-4, name="norm_linear")
-        assert_close(naive_norm_linear(x, w, None, 1, 1e-5, tree_conv=conv)[1], conv_want, atol=1e-5, rtol=1e-5)
-        # one row (one single-node tree): the GEMV route leaves the conv to the caller
-        one = (conv[0], conv[1], conv[2][:1], torch.tensor([-1]), first)
-        y1, conv1 = GV.norm_linear(x[:1, :1], w, None, 1, 1e-5, tree_conv=one)
-        assert conv1 is None
-        assert_close(y1, naive_norm_linear(x[:1, :1], w, None, 1, 1e-5), atol=1e-4, rtol=1e-4, name="one row")
-
-
     @pytest.mark.parametrize("activation", ["relu", "relu2", "silu", "gelu"])
     def test_norm_linear_activation_in_the_epilogue(activation, nan_outputs):
         """The MLP's up projection with its activation: inside the skinny GEMM's epilogue (relu,

@@ -179,13 +179,12 @@ def linear(x, weight, bias=None):
 
 
 def norm_linear(x, weight, bias=None, norm_groups=1, eps=1e-5, residual=None, x_sq=None, return_sq=False,
-                reuse_residual=False, activation=None, tree_conv=None):
+                reuse_residual=False, activation=None):
     """[residual +] linear(RMSNorm(x), weight, bias), the norm's weight folded into `weight`;
     x_sq / return_sq: partial sums of squares handed between kernels; reuse_residual: the output
     may overwrite residual; activation: applied to the output (see `naive_norm_linear`)."""
     return resolve("norm_linear", x.device)(x, weight, bias, norm_groups, eps, residual, x_sq=x_sq,
-                                            return_sq=return_sq, reuse_residual=reuse_residual, activation=activation,
-                                            tree_conv=tree_conv)
+                                            return_sq=return_sq, reuse_residual=reuse_residual, activation=activation)
 
 
 def greedy_accept(logits, tokens, parents, depth, mask, paths):

@@ -266,31 +266,6 @@ def test_mamba_step_out_gpu(heads, groups, norm_groups):
     assert torch.equal(cs2, cs)
 
 
-@pytest.mark.parametrize("spec, batch", [((3, 2, 1), 1), ((2, 2), 2), ((1, 1, 1), 4)])
-def test_in_proj_with_tree_conv_epilogue_gpu(spec, batch):
-    """in_proj (2.7b shape, bf16) with the path-aware conv of its xBC columns in the skinny GEMM's
-    epilogue equals norm_linear followed by the tree_conv kernel."""
-    from ssmspec.ops.gemv.triton import norm_linear
-    from ssmspec.ops.tree_conv.triton import tree_conv
-    from ssmspec.trees import Tree
-
-    tree = Tree.from_config(spec)
-    bf = torch.bfloat16
-    channels, first = H * P + 2 * S, H * P
-    x = torch.randn(batch, tree.num_nodes, 2560, device=DEV, dtype=bf)
-    w = torch.randn(2 * H * P + 2 * S + H, 2560, device=DEV, dtype=bf) / math.sqrt(2560)
-    cw = torch.randn(channels, K, device=DEV, dtype=bf)
-    cb = torch.randn(channels, device=DEV, dtype=bf)
-    cs = torch.randn(batch, channels, K - 1, device=DEV, dtype=bf)
-    parents = tree.parents_tensor(DEV)
-    y_want = norm_linear(x, w, None, 1, 1e-5)
-    conv_want = tree_conv(y_want[..., first:first + channels], cs, cw, cb, parents)
-    _poison(y_want.numel() * 4)
-    y, conv = norm_linear(x, w, None, 1, 1e-5, tree_conv=(cw, cb, cs, parents, first))
-    assert torch.equal(y, y_want)
-    assert torch.isfinite(conv).all() and _rel(conv, conv_want) < 4e-3  # bf16 rounding of the sums
-
-
 @pytest.mark.parametrize("rows", [1, 16, 64])
 @pytest.mark.parametrize("n, k, norm_groups", [(10576, 2560, 1), (2560, 5120, 1), (4096, 8192, 8)],
                          ids=["in_proj", "out_proj", "out_proj-8b"])

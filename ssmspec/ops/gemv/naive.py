@@ -21,8 +21,7 @@ def naive_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def naive_norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm_groups: int = 1,
                       eps: float = 1e-5, residual: torch.Tensor | None = None, x_sq: torch.Tensor | None = None,
-                      return_sq: bool = False, reuse_residual: bool = False, activation: str | None = None,
-                      tree_conv: tuple | None = None):
+                      return_sq: bool = False, reuse_residual: bool = False, activation: str | None = None):
     """[residual +] linear(RMSNorm(x), weight, bias), the norm without a weight of its own.
 
     A pre-norm sublayer's RMSNorm weight (and the Mamba mixer's gated-norm weight) can be folded
@@ -38,10 +37,7 @@ def naive_norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     returned (kernels return them split in parts, or None on routes that do not produce them).
     reuse_residual: the caller gives up `residual`; a kernel may write the output into it (the
     reference does not). activation: a name of ACTIVATIONS applied to the (rounded) output, as
-    the MLP applies it to its up projection; only without a residual. tree_conv = (conv weight
-    (C, K), conv bias, conv state (B, C, K-1), parents (N,), first column): also return the
-    path-aware conv + silu (`naive_tree_conv`) of output columns [first, first + C), the rows
-    being B trees of N nodes: (output, conv output (..., C)).
+    the MLP applies it to its up projection; only without a residual.
 
     Args:
         x: (..., K); weight: (N, K); bias: (N,) or None; residual: (..., N) or None.
@@ -57,14 +53,6 @@ def naive_norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
             raise ValueError("norm_linear: an activation applies to an output without a residual")
         out = ACTIVATIONS[activation](out)
     out = out if residual is None else residual + out.to(residual.dtype)
-    if tree_conv is not None:
-        from ..tree_conv.naive import naive_tree_conv
-
-        conv_weight, conv_bias, conv_state, parents, first = tree_conv
-        channels, batch = conv_weight.shape[0], conv_state.shape[0]
-        xbc = out[..., first:first + channels].reshape(batch, -1, channels)
-        conv = naive_tree_conv(xbc, conv_state, conv_weight, conv_bias, parents)
-        return out, conv.reshape(tuple(out.shape[:-1]) + (channels,))
     if return_sq:
         return out, out.float().pow(2).sum(-1).reshape(-1, 1, 1)
     return out

@@ -328,9 +328,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
                    USE_PDL: tl.constexpr, res_ptr=None, srm=0, HAS_RES: tl.constexpr = False,
                    xsq_ptr=None, n_xparts=1, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0,
                    BLOCK_Q: tl.constexpr = 16, ysq_ptr=None, WRITE_SQ: tl.constexpr = False,
-                   BALANCED: tl.constexpr = False, ACT: tl.constexpr = 0,
-                   cw_ptr=None, cb_ptr=None, cs_ptr=None, par_ptr=None, cout_ptr=None, n_nodes=1, c_lo=0, c_hi=0,
-                   scb=0, scc=0, sck=0, swc=0, swk=0, scout=0, K_CONV: tl.constexpr = 0, HAS_CB: tl.constexpr = False):
+                   BALANCED: tl.constexpr = False, ACT: tl.constexpr = 0):
     # Launched without PDL (USE_PDL False): its early-launched instances held their pipeline's
     # shared memory while waiting and ran 1.4x slower in the H100 sweep (13.7 -> 20.5 us at 8 rows).
     # HAS_RES: the output, rounded to y's dtype, is added to the residual (as in _gemv_tile).
@@ -387,49 +385,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
     if WRITE_SQ:  # of the stored (rounded) values, as the next norm reads them
         of = tl.where(mask, out.to(tl.float32), 0.0)
         tl.store(ysq_ptr + offs_m * tl.num_programs(0) + tl.program_id(0), tl.sum(of * of, axis=1), mask=mask_m)
-    if K_CONV > 0:
-        _tree_conv_epilogue(out, offs_m, offs_n, mask_m, mask_n, cw_ptr, cb_ptr, cs_ptr, par_ptr, cout_ptr, n_nodes,
-                            c_lo, c_hi, scb, scc, sck, swc, swk, scout, K_CONV, HAS_CB, IEEE, BLOCK_M)
 
-
-@triton.jit
-def _tree_conv_epilogue(out, offs_m, offs_n, mask_m, mask_n, cw_ptr, cb_ptr, cs_ptr, par_ptr, cout_ptr, n_nodes,
-                        c_lo, c_hi, scb, scc, sck, swc, swk, scout, K: tl.constexpr, HAS_CB: tl.constexpr,
-                        IEEE: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The path-aware causal conv (ops/tree_conv) of output columns [c_lo, c_hi), then silu, from
-    the GEMM's own output tile: a program holds every node's value of its columns, so the value
-    j steps back on a node's path is a row gather of the tile, done as a one-hot product; before
-    the root the window reads the cached prefix inputs (slot K-2 the most recent)."""
-    ch = offs_n - c_lo
-    mask_c = mask_n & (offs_n >= c_lo) & (offs_n < c_hi)
-    b = offs_m // n_nodes
-    cur = tl.where(mask_m, offs_m % n_nodes, -1)
-    back = tl.zeros([BLOCK_M], dtype=tl.int32)
-    conv = tl.zeros(out.shape, dtype=tl.float32)
-    for j in tl.static_range(K):
-        in_tree = cur >= 0
-        w = tl.load(cw_ptr + ch * swc + (K - 1 - j) * swk, mask=mask_c, other=0.0).to(tl.float32)
-        if j == 0:
-            val = out.to(tl.float32)
-        else:
-            onehot = ((b * n_nodes + cur)[:, None] == offs_m[None, :]) & in_tree[:, None]
-            val = _skinny_dot(onehot.to(out.dtype), out, tl.zeros(out.shape, dtype=tl.float32), IEEE)
-            slot = (K - 2) - back
-            from_state = tl.load(cs_ptr + b[:, None] * scb + ch[None, :] * scc + slot[:, None] * sck,
-                                 mask=(mask_m & ~in_tree & (slot >= 0))[:, None] & mask_c[None, :], other=0.0)
-            val += from_state.to(out.dtype).to(tl.float32)  # rounded to the inputs' dtype, as tree_conv does
-        conv += val * w[None, :]
-        back = tl.where(in_tree, back, back + 1)
-        cur = tl.where(in_tree, tl.load(par_ptr + cur, mask=in_tree, other=-1).to(tl.int32), -1)
-    if HAS_CB:
-        conv += tl.load(cb_ptr + ch, mask=mask_c, other=0.0).to(tl.float32)[None, :]
-    conv = conv * tl.sigmoid(conv)
-    tl.store(cout_ptr + offs_m[:, None] * scout + ch[None, :], conv.to(out.dtype),
-             mask=mask_m[:, None] & mask_c[None, :])
-
-
-FUSE_TREE_CONV = True
-"""norm_linear's tree_conv in the skinny GEMM's epilogue (benchmarks switch it off to compare)."""
 
 SKINNY_DEFAULT = (32, 128, 4, 4)
 """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the skinny GEMM; a fifth entry k > 0 makes the
@@ -456,15 +412,12 @@ SKINNY_ACTIVATIONS = {"relu": 1, "relu2": 2, "silu": 3}
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None,
                   residual: torch.Tensor | None = None, norm_groups: int = 0, eps: float = 0.0,
-                  x_sq: torch.Tensor | None = None, return_sq: bool = False, activation: str | None = None,
-                  tree_conv: tuple | None = None):
+                  x_sq: torch.Tensor | None = None, return_sq: bool = False, activation: str | None = None):
     """x (..., K) with M rows in all, weight (N, K) -> (..., N) for small M (any M works; the
     tile pads M up to a power of two >= 16, so it pays only for few rows). norm_groups, residual,
-    x_sq, return_sq, activation (one of SKINNY_ACTIVATIONS, in the epilogue) and tree_conv as in
+    x_sq, return_sq and activation (one of SKINNY_ACTIVATIONS, in the epilogue) as in
     `norm_linear`: with x_sq the norm scales each group's dot products inside the GEMM, without
-    it the norm kernel runs first. With tree_conv, returns (y, conv output)."""
-    if tree_conv is not None and (residual is not None or return_sq or activation is not None):
-        raise ValueError("skinny_linear: tree_conv needs no residual, no return_sq and no activation")
+    it the norm kernel runs first."""
     if activation is not None and (activation not in SKINNY_ACTIVATIONS or residual is not None or return_sq):
         raise ValueError(f"skinny_linear: activation {activation!r} needs no residual, no return_sq and one of "
                          f"{sorted(SKINNY_ACTIVATIONS)}")
@@ -501,9 +454,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
         rows = rms_norm(rows.reshape(-1, group_size), None, eps).reshape(m, k)
     y_sq = torch.empty(m, 1, grid, device=x.device, dtype=torch.float32) if return_sq else None
-    conv_args, conv_out = {}, None
-    if tree_conv is not None:
-        conv_args, conv_out = _tree_conv_args(tree_conv, m, n, y)
     _skinny_kernel[(grid,)](
         rows, weight, bias if bias is not None else weight, y, m, n, k, rows.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
@@ -514,30 +464,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         eps=float(eps), NORM_GROUPS=norm_groups if use_parts else 0,
         BLOCK_Q=max(16, triton.next_power_of_2(x_sq.shape[-1])) if use_parts else 16,
         ysq_ptr=y_sq, WRITE_SQ=return_sq, BALANCED=bool(per_sm and per_sm[0]),
-        ACT=SKINNY_ACTIVATIONS[activation] if activation else 0, **conv_args,
+        ACT=SKINNY_ACTIVATIONS[activation] if activation else 0,
     )
     y = y.reshape(tuple(x.shape[:-1]) + (n,))
-    if tree_conv is not None:
-        return y, conv_out.reshape(tuple(x.shape[:-1]) + (conv_out.shape[-1],))
     return (y, y_sq) if return_sq else y
-
-
-def _tree_conv_args(tree_conv: tuple, m: int, n: int, y: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    """Kernel arguments of the tree conv in the skinny GEMM's epilogue (see `norm_linear`)."""
-    conv_weight, conv_bias, conv_state, parents, c_lo = tree_conv
-    channels, kernel_size = conv_weight.shape
-    batch = conv_state.shape[0]
-    if m % batch or c_lo + channels > n or tuple(conv_state.shape) != (batch, channels, kernel_size - 1):
-        raise ValueError(f"tree_conv: {m} rows / conv_state {tuple(conv_state.shape)} / columns {c_lo}+{channels} "
-                         f"do not fit an output of width {n}")
-    if tuple(parents.shape) != (m // batch,):
-        raise ValueError(f"tree_conv: parents {tuple(parents.shape)} for {m // batch} nodes per row")
-    conv_out = torch.empty(m, channels, device=y.device, dtype=y.dtype)
-    return {"cw_ptr": conv_weight, "cb_ptr": conv_bias if conv_bias is not None else conv_weight, "cs_ptr": conv_state,
-            "par_ptr": parents, "cout_ptr": conv_out, "n_nodes": m // batch, "c_lo": c_lo, "c_hi": c_lo + channels,
-            "scb": conv_state.stride(0), "scc": conv_state.stride(1), "sck": conv_state.stride(2),
-            "swc": conv_weight.stride(0), "swk": conv_weight.stride(1), "scout": conv_out.stride(0),
-            "K_CONV": kernel_size, "HAS_CB": conv_bias is not None}, conv_out
 
 
 def _sm_count(device: torch.device) -> int:
@@ -587,7 +517,7 @@ def _interpreting() -> bool:
 def norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm_groups: int = 1,
                 eps: float = 1e-5, residual: torch.Tensor | None = None, config=None,
                 x_sq: torch.Tensor | None = None, return_sq: bool = False, reuse_residual: bool = False,
-                activation: str | None = None, tree_conv: tuple | None = None):
+                activation: str | None = None):
     """[residual +] linear(RMSNorm(x) over norm_groups groups, weight, bias) on the kernels; same
     contract as `naive_norm_linear` (the norm has no weight of its own: it is folded into
     `weight`, see `ssmspec.models.fold`). One row runs the GEMV with the norm and the residual
@@ -604,21 +534,13 @@ def norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     reuse_residual: the caller no longer needs `residual`, so the output may be written into its
     storage (the cuBLAS route adds in place, sparing addmm's copy of it). activation: applied to
     the output (no residual), inside the skinny GEMM's epilogue when it is one of
-    SKINNY_ACTIVATIONS, else after. tree_conv = (conv weight, conv bias, conv state, parents,
-    first column): also the path-aware conv + silu of those output columns (ops/tree_conv),
-    returned as (y, conv output), in the skinny GEMM's epilogue; (y, None) on other routes."""
+    SKINNY_ACTIVATIONS, else after."""
     from .naive import ACTIVATIONS, naive_norm_linear
 
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if rows == 0 or (x.device.type != "cuda" and not _interpreting()) or (norm_groups and k % norm_groups):
-        return naive_norm_linear(x, weight, bias, norm_groups, eps, residual, x_sq, return_sq, activation=activation,
-                                 tree_conv=tree_conv)
-    if tree_conv is not None:
-        if (FUSE_TREE_CONV and 1 < rows <= SKINNY_MAX_ROWS and ENABLED and weight.stride(-1) == 1 and residual is None
-                and activation is None and not return_sq):
-            return skinny_linear(x, weight, bias, norm_groups=norm_groups, eps=eps, x_sq=x_sq, tree_conv=tree_conv)
-        return norm_linear(x, weight, bias, norm_groups, eps, residual, config, x_sq, return_sq, activation=activation), None
+        return naive_norm_linear(x, weight, bias, norm_groups, eps, residual, x_sq, return_sq, activation=activation)
     if activation is not None:
         if residual is not None:
             raise ValueError("norm_linear: an activation applies to an output without a residual")
