@@ -132,24 +132,29 @@ def time_tree_iteration(model, prompt, tree: Tree, vocab: int) -> dict:
         cache.copy_(snapshot)  # same start every time
         g(tokens)
 
-    # Events around the graph alone, after each restore (in stream order the start event follows
-    # the copy): subtracting a separately measured median copy time added up to ~10% of noise.
     for _ in range(5):
         iteration()
-    times = []
-    for _ in range(50):
-        cache.copy_(snapshot)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g(tokens)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
+    times = restored_call_times(lambda: cache.copy_(snapshot), lambda: g(tokens), 50)
     info["ms"] = times[len(times) // 2]
     info["ms_p10_p90"] = (times[5], times[45])
     info["iteration"] = iteration
     return info
+
+
+def restored_call_times(restore, call, iters: int) -> list[float]:
+    """Sorted ms of call() by CUDA events around it alone, after restore() each time (in stream
+    order the start event follows the restore): subtracting a separately measured median restore
+    time instead added up to ~10% of noise."""
+    times = []
+    for _ in range(iters):
+        restore()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)
 
 
 def main() -> int:

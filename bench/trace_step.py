@@ -50,18 +50,11 @@ def kernel_events(fn, reps: int = 3) -> list[tuple[float, float, str]]:
 
 
 def event_ms(restore, graph, iters: int = 30) -> float:
-    """Median ms of the graph's replay alone by CUDA events (as bench_decode times it), after
-    restore() each time."""
-    times = []
-    for _ in range(iters):
-        restore()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[iters // 2]
+    """Median ms of the graph's replay alone by CUDA events, after restore() each time, as
+    bench_decode.py times tree iterations."""
+    from bench_decode import restored_call_times  # bench/ is this script's directory
+
+    return restored_call_times(restore, graph.graph.replay, iters)[iters // 2]
 
 
 def main() -> int:
