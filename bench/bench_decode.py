@@ -22,7 +22,7 @@ import torch
 
 from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
-from ssmspec.ops import capture, dispatch, pdl
+from ssmspec.ops import dispatch, pdl
 from ssmspec.ops.gemv import triton as gemv
 from ssmspec.trees.tree import Tree
 
@@ -267,10 +267,6 @@ def main() -> int:
                 record(f"  same, cuBLAS projections [{tree.num_nodes} nodes, {name}]",
                        time_tree_iteration(m, prompt, tree, vocab)["ms"])
                 gemv.ENABLED = True
-                capture.DEFER = False  # the replay's pointer table as a copy node in the graph
-                record(f"  same, pointer table copied per replay [{tree.num_nodes} nodes, {name}]",
-                       time_tree_iteration(m, prompt, tree, vocab)["ms"])
-                capture.DEFER = True
             tree_rows.append({"tree": spec, "nodes": tree.num_nodes, "variant": name, "ms": info["ms"],
                               "ratio": info["ms"] / ar_ms, "accepted": info["accepted"],
                               "greedy_chain_matches": info["greedy_chain_matches"],

@@ -98,7 +98,6 @@ import numpy as np
 import torch
 
 from .errors import InputError, ProfileMismatchError
-from .ops import capture
 
 SCHEMA_NAME = "ssmspec.profile"
 SCHEMA_VERSION = 1
@@ -258,7 +257,7 @@ def _capture(fn: Callable[[], object], device: torch.device):
         with torch.cuda.stream(side):
             fn()  # allocations on the capture stream before capture, as torch recommends
         caller.wait_stream(side)
-        with capture.tables_written_after_capture(), torch.cuda.graph(graph):
+        with torch.cuda.graph(graph):
             fn()
         graph.replay()
         torch.cuda.synchronize(device)

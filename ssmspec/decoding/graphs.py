@@ -16,7 +16,7 @@ import torch
 
 from ..models.cache import ModelCache
 from ..models.lm import LanguageModel
-from ..ops import capture, dispatch
+from ..ops import dispatch
 
 
 def _warm_up_and_capture(fn, cache: ModelCache, warmup: int = 2) -> torch.cuda.CUDAGraph:
@@ -30,7 +30,7 @@ def _warm_up_and_capture(fn, cache: ModelCache, warmup: int = 2) -> torch.cuda.C
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with capture.tables_written_after_capture(), torch.cuda.graph(graph):
+    with torch.cuda.graph(graph):
         fn()
     cache.copy_(snapshot)  # capture itself runs nothing, but the warm-up steps advanced the cache
     torch.cuda.synchronize()

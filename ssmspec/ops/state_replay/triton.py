@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import capture
 from ..pdl import gdc_launch_dependents, gdc_wait
 from ..step_update.triton import _pdl_args
 from .naive import layer_arguments
@@ -394,19 +393,14 @@ def _replay_states_layers_kernel(
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 _CAPTURED_TABLES: list[torch.Tensor] = []
-"""Pinned host pointer tables of launches captured outside `capture.tables_written_after_capture()`:
-a captured copy reads its host buffer at every replay of the graph, so these live as long as the
-process (a few KB per capture)."""
+"""Pinned host pointer tables of captured launches: a captured copy reads its host buffer at every
+replay of the graph, so these live as long as the process (a few KB per capture)."""
 
 
 def _pointer_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     """(L, 7) int64 addresses on `device`, built without a host sync and safe to capture in a CUDA graph."""
     if device.type != "cuda":  # the interpreter reads host memory
         return torch.tensor(rows, dtype=torch.int64)
-    if capture.deferring():  # written once after the capture: no copy node in the graph
-        table = capture.device_table(torch.tensor(rows, dtype=torch.int64), device)
-        if table is not None:
-            return table
     host = torch.tensor(rows, dtype=torch.int64, pin_memory=True)
     if torch.cuda.is_current_stream_capturing():
         _CAPTURED_TABLES.append(host)
