@@ -267,6 +267,19 @@ def main() -> int:
                 record(f"  same, cuBLAS projections [{tree.num_nodes} nodes, {name}]",
                        time_tree_iteration(m, prompt, tree, vocab)["ms"])
                 gemv.ENABLED = True
+                if m.layers[0].kind == "mamba":  # the layer projections' skinny GEMMs with TMA weight loads
+                    shapes = [tuple(m.layers[0].mixer.in_proj.weight.shape), tuple(m.layers[0].mixer.out_proj.weight.shape)]
+                    table = gemv.SKINNY_TUNED if tree.num_nodes <= gemv.SKINNY_MAX_ROWS else gemv.SKINNY_WIDE
+                    saved = {s: table.get(s) for s in shapes}
+                    for tma_cfg in ((64, 128, 4, 4, 0, 2), (32, 256, 4, 4, 0, 1)):
+                        table.update({s: tma_cfg for s in shapes})
+                        record(f"  same, skinny TMA {tma_cfg} [{tree.num_nodes} nodes, {name}]",
+                               time_tree_iteration(m, prompt, tree, vocab)["ms"])
+                    for s_, c_ in saved.items():
+                        if c_ is None:
+                            table.pop(s_)
+                        else:
+                            table[s_] = c_
             tree_rows.append({"tree": spec, "nodes": tree.num_nodes, "variant": name, "ms": info["ms"],
                               "ratio": info["ms"] / ar_ms, "accepted": info["accepted"],
                               "greedy_chain_matches": info["greedy_chain_matches"],

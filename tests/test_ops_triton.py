@@ -323,6 +323,46 @@ else:
         assert_close(GV.skinny_linear(x, w, None, config=(16, 32, 1, 1)), naive_linear(x, w), atol=1e-4, rtol=1e-4)
 
 
+    @pytest.mark.parametrize("m", [3, 17, 40])
+    def test_skinny_linear_tma_matches_reference(m, nan_outputs):
+        """The skinny GEMM with the weight read through a TMA descriptor, the tile as x W^T (1) or
+        as W x^T transposed (2), at awkward sizes: N and K not multiples of the box (the copy
+        engine pads the overhang with zeros), rows past a tile."""
+        from ssmspec.ops.gemv.naive import naive_linear
+
+        n, k = 70, 152  # a row of 152 fp32 is 16-byte aligned, as TMA needs; 152 = 4 x 32 + 24
+        x, w = torch.randn(1, m, k), torch.randn(n, k)
+        assert GV._weight_descriptor(w, 16, 32) is not None  # the TMA path really runs
+        for cfg in ((16, 32, 1, 1, 0, 1), (32, 64, 1, 1, 0, 1), (16, 32, 1, 1, 0, 2), (64, 32, 1, 1, 0, 2)):
+            assert_close(GV.skinny_linear(x, w, None, config=cfg), naive_linear(x, w), atol=1e-4, rtol=1e-4,
+                         name=str(cfg))
+        assert GV._weight_descriptor(torch.randn(n, 150), 16, 32) is None  # unaligned rows: pointer loads
+        with pytest.raises(ValueError, match="balanced"):
+            GV.skinny_linear(x, w, None, config=(0, 32, 1, 1, 2, 1))
+
+
+    def test_wide_skinny_route_takes_norm_parts_and_residual(nan_outputs, monkeypatch):
+        """From 17 to SKINNY_WIDE_MAX_ROWS rows a shape listed in SKINNY_WIDE runs the skinny GEMM
+        (norm from the producer's parts, residual in the epilogue, its own parts out) instead of
+        the norm kernel and cuBLAS; unlisted shapes and more rows keep cuBLAS."""
+        from ssmspec.ops.gemv.naive import naive_norm_linear
+
+        n, k = 70, 128
+        monkeypatch.setitem(GV.SKINNY_WIDE, (n, k), (16, 32, 1, 1, 0, 2))
+        assert GV.skinny_rows(40, n, k) and not GV.skinny_rows(40, n, 150) and not GV.skinny_rows(65, n, k)
+        x, w, res = torch.randn(1, 40, k) * 3, torch.randn(n, k) / 8, torch.randn(1, 40, n)
+        x_sq = x.pow(2).sum(-1).reshape(40, 1, 1) * torch.tensor([0.25, 0.75]).reshape(1, 1, 2)
+        want, want_sq = naive_norm_linear(x, w, None, 1, 1e-5, res, return_sq=True)
+        spent = res.clone()
+        got, got_sq = GV.norm_linear(x, w, None, 1, 1e-5, spent, x_sq=x_sq, return_sq=True, reuse_residual=True)
+        assert got.data_ptr() != spent.data_ptr() and got_sq is not None  # the skinny route, not cuBLAS
+        assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert_close(got_sq.sum(-1, keepdim=True), want_sq, atol=1e-3, rtol=1e-5, name="sq")
+        wrong = GV.norm_linear(x, w, None, 1, 1e-5, x_sq=x_sq * 4)  # the parts are what it uses
+        assert_close(wrong, naive_norm_linear(x, w, None, 1, 1e-5) / 2, atol=1e-4, rtol=1e-4, name="x4")
+        assert_close(GV.linear(x, w), torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-4, name="linear")
+
+
     def test_add_rms_norm_matches_reference(nan_outputs):
         from ssmspec.ops.step_update.naive import naive_add_rms_norm
 
@@ -415,7 +455,8 @@ else:
         want, want_sq = naive_norm_linear(x, w, None, norm_groups, 1e-5, res, return_sq=True)
         # 128 > a group of 64 at two groups: the block shrinks; (0, ..., k): the balanced grid,
         # k programs per SM (4 "SMs" under the interpreter), 70 columns as 8 and 9 per program
-        for cfg in ((16, 32, 1, 1), (32, 128, 1, 1), (0, 32, 1, 1, 2)):
+        # (..., 0, 1|2): TMA weight loads (two groups: a box per group's K range)
+        for cfg in ((16, 32, 1, 1), (32, 128, 1, 1), (0, 32, 1, 1, 2), (16, 32, 1, 1, 0, 1), (32, 64, 1, 1, 0, 2)):
             got, got_sq = GV.skinny_linear(x, w, None, cfg, res, norm_groups, 1e-5, x_sq=x_sq, return_sq=True)
             assert_close(got, want, atol=1e-4, rtol=1e-4, name=str(cfg))
             assert got_sq.shape == (rows, 1, 8 if len(cfg) == 5 else triton.cdiv(n, cfg[0]))

@@ -273,7 +273,7 @@ def test_norm_linear_gpu(rows, n, k, norm_groups):
     """Projections with the folded RMSNorm before them and the residual add after them, bf16, at
     the decode (1 row), 16-node and 64-node verify sizes: GEMV, skinny GEMM, norm + cuBLAS."""
     from ssmspec.ops.gemv.naive import naive_norm_linear
-    from ssmspec.ops.gemv.triton import norm_linear
+    from ssmspec.ops.gemv.triton import norm_linear, skinny_rows
 
     bf = torch.bfloat16
     x = torch.randn(1, rows, k, device=DEV, dtype=bf) * 3
@@ -286,7 +286,7 @@ def test_norm_linear_gpu(rows, n, k, norm_groups):
     assert _rel(got - res, want - res) < 1e-2
     got = norm_linear(x, w, None, norm_groups, 1e-5)
     assert _rel(got, want - res) < 1e-2
-    if 1 < rows <= 16:  # the skinny GEMM with the norm from its producer's partial sums of squares
+    if skinny_rows(rows, n, k):  # the skinny GEMM with the norm from its producer's partial sums of squares
         sums = x.float().reshape(rows, norm_groups, -1).pow(2).sum(-1)
         x_sq = torch.stack([sums * 0.25, sums * 0.75], dim=-1)  # two parts per group
         got, got_sq = norm_linear(x, w, None, norm_groups, 1e-5, res, x_sq=x_sq, return_sq=True)

@@ -312,6 +312,38 @@ def _skinny_k_loop(x_ptr, w_ptr, acc, offs_m, offs_n, mask_m, mask_n, k_lo, k_hi
 
 
 @triton.jit
+def _skinny_span(x_ptr, w_ptr, w_desc, offs_m, offs_n, mask_m, mask_n, n0, k_lo, k_hi, sxm, swn, IEEE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+    """x[:, k_lo:k_hi] @ w[offs_n, k_lo:k_hi]^T as a (BLOCK_M, BLOCK_N) fp32 tile. TMA 0: weight
+    tiles by pointer loads; 1: through the tensor descriptor w_desc (the copy engine); 2: the same,
+    with the weight tile as the tensor cores' A operand (W x^T, transposed at the end), which
+    Hopper's warpgroup MMA takes in 64-row tiles while x's few rows are its N."""
+    if TMA == 0:
+        acc = _skinny_k_loop(x_ptr, w_ptr, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), offs_m, offs_n, mask_m,
+                             mask_n, k_lo, k_hi, sxm, swn, IEEE, BLOCK_K)
+    elif TMA == 1:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            acc = _skinny_dot(_skinny_x_tile(x_ptr, offs_m, mask_m, k0, k_hi, sxm, BLOCK_K),
+                              tl.trans(w_desc.load([n0, k0])), acc, IEEE)
+    else:
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            acc_t = _skinny_dot(w_desc.load([n0, k0]),
+                                tl.trans(_skinny_x_tile(x_ptr, offs_m, mask_m, k0, k_hi, sxm, BLOCK_K)), acc_t, IEEE)
+        acc = tl.trans(acc_t)
+    return acc
+
+
+@triton.jit
+def _skinny_x_tile(x_ptr, offs_m, mask_m, k0, k_hi, sxm, BLOCK_K: tl.constexpr):
+    # x's columns past k_hi (the next norm group) load as 0, so a weight box may overhang k_hi
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask_m[:, None] & (offs_k < k_hi)[None, :],
+                   other=0.0)
+
+
+@triton.jit
 def _rstd_from_parts(sq_ptr, offs_m, mask_m, group, n_parts, group_size, eps, NORM_GROUPS: tl.constexpr,
                      BLOCK_Q: tl.constexpr):
     """1 / rms of norm group `group` of every row, from the (rows, NORM_GROUPS, n_parts) partial
@@ -328,7 +360,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
                    USE_PDL: tl.constexpr, res_ptr=None, srm=0, HAS_RES: tl.constexpr = False,
                    xsq_ptr=None, n_xparts=1, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0,
                    BLOCK_Q: tl.constexpr = 16, ysq_ptr=None, WRITE_SQ: tl.constexpr = False,
-                   BALANCED: tl.constexpr = False, ACT: tl.constexpr = 0):
+                   BALANCED: tl.constexpr = False, ACT: tl.constexpr = 0, w_desc=None, TMA: tl.constexpr = 0):
     # Launched without PDL (USE_PDL False): its early-launched instances held their pipeline's
     # shared memory while waiting and ran 1.4x slower in the H100 sweep (13.7 -> 20.5 us at 8 rows).
     # HAS_RES: the output, rounded to y's dtype, is added to the residual (as in _gemv_tile).
@@ -352,16 +384,17 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
         mask_n = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if NORM_GROUPS == 0:
-        acc = _skinny_k_loop(x_ptr, w_ptr, acc, offs_m, offs_n, mask_m, mask_n, 0, K, sxm, swn, IEEE, BLOCK_K)
-    elif NORM_GROUPS == 1:
-        acc = _skinny_k_loop(x_ptr, w_ptr, acc, offs_m, offs_n, mask_m, mask_n, 0, K, sxm, swn, IEEE, BLOCK_K)
-        acc *= _rstd_from_parts(xsq_ptr, offs_m, mask_m, 0, n_xparts, group_size, eps, 1, BLOCK_Q)[:, None]
+    n0 = tl.program_id(0) * BLOCK_N  # the weight box's first row (TMA: tiled grids only)
+    if NORM_GROUPS <= 1:
+        acc = _skinny_span(x_ptr, w_ptr, w_desc, offs_m, offs_n, mask_m, mask_n, n0, 0, K, sxm, swn, IEEE,
+                           BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+        if NORM_GROUPS == 1:
+            acc *= _rstd_from_parts(xsq_ptr, offs_m, mask_m, 0, n_xparts, group_size, eps, 1, BLOCK_Q)[:, None]
     else:
-        for grp in range(0, NORM_GROUPS):
-            part = _skinny_k_loop(x_ptr, w_ptr, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), offs_m, offs_n,
-                                  mask_m, mask_n, grp * group_size, (grp + 1) * group_size, sxm, swn, IEEE, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for grp in range(NORM_GROUPS):
+            part = _skinny_span(x_ptr, w_ptr, w_desc, offs_m, offs_n, mask_m, mask_n, n0, grp * group_size,
+                                (grp + 1) * group_size, sxm, swn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
             r = _rstd_from_parts(xsq_ptr, offs_m, mask_m, grp, n_xparts, group_size, eps, NORM_GROUPS, BLOCK_Q)
             acc += part * r[:, None]
     if HAS_BIAS:
@@ -406,6 +439,49 @@ SKINNY_TUNED: dict[tuple[int, int], tuple[int, ...]] = {
 }
 
 
+SKINNY_WIDE_MAX_ROWS = 64
+"""Row counts SKINNY_MAX_ROWS+1..SKINNY_WIDE_MAX_ROWS (64-node trees) run the skinny GEMM only
+for the shapes of SKINNY_WIDE, where it matched cuBLAS; there it also takes its norm from the
+producer's partial sums and adds the residual in its epilogue, which the cuBLAS route pays for
+with a norm launch and an addmm copy."""
+# (N, K) -> config at 17..64 rows: a sixth entry selects TMA weight loads (1) or TMA with the
+# weight tile as the tensor cores' A operand (2). From `bench/skinny_probe.py` (H100, 64 rows):
+SKINNY_WIDE: dict[tuple[int, int], tuple[int, ...]] = {
+    (10576, 2560): (128, 128, 4, 4, 0, 2),  # mamba2-2.7b in_proj: 22.05 us vs cuBLAS 22.19
+    (2560, 5120): (32, 256, 4, 4, 0, 1),  # mamba2-2.7b out_proj: 12.57 us vs cuBLAS 12.97
+}
+
+
+def skinny_rows(rows: int, n: int, k: int, element_size: int = 2) -> bool:
+    """Whether `rows` rows of an (N, K) projection run the skinny GEMM (else the GEMV or cuBLAS).
+    SKINNY_WIDE's tiles are sized for 2-byte weights (fp32 boxes would not fit in shared memory);
+    the CPU interpreter, which has no such limit, takes them at any width for the tests."""
+    if 1 < rows <= SKINNY_MAX_ROWS:
+        return True
+    return (SKINNY_MAX_ROWS < rows <= SKINNY_WIDE_MAX_ROWS and (n, k) in SKINNY_WIDE
+            and (element_size == 2 or _interpreting()))
+
+
+def _skinny_config(n: int, k: int, rows: int) -> tuple[int, ...]:
+    if rows > SKINNY_MAX_ROWS and (n, k) in SKINNY_WIDE:
+        return SKINNY_WIDE[(n, k)]
+    return SKINNY_TUNED.get((n, k), SKINNY_DEFAULT)
+
+
+def _weight_descriptor(weight: torch.Tensor, block_n: int, block_k: int):
+    """A TMA descriptor of weight's (block_n, block_k) tiles, or None where TMA cannot read it
+    (alignment, box size, no descriptor support in this Triton)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    esize = weight.element_size()
+    if (weight.stride(1) != 1 or (weight.stride(0) * esize) % 16 or weight.data_ptr() % 16
+            or max(block_n, block_k) > 256 or block_k * esize < 16):
+        return None
+    return TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1], [block_n, block_k])
+
+
 SKINNY_ACTIVATIONS = {"relu": 1, "relu2": 2, "silu": 3}
 """Activations the skinny GEMM applies in its epilogue (ops/gemv/naive ACTIVATIONS' formulas)."""
 
@@ -432,10 +508,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         res = residual.reshape(m, n)
         if res.stride(-1) != 1:
             res = res.contiguous()
-    block_n, block_k, warps, stages, *per_sm = config or SKINNY_TUNED.get((n, k), SKINNY_DEFAULT)
+    block_n, block_k, warps, stages, *extra = config or _skinny_config(n, k, m)
+    per_sm, tma = (list(extra) + [0, 0])[:2]
+    if per_sm and tma:
+        raise ValueError(f"skinny_linear: config {config}: a balanced grid has no fixed weight box for TMA")
     grid = triton.cdiv(n, block_n) if block_n else 0
-    if per_sm and per_sm[0]:  # balanced: a multiple of the SM count, N split evenly
-        grid = min(_sm_count(x.device) * per_sm[0], n)
+    if per_sm:  # balanced: a multiple of the SM count, N split evenly
+        grid = min(_sm_count(x.device) * per_sm, n)
         block_n = max(16, triton.next_power_of_2(triton.cdiv(n, grid)))
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     group_size = k // norm_groups if norm_groups else 1
@@ -454,6 +533,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
         rows = rms_norm(rows.reshape(-1, group_size), None, eps).reshape(m, k)
     y_sq = torch.empty(m, 1, grid, device=x.device, dtype=torch.float32) if return_sq else None
+    w_desc = _weight_descriptor(weight, block_n, block_k) if tma else None
     _skinny_kernel[(grid,)](
         rows, weight, bias if bias is not None else weight, y, m, n, k, rows.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
@@ -463,8 +543,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         xsq_ptr=x_sq if use_parts else None, n_xparts=x_sq.shape[-1] if use_parts else 1, group_size=group_size,
         eps=float(eps), NORM_GROUPS=norm_groups if use_parts else 0,
         BLOCK_Q=max(16, triton.next_power_of_2(x_sq.shape[-1])) if use_parts else 16,
-        ysq_ptr=y_sq, WRITE_SQ=return_sq, BALANCED=bool(per_sm and per_sm[0]),
+        ysq_ptr=y_sq, WRITE_SQ=return_sq, BALANCED=bool(per_sm),
         ACT=SKINNY_ACTIVATIONS[activation] if activation else 0,
+        w_desc=w_desc, TMA=tma if w_desc is not None else 0,
     )
     y = y.reshape(tuple(x.shape[:-1]) + (n,))
     return (y, y_sq) if return_sq else y
@@ -494,12 +575,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     or tuple) overrides the GEMV's tuned config (benchmarks)."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if (not ENABLED or rows == 0 or rows > SKINNY_MAX_ROWS or weight.stride(-1) != 1
-            or (x.device.type != "cuda" and not _interpreting())):
+    n = weight.shape[0]
+    if (not ENABLED or rows == 0 or not (rows == 1 or skinny_rows(rows, n, k, weight.element_size()))
+            or weight.stride(-1) != 1 or (x.device.type != "cuda" and not _interpreting())):
         return F.linear(x, weight, bias)
     if rows > 1:
         return skinny_linear(x, weight, bias)
-    n = weight.shape[0]
     cfg = GemvConfig(*(config or _config(n, k, x.device)))
     if cfg[3] > 1:
         # split-K for a plain linear needs a reduction; kept for the sweep, tuned tables avoid it here
@@ -544,11 +625,12 @@ def norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if activation is not None:
         if residual is not None:
             raise ValueError("norm_linear: an activation applies to an output without a residual")
-        if not (1 < rows <= SKINNY_MAX_ROWS and ENABLED and activation in SKINNY_ACTIVATIONS
-                and weight.stride(-1) == 1 and not return_sq):
+        if not (skinny_rows(rows, *weight.shape, weight.element_size()) and ENABLED
+                and activation in SKINNY_ACTIVATIONS and weight.stride(-1) == 1 and not return_sq):
             return ACTIVATIONS[activation](norm_linear(x, weight, bias, norm_groups, eps, config=config, x_sq=x_sq))
         return skinny_linear(x, weight, bias, norm_groups=norm_groups, eps=eps, x_sq=x_sq, activation=activation)
-    if not ENABLED or rows > SKINNY_MAX_ROWS or weight.stride(-1) != 1:
+    if (not ENABLED or not (rows == 1 or skinny_rows(rows, *weight.shape, weight.element_size()))
+            or weight.stride(-1) != 1):
         y = _norm_then_cublas(x, weight, bias, norm_groups, eps, residual, reuse_residual)
         return (y, None) if return_sq else y
     if residual is not None and tuple(residual.shape) != tuple(x.shape[:-1]) + (weight.shape[0],):
