@@ -111,12 +111,13 @@ CONFIGS = [
     (False, True, 64, 128, 4, 4, 1),
 ]
 
-SHAPES = {"in_proj": (10576, 2560), "out_proj": (2560, 5120)}
+SHAPES = {"in_proj": (10576, 2560), "out_proj": (2560, 5120), "lm_head": (50288, 2560)}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="16,64", help="comma-separated row counts (default 16,64)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {sorted(SHAPES)}")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("skinny_probe needs a CUDA GPU", file=sys.stderr)
@@ -124,7 +125,8 @@ def main() -> int:
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     summary = []
-    for label, (n, k) in SHAPES.items():
+    for label in args.shapes.split(","):
+        n, k = SHAPES[label]
         nbytes = n * k * 2
         copies = max(2, math.ceil(200e6 / nbytes))
         wts = [torch.randn(n, k, device=dev, dtype=BF16) for _ in range(copies)]

@@ -422,13 +422,18 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
 
 SKINNY_DEFAULT = (32, 128, 4, 4)
 """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the skinny GEMM; a fifth entry k > 0 makes the
-grid balanced (k programs per SM, each owning N / (k * SMs) columns; BLOCK_N is then derived)."""
+grid balanced (k programs per SM, each owning N / (k * SMs) columns; BLOCK_N is then derived);
+a sixth entry 1 or 2 reads the weight through a TMA descriptor (see `_skinny_span`)."""
 # (N, K) -> config: the best at 16 rows of the H100 sweeps (bench/results/gemv_sweep-h100.log, then
 # `bench_kernels.py --skinny-sweep`, bench/results/round4/skinny_sweep*.log): mamba2-2.7b out_proj,
 # hybrid-8b Mamba in/out_proj, MLP up/down, attention q/o and k/v, LM head. Unlisted shapes use
-# SKINNY_DEFAULT (the best at the 2.7b in_proj).
+# SKINNY_DEFAULT (the best pointer-load tile at the 2.7b in_proj). The mamba2-2.7b in_proj and
+# out_proj read their weights by TMA, ranked inside the 16-node tree iteration
+# (bench/tune_skinny_graph.py, runs 46-47: 3.02-3.05 ms against 3.155 with the pointer-load entries).
 SKINNY_TUNED: dict[tuple[int, int], tuple[int, ...]] = {
-    (2560, 5120): (0, 128, 2, 5, 2),  # 13.12 us vs 13.90 tiled (16, 128, 2, 5)
+    (10576, 2560): (64, 128, 4, 4, 0, 2),
+    (2560, 5120): (32, 256, 2, 4, 0, 1),  # pointer loads: (0, 128, 2, 5, 2) 13.12 us vs 13.90 tiled
+    (50288, 2560): (64, 128, 4, 4, 0, 2),  # 2.7b LM head: 87.7 us vs 90.2 default (skinny_probe, run 48)
     (18560, 4096): (0, 128, 4, 4, 3),  # 53.77 vs 55.20 default
     (4096, 8192): (0, 128, 2, 5, 2),  # 26.53 vs 28.21
     (21504, 4096): (0, 128, 4, 4, 3),  # 61.96 vs 65.50
@@ -449,6 +454,7 @@ with a norm launch and an addmm copy."""
 SKINNY_WIDE: dict[tuple[int, int], tuple[int, ...]] = {
     (10576, 2560): (128, 128, 4, 4, 0, 2),  # mamba2-2.7b in_proj: 22.05 us vs cuBLAS 22.19
     (2560, 5120): (32, 256, 4, 4, 0, 1),  # mamba2-2.7b out_proj: 12.57 us vs cuBLAS 12.97
+    (50288, 2560): (64, 128, 4, 6, 0, 2),  # mamba2-2.7b LM head: 92.5 us vs cuBLAS 97.8 (run 48)
 }
 
 

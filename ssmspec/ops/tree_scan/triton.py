@@ -264,11 +264,15 @@ SCAN_BLOCK_S: int | None = None
 to 64 (benchmarks sweep this)."""
 
 
+SCAN_BLOCK_P: int | None = None
+"""Channels per program; None: `_block_p`'s choice (benchmarks sweep this)."""
+
+
 def _block_p(head_dim: int) -> int:
     # One block of up to 64 channels: splitting P into 32s (more programs) measured slower,
     # 4.4/6.7/13.5 us against 4.0/4.6/9.3 us for 15/31/63 nodes (BENCHMARKS.md): the cost is
     # the parent walk and the C.B product, which every P block repeats.
-    return min(64, max(16, triton.next_power_of_2(head_dim)))
+    return SCAN_BLOCK_P or min(64, max(16, triton.next_power_of_2(head_dim)))
 
 
 def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None, sq=None):

@@ -1,0 +1,108 @@
+"""Skinny GEMM configs of a model's two Mamba projections, timed inside the tree iteration.
+
+A kernel's time alone (bench_kernels.py --skinny-sweep, skinny_probe.py) does not rank configs
+the way the whole CUDA-graph iteration does (neighbouring kernels, PDL overlap). This builds the
+model once and, for every (in_proj config, out_proj config) pair, times the greedy tree
+iteration as bench_decode.py does (verify + accept + replay graph, events, median), plus the
+AR step for the ratio. Configs are `ops/gemv/triton.SKINNY_TUNED` tuples (16 rows or fewer) or
+`SKINNY_WIDE` tuples (17..64 rows): (block_n, block_k, warps, stages[, per_sm[, tma]]).
+
+Run on the GPU from the repository root (after `pip install --no-deps -e .`):
+
+    python3 bench/tune_skinny_graph.py --preset mamba2-2.7b --trees "3,2,1;3,4,2,1"
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+
+import torch
+
+from bench_decode import median_ms, prefilled_cache, time_tree_iteration  # bench/ is this script's directory
+from ssmspec.decoding.graphs import StepGraph
+from ssmspec.models.presets import build_model
+from ssmspec.ops import dispatch
+from ssmspec.ops.gemv import triton as gemv
+from ssmspec.ops.tree_scan import triton as scan
+from ssmspec.trees.tree import Tree
+
+# candidates per row range, tried one projection at a time (the other at its best so far); the
+# current table entry is always timed too
+NARROW_IN = [(64, 128, 4, 4, 0, 2), (64, 128, 4, 5, 0, 2), (64, 256, 4, 3, 0, 2), (128, 128, 4, 4, 0, 2),
+             (32, 256, 4, 4, 0, 1)]
+NARROW_OUT = [(16, 256, 2, 4, 0, 1), (16, 256, 2, 3, 0, 1), (16, 256, 2, 5, 0, 1), (16, 256, 4, 4, 0, 1),
+              (32, 256, 2, 4, 0, 1), (16, 128, 2, 6, 0, 1)]
+WIDE_IN = [(128, 128, 4, 4, 0, 2), (128, 128, 4, 3, 0, 2), (128, 128, 8, 4, 0, 2), (128, 64, 4, 6, 0, 2)]
+WIDE_OUT = [(32, 256, 4, 4, 0, 1), (32, 256, 4, 3, 0, 1), (16, 256, 2, 4, 0, 1), (32, 256, 2, 4, 0, 1),
+            (64, 256, 4, 3, 0, 1)]
+SCAN = [(None, None, None), (4, None, 32), (8, None, 32), (4, 128, 32), (8, 128, 32), (2, 128, 16), (4, 128, 16)]
+"""(SCAN_WARPS, SCAN_BLOCK_S, SCAN_BLOCK_P) of ops/tree_scan/triton; None: its default."""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="mamba2-2.7b")
+    ap.add_argument("--trees", default="3,2,1;3,4,2,1")
+    ap.add_argument("--skip-projections", action="store_true", help="time only the current projection configs")
+    ap.add_argument("--skip-scan", action="store_true", help="do not sweep the tree scan's knobs")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    dispatch.set_backend("triton")
+    model = build_model(args.preset, dtype=torch.bfloat16, device="cuda").fold_norm_weights_()
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, 32), device="cuda")
+    ids = torch.randint(0, vocab, (1, 1), device="cuda")
+    cache = prefilled_cache(model, prompt, 256)
+    step = StepGraph(model, cache)
+    ar_ms = median_ms(lambda: step(ids), iters=100)
+    del step, cache
+    print(f"{torch.cuda.get_device_name()}; {args.preset}; AR step {ar_ms:.3f} ms", flush=True)
+    mixer = next(layer.mixer for layer in model.layers if layer.kind == "mamba")
+    in_shape, out_shape = tuple(mixer.in_proj.weight.shape), tuple(mixer.out_proj.weight.shape)
+    summary = []
+
+    def timed(label: str) -> float:
+        try:
+            ms = time_tree_iteration(model, prompt, tree, vocab)["ms"]
+        except Exception as e:  # noqa: BLE001 -- a config the compiler rejects
+            print(f"  {tree.num_nodes} nodes {label}: failed {e!r}"[:200], flush=True)
+            return float("inf")
+        print(f"  {tree.num_nodes} nodes {label}: {ms:.3f} ms = {ms / ar_ms:.3f}x AR", flush=True)
+        return ms
+
+    for spec in args.trees.split(";"):
+        tree = Tree.from_config(tuple(int(v) for v in spec.split(",")))
+        wide = tree.num_nodes > gemv.SKINNY_MAX_ROWS
+        table = gemv.SKINNY_WIDE if wide else gemv.SKINNY_TUNED
+        saved = copy.deepcopy(table)
+        best = {in_shape: saved.get(in_shape), out_shape: saved.get(out_shape)}
+        base = timed(f"current in {best[in_shape]} out {best[out_shape]}")
+        best_ms = base
+        sweeps = [] if args.skip_projections else [(out_shape, WIDE_OUT if wide else NARROW_OUT),
+                                                   (in_shape, WIDE_IN if wide else NARROW_IN)]
+        for shape, cands in sweeps:
+            for cfg in cands:
+                if cfg == best[shape]:
+                    continue
+                table.update({k: v for k, v in best.items() if v is not None})
+                table[shape] = cfg
+                ms = timed(f"{'in' if shape == in_shape else 'out'}_proj {cfg}")
+                if ms < best_ms:
+                    best_ms, best[shape] = ms, cfg
+        table.update({k: v for k, v in best.items() if v is not None})
+        for warps, block_s, block_p in ([] if args.skip_scan else SCAN):  # the scan's knobs, best projections
+            scan.SCAN_WARPS, scan.SCAN_BLOCK_S, scan.SCAN_BLOCK_P = warps, block_s, block_p
+            timed(f"scan warps {warps} block_s {block_s} block_p {block_p}")
+        scan.SCAN_WARPS = scan.SCAN_BLOCK_S = scan.SCAN_BLOCK_P = None
+        table.clear()
+        table.update(saved)
+        summary.append((tree.num_nodes, base, best_ms, best[in_shape], best[out_shape]))
+    print(f"\n{'nodes':>5} {'current ms':>10} {'best ms':>8} {'x AR':>6}  best (in_proj, out_proj)")
+    for nodes, base, ms, cin, cout in summary:
+        print(f"{nodes:>5} {base:10.3f} {ms:8.3f} {ms / ar_ms:6.3f}  {cin}, {cout}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
