@@ -36,8 +36,9 @@ NARROW_OUT = [(16, 256, 2, 4, 0, 1), (16, 256, 2, 3, 0, 1), (16, 256, 2, 5, 0, 1
 WIDE_IN = [(128, 128, 4, 4, 0, 2), (128, 128, 4, 3, 0, 2), (128, 128, 8, 4, 0, 2), (128, 64, 4, 6, 0, 2)]
 WIDE_OUT = [(32, 256, 4, 4, 0, 1), (32, 256, 4, 3, 0, 1), (16, 256, 2, 4, 0, 1), (32, 256, 2, 4, 0, 1),
             (64, 256, 4, 3, 0, 1)]
-SCAN = [(None, None, None), (4, None, 32), (8, None, 32), (4, 128, 32), (8, 128, 32), (2, 128, 16), (4, 128, 16)]
-"""(SCAN_WARPS, SCAN_BLOCK_S, SCAN_BLOCK_P) of ops/tree_scan/triton; None: its default."""
+SCAN = [{}, {"SCAN_BLOCK_I": 32}, {"SCAN_BLOCK_I": 32, "SCAN_WARPS": 4}, {"SCAN_BLOCK_I": 16, "SCAN_WARPS": 4},
+        {"SCAN_BLOCK_I": 16, "SCAN_WARPS": 2}, {"SCAN_BLOCK_I": 32, "SCAN_WARPS": 4, "SCAN_BLOCK_S": 128}]
+"""Settings of ops/tree_scan/triton's knobs to time with the best projections ({}: the defaults)."""
 
 
 def main() -> int:
@@ -91,10 +92,13 @@ def main() -> int:
                 if ms < best_ms:
                     best_ms, best[shape] = ms, cfg
         table.update({k: v for k, v in best.items() if v is not None})
-        for warps, block_s, block_p in ([] if args.skip_scan else SCAN):  # the scan's knobs, best projections
-            scan.SCAN_WARPS, scan.SCAN_BLOCK_S, scan.SCAN_BLOCK_P = warps, block_s, block_p
-            timed(f"scan warps {warps} block_s {block_s} block_p {block_p}")
-        scan.SCAN_WARPS = scan.SCAN_BLOCK_S = scan.SCAN_BLOCK_P = None
+        defaults = {name: getattr(scan, name) for setting in SCAN for name in setting}
+        for setting in [] if args.skip_scan else SCAN:  # the scan's knobs with the best projections
+            for name, value in {**defaults, **setting}.items():
+                setattr(scan, name, value)
+            timed(f"scan {setting or 'defaults'}")
+        for name, value in defaults.items():
+            setattr(scan, name, value)
         table.clear()
         table.update(saved)
         summary.append((tree.num_nodes, base, best_ms, best[in_shape], best[out_shape]))
