@@ -36,8 +36,7 @@ NARROW_OUT = [(16, 256, 2, 4, 0, 1), (16, 256, 2, 3, 0, 1), (16, 256, 2, 5, 0, 1
 WIDE_IN = [(128, 128, 4, 4, 0, 2), (128, 128, 4, 3, 0, 2), (128, 128, 8, 4, 0, 2), (128, 64, 4, 6, 0, 2)]
 WIDE_OUT = [(32, 256, 4, 4, 0, 1), (32, 256, 4, 3, 0, 1), (16, 256, 2, 4, 0, 1), (32, 256, 2, 4, 0, 1),
             (64, 256, 4, 3, 0, 1)]
-SCAN = [{}, {"SCAN_BLOCK_I": 32}, {"SCAN_BLOCK_I": 32, "SCAN_WARPS": 4}, {"SCAN_BLOCK_I": 16, "SCAN_WARPS": 4},
-        {"SCAN_BLOCK_I": 16, "SCAN_WARPS": 2}, {"SCAN_BLOCK_I": 32, "SCAN_WARPS": 4, "SCAN_BLOCK_S": 128}]
+SCAN = [{}, {"SCAN_WARPS": 8}, {"SCAN_BLOCK_S": 128}]
 """Settings of ops/tree_scan/triton's knobs to time with the best projections ({}: the defaults)."""
 
 

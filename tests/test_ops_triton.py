@@ -140,17 +140,6 @@ else:
         assert_close(TS.tree_scan(x, dt, A, B, C, D, parents, h0), want, atol=1e-4, rtol=1e-4, name=f"tree_scan {tree_name}")
 
 
-    @pytest.mark.parametrize("tree_name", list(TREES))
-    def test_tree_scan_gather_walk_matches_reference(tree_name, nan_outputs, monkeypatch):
-        """The parent chains walked by register gathers (WALK_GATHER) give the same outputs."""
-        monkeypatch.setattr(TS, "WALK_GATHER", True)
-        tree = TREES[tree_name]
-        parents = tree.parents_tensor()
-        x, dt, A, B, C, D, h0 = _scan_inputs(*SHAPES[0][:1], tree.num_nodes, *SHAPES[0][1:])
-        assert_close(TS.tree_scan(x, dt, A, B, C, D, parents, h0), naive_tree_scan(x, dt, A, B, C, D, parents, h0),
-                     atol=1e-4, rtol=1e-4, name=f"gather walk {tree_name}")
-
-
     def test_tree_scan_without_D_and_strided_inputs(nan_outputs):
         tree = TREES["uneven"]
         n = tree.num_nodes

@@ -191,25 +191,6 @@ else:
         assert sq.shape == (batch * tree.num_nodes, groups, heads // groups)
         assert_close(sq.sum(-1, keepdim=True), want_sq, atol=1e-3, rtol=1e-4, name=f"sq {tree_name}")
 
-    @pytest.mark.parametrize("block_i", [16, 32])
-    @pytest.mark.parametrize("with_D", [True, False])
-    def test_tree_scan_gated_in_node_blocks(block_i, with_D, nan_outputs, monkeypatch):
-        """The outputs of a 64-node tree split over programs of block_i nodes each (SCAN_BLOCK_I),
-        the walk by register gathers too: the reference's g, dt and sums of squares."""
-        tree = TREES["uneven 3,4,2,1"]
-        v = _verify_inputs(2, tree.num_nodes, 6, 12, 10, 2)
-        args = _gated_args(v, CLAMPS[0], tree.parents_tensor(), with_D)
-        want_g, want_dt, want_sq = naive_tree_scan_gated(*args, return_sq=True)
-        monkeypatch.setattr(TS, "SCAN_BLOCK_I", block_i)
-        for gather in (False, True):
-            monkeypatch.setattr(TS, "WALK_GATHER", gather)
-            g, dt, sq = TS.tree_scan_gated(*args, return_sq=True)
-            name = f"block_i {block_i} gather {gather}"
-            assert_close(dt, want_dt, atol=1e-6, rtol=1e-6, name=f"dt {name}")
-            assert_close(g, want_g, atol=1e-4, rtol=1e-4, name=f"g {name}")
-            assert_close(sq.sum(-1, keepdim=True), want_sq, atol=1e-3, rtol=1e-4, name=f"sq {name}")
-
-
     def test_tree_scan_gated_without_D_contiguous_inputs_two_P_blocks(nan_outputs):
         """P = 72: two P-block programs per head (the second partial), only the first stores dt."""
         tree = TREES["binary 2,2,2"]

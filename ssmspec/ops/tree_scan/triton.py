@@ -26,22 +26,15 @@ from ..step_update.triton import _pdl_args, _softplus
 
 
 @triton.jit
-def _ancestors(par_ptr, rows, mask_rows, cols, N, anc, GATHER: tl.constexpr = False):
-    """anc[r, j] = 1 where node cols[j] is on node rows[r]'s root path (rows[r] included): the
-    parent chains of all rows walked at once, cur[r] being row r's k-th ancestor after step k.
-    cols must be 0..len-1 covering every node. GATHER: the parents are loaded once and each step
-    gathers from registers instead of a memory round trip per tree level."""
-    cur = tl.where(mask_rows, rows, -1)
-    if GATHER:
-        par = tl.load(par_ptr + cols, mask=cols < N, other=-1).to(tl.int32)
+def _ancestors(par_ptr, offs_n, mask_n, N, anc):
+    """anc[i, j] = 1 where node j is on node i's root path (i included): every node's parent
+    chain walked at once, cur[i] being node i's k-th ancestor after step k."""
+    cur = tl.where(mask_n, offs_n, -1)
     steps = 0
     while (tl.max(cur, axis=0) >= 0) & (steps < N):  # the step bound guards a malformed parents
         valid = cur >= 0
-        anc = tl.where(cur[:, None] == cols[None, :], 1, anc)
-        if GATHER:
-            cur = tl.where(valid, tl.gather(par, tl.maximum(cur, 0), 0), -1)
-        else:
-            cur = tl.where(valid, tl.load(par_ptr + cur, mask=valid, other=-1).to(tl.int32), -1)
+        anc = tl.where(cur[:, None] == offs_n[None, :], 1, anc)
+        cur = tl.where(valid, tl.load(par_ptr + cur, mask=valid, other=-1).to(tl.int32), -1)
         steps += 1
     return anc
 
@@ -63,17 +56,12 @@ def _tree_scan_kernel(
     BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr = False,
-    sq_ptr=None, WRITE_SQ: tl.constexpr = False, WALK_GATHER: tl.constexpr = False,
-    BLOCK_I: tl.constexpr = 16,
+    sq_ptr=None, WRITE_SQ: tl.constexpr = False,
 ):
-    # BLOCK_I < BLOCK_N: the program computes the outputs of BLOCK_I of the nodes (rows i, grid
-    # axis 2) from all of them (columns j), so a large tree spreads over more programs; every
-    # program still walks the whole tree, whose path decays its rows need.
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
     pid_bh = tl.program_id(0)
     pid_p = tl.program_id(1)
-    pid_i = tl.program_id(2)
     b = pid_bh // H
     h = pid_bh % H
     g = h // heads_per_group
@@ -82,8 +70,6 @@ def _tree_scan_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     mask_n = offs_n < N
     mask_p = offs_p < P
-    offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
-    mask_i = offs_i < N
 
     A = tl.load(A_ptr + h).to(tl.float32)
     dt_base = dt_ptr + b * sdb + h * sdh
@@ -95,11 +81,7 @@ def _tree_scan_kernel(
     # (parents only) and the first S chunk of the initial state. The state was last written by a
     # replay or step before this verify's embedding lookup, a plain launch that waits for all
     # earlier work.
-    anc = _ancestors(par_ptr, offs_n, mask_n, offs_n, N, tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.int32), WALK_GATHER)
-    if BLOCK_I < BLOCK_N:
-        anc_i = _ancestors(par_ptr, offs_i, mask_i, offs_n, N, tl.zeros([BLOCK_I, BLOCK_N], dtype=tl.int32), WALK_GATHER)
-    else:
-        anc_i = anc
+    anc = _ancestors(par_ptr, offs_n, mask_n, N, tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.int32))
     h0_first = tl.load(h0_base + offs_p[:, None] * shp + offs_s[None, :] * shs,
                        mask=mask_p[:, None] & (offs_s < S)[None, :], other=0.0).to(tl.float32)
     if USE_PDL:  # wait for the previous kernel before reading activations or writing anything
@@ -113,27 +95,23 @@ def _tree_scan_kernel(
         # than either loading it at the gate or holding it in fp32).
         dt = _softplus(dt + tl.load(bias_ptr + h).to(tl.float32))
         dt = tl.where(mask_n, tl.minimum(tl.maximum(dt, dt_min), dt_max), 0.0)
-        if (pid_p == 0) & (pid_i == 0):
+        if pid_p == 0:
             tl.store(dt_out_ptr + (b * N + offs_n) * H + h, dt, mask=mask_n)
-        zm = tl.load(z_ptr + b * szb + offs_i[:, None] * szn + (h * P + offs_p[None, :]) * szc,
-                     mask=mask_i[:, None] & mask_p[None, :], other=0.0)
+        zm = tl.load(z_ptr + b * szb + offs_n[:, None] * szn + (h * P + offs_p[None, :]) * szc,
+                     mask=mask_n[:, None] & mask_p[None, :], other=0.0)
     # acum[i] = sum of dt*A along node i's path (its log-decay from the prefix), through the
     # ancestor mask: dt is in registers already, cheaper than gathering it along each chain.
     acum = tl.sum(tl.where(anc != 0, dt[None, :] * A, 0.0), axis=1)
-    if BLOCK_I < BLOCK_N:
-        acum_i = tl.sum(tl.where(anc_i != 0, dt[None, :] * A, 0.0), axis=1)
-    else:
-        acum_i = acum
 
     # scores[i, j] = C_i . B_j and the initial-state term C_i . h0[p, :], accumulated over S chunks
     # so that the operands stay small whatever S is.
-    scores = tl.zeros([BLOCK_I, BLOCK_N], dtype=tl.float32)
-    from_h0 = tl.zeros([BLOCK_I, BLOCK_P], dtype=tl.float32)
+    scores = tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.float32)
+    from_h0 = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
     for s0 in range(0, S, BLOCK_S):
         ss = s0 + offs_s
         mask_s = ss < S
-        Cm = tl.load(C_base + offs_i[:, None] * sCn + ss[None, :] * sCs,
-                     mask=mask_i[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
+        Cm = tl.load(C_base + offs_n[:, None] * sCn + ss[None, :] * sCs,
+                     mask=mask_n[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
         Bm = tl.load(B_base + offs_n[:, None] * sBn + ss[None, :] * sBs,
                      mask=mask_n[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
         if s0 == 0:
@@ -145,32 +123,27 @@ def _tree_scan_kernel(
         from_h0 += tl.dot(Cm, tl.trans(h0), input_precision=PRECISION)
 
     # Weight of node j's input in node i's output: C_i.B_j * exp(acum_i - acum_j) * dt_j on i's path.
-    seg = tl.where(anc_i != 0, acum_i[:, None] - acum[None, :], float("-inf"))
+    seg = tl.where(anc != 0, acum[:, None] - acum[None, :], float("-inf"))
     w = scores * tl.exp(seg) * dt[None, :]
     xm = tl.load(x_ptr + b * sxb + h * sxh + offs_n[:, None] * sxn + offs_p[None, :] * sxp,
                  mask=mask_n[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
-    y = tl.dot(w, xm, input_precision=PRECISION) + from_h0 * tl.exp(acum_i)[:, None]
+    y = tl.dot(w, xm, input_precision=PRECISION) + from_h0 * tl.exp(acum)[:, None]
     if HAS_D:
-        if BLOCK_I < BLOCK_N:  # this program's rows of x
-            xi = tl.load(x_ptr + b * sxb + h * sxh + offs_i[:, None] * sxn + offs_p[None, :] * sxp,
-                         mask=mask_i[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
-        else:
-            xi = xm
-        y += xi * tl.load(D_ptr + h).to(tl.float32)
+        y += xm * tl.load(D_ptr + h).to(tl.float32)
     if FUSED:
         # g = y * silu(z) with y rounded to z's (= the output's) dtype first, as the reference does.
         zf = zm.to(tl.float32)
         y = y.to(y_ptr.dtype.element_ty).to(tl.float32) * (zf * tl.sigmoid(zf))
     out = y.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + b * syb + h * syh + offs_i[:, None] * syn + offs_p[None, :] * syp, out,
-             mask=mask_i[:, None] & mask_p[None, :])
+    tl.store(y_ptr + b * syb + h * syh + offs_n[:, None] * syn + offs_p[None, :] * syp, out,
+             mask=mask_n[:, None] & mask_p[None, :])
     if WRITE_SQ:
         # Each node's sum of squares over this program's channels, for out_proj's gated norm
         # (ops/gemv norm_linear x_sq): at (b, node, h * P blocks + pid_p), so the parts of one
         # norm group (its heads) are contiguous.
-        of = tl.where(mask_i[:, None] & mask_p[None, :], out.to(tl.float32), 0.0)
-        tl.store(sq_ptr + (b * N + offs_i) * (H * tl.num_programs(1)) + h * tl.num_programs(1) + pid_p,
-                 tl.sum(of * of, axis=1), mask=mask_i)
+        of = tl.where(mask_n[:, None] & mask_p[None, :], out.to(tl.float32), 0.0)
+        tl.store(sq_ptr + (b * N + offs_n) * (H * tl.num_programs(1)) + h * tl.num_programs(1) + pid_p,
+                 tl.sum(of * of, axis=1), mask=mask_n)
 
 
 def _check_tree_scan_shapes(x, dt, A, B, C, D, parents, initial_state, op="tree_scan"):
@@ -291,10 +264,6 @@ SCAN_BLOCK_S: int | None = None
 to 64 (benchmarks sweep this)."""
 
 
-WALK_GATHER = False
-"""Walk the parent chains by register gathers from parents loaded once (benchmarks compare)."""
-SCAN_BLOCK_I: int | None = None
-"""Tree nodes whose outputs one program computes; None: all of them (benchmarks sweep this)."""
 SCAN_BLOCK_P: int | None = None
 """Channels per program; None: `_block_p`'s choice (benchmarks sweep this)."""
 
@@ -322,8 +291,7 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
     # (bench_kernels.py --scan-sweep, H100); at 64 nodes 128 and 64 tie (8.10 / 8.22 us) and 64
     # keeps the fp32 tiles small.
     block_s = SCAN_BLOCK_S or min(128 if block_n <= 32 else 64, max(16, triton.next_power_of_2(d_state)))
-    block_i = min(SCAN_BLOCK_I or block_n, block_n)
-    grid = (batch * heads, triton.cdiv(head_dim, block_p), triton.cdiv(n, block_i))
+    grid = (batch * heads, triton.cdiv(head_dim, block_p))
     D_arg = D if D is not None else A  # never read when HAS_D is False
     # the unfused scan never reads the fused-only arguments: any tensor stands in for them
     dt_bias, dt_min, dt_max, z, dt_out = fused if fused is not None else (A, 0.0, 0.0, x, y)
@@ -336,6 +304,6 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
         HAS_D=D is not None, FUSED=fused is not None,
         BLOCK_N=block_n, BLOCK_P=block_p, BLOCK_S=block_s,
         PRECISION=precision,
-        num_warps=SCAN_WARPS or (4 if block_n <= 32 else 8), WALK_GATHER=WALK_GATHER, **_pdl_args(y.device),
-        sq_ptr=sq, WRITE_SQ=sq is not None, BLOCK_I=block_i,
+        num_warps=SCAN_WARPS or (4 if block_n <= 32 else 8), **_pdl_args(y.device),
+        sq_ptr=sq, WRITE_SQ=sq is not None,
     )
