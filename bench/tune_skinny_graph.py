@@ -46,6 +46,7 @@ def main() -> int:
     ap.add_argument("--trees", default="3,2,1;3,4,2,1")
     ap.add_argument("--skip-projections", action="store_true", help="time only the current projection configs")
     ap.add_argument("--skip-scan", action="store_true", help="do not sweep the tree scan's knobs")
+    ap.add_argument("--skip-pdl", action="store_true", help="do not time the projections launched with PDL")
     args = ap.parse_args()
     torch.manual_seed(0)
     dispatch.set_backend("triton")
@@ -98,6 +99,15 @@ def main() -> int:
             timed(f"scan {setting or 'defaults'}")
         for name, value in defaults.items():
             setattr(scan, name, value)
+        lm_shape = tuple(model.lm_head.weight.shape)
+        names = {in_shape: "in_proj", out_shape: "out_proj", lm_shape: "lm_head"}
+        current = {s_: table.get(s_) or gemv.SKINNY_DEFAULT for s_ in names}
+        for flags in ([] if args.skip_pdl else [{in_shape: 0}, {in_shape: 1}, {in_shape: 1, out_shape: 1},
+                                                 {in_shape: 1, lm_shape: 1}]):
+            for s_, cfg in current.items():  # the seventh entry: launched early with PDL
+                cfg = (tuple(cfg) + (0, 0, 0))[:6] + (flags.get(s_, (tuple(cfg) + (0,) * 7)[6]),)
+                table[s_] = cfg
+            timed("PDL " + ", ".join(f"{names[s_]} {v}" for s_, v in flags.items()))
         table.clear()
         table.update(saved)
         summary.append((tree.num_nodes, base, best_ms, best[in_shape], best[out_shape]))

@@ -361,8 +361,10 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
                    xsq_ptr=None, n_xparts=1, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0,
                    BLOCK_Q: tl.constexpr = 16, ysq_ptr=None, WRITE_SQ: tl.constexpr = False,
                    BALANCED: tl.constexpr = False, ACT: tl.constexpr = 0, w_desc=None, TMA: tl.constexpr = 0):
-    # Launched without PDL (USE_PDL False): its early-launched instances held their pipeline's
-    # shared memory while waiting and ran 1.4x slower in the H100 sweep (13.7 -> 20.5 us at 8 rows).
+    # USE_PDL (a config's seventh entry): launched early, waiting at the start. In the pointer-load
+    # sweep of round 2 early-launched instances ran 1.4x slower back to back (13.7 -> 20.5 us at 8
+    # rows: they held their pipelines' shared memory while waiting); inside the tree iteration the
+    # 2.7b in_proj with TMA loads gains from it (tune_skinny_graph.py, run 51).
     # HAS_RES: the output, rounded to y's dtype, is added to the residual (as in _gemv_tile).
     # NORM_GROUPS > 0: x is normalised over that many groups of K (no weight: folded into w) from
     # the partial sums of squares at xsq_ptr, which x's producer wrote (no norm launch, no second
@@ -423,15 +425,18 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
 SKINNY_DEFAULT = (32, 128, 4, 4)
 """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the skinny GEMM; a fifth entry k > 0 makes the
 grid balanced (k programs per SM, each owning N / (k * SMs) columns; BLOCK_N is then derived);
-a sixth entry 1 or 2 reads the weight through a TMA descriptor (see `_skinny_span`)."""
+a sixth entry 1 or 2 reads the weight through a TMA descriptor (see `_skinny_span`); a seventh
+entry 1 launches it with PDL: its programs start while the kernel before ends and wait at their
+start, before any load (they hold their shared memory meanwhile)."""
 # (N, K) -> config: the best at 16 rows of the H100 sweeps (bench/results/gemv_sweep-h100.log, then
 # `bench_kernels.py --skinny-sweep`, bench/results/round4/skinny_sweep*.log): mamba2-2.7b out_proj,
 # hybrid-8b Mamba in/out_proj, MLP up/down, attention q/o and k/v, LM head. Unlisted shapes use
 # SKINNY_DEFAULT (the best pointer-load tile at the 2.7b in_proj). The mamba2-2.7b in_proj and
 # out_proj read their weights by TMA, ranked inside the 16-node tree iteration
-# (bench/tune_skinny_graph.py, runs 46-47: 3.02-3.05 ms against 3.155 with the pointer-load entries).
+# (bench/tune_skinny_graph.py, runs 46-47: 3.02-3.05 ms against 3.155 with the pointer-load entries),
+# the in_proj launched with PDL (run 51: 2.888 against 3.036 ms).
 SKINNY_TUNED: dict[tuple[int, int], tuple[int, ...]] = {
-    (10576, 2560): (64, 128, 4, 4, 0, 2),
+    (10576, 2560): (64, 128, 4, 4, 0, 2, 1),
     (2560, 5120): (32, 256, 2, 4, 0, 1),  # pointer loads: (0, 128, 2, 5, 2) 13.12 us vs 13.90 tiled
     (50288, 2560): (64, 128, 4, 4, 0, 2),  # 2.7b LM head: 87.7 us vs 90.2 default (skinny_probe, run 48)
     (18560, 4096): (0, 128, 4, 4, 3),  # 53.77 vs 55.20 default
@@ -449,10 +454,11 @@ SKINNY_WIDE_MAX_ROWS = 64
 for the shapes of SKINNY_WIDE, where it matched cuBLAS; there it also takes its norm from the
 producer's partial sums and adds the residual in its epilogue, which the cuBLAS route pays for
 with a norm launch and an addmm copy."""
-# (N, K) -> config at 17..64 rows: a sixth entry selects TMA weight loads (1) or TMA with the
-# weight tile as the tensor cores' A operand (2). From `bench/skinny_probe.py` (H100, 64 rows):
+# (N, K) -> config at 17..64 rows (entries as in SKINNY_DEFAULT's docstring). From
+# `bench/skinny_probe.py` (H100, 64 rows), the in_proj launched with PDL from run 51 (64-node
+# iteration 3.559 against 3.669 ms):
 SKINNY_WIDE: dict[tuple[int, int], tuple[int, ...]] = {
-    (10576, 2560): (128, 128, 4, 4, 0, 2),  # mamba2-2.7b in_proj: 22.05 us vs cuBLAS 22.19
+    (10576, 2560): (128, 128, 4, 4, 0, 2, 1),  # mamba2-2.7b in_proj: 22.05 us vs cuBLAS 22.19
     (2560, 5120): (32, 256, 4, 4, 0, 1),  # mamba2-2.7b out_proj: 12.57 us vs cuBLAS 12.97
     (50288, 2560): (64, 128, 4, 6, 0, 2),  # mamba2-2.7b LM head: 92.5 us vs cuBLAS 97.8 (run 48)
 }
@@ -515,7 +521,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if res.stride(-1) != 1:
             res = res.contiguous()
     block_n, block_k, warps, stages, *extra = config or _skinny_config(n, k, m)
-    per_sm, tma = (list(extra) + [0, 0])[:2]
+    per_sm, tma, early = (list(extra) + [0, 0, 0])[:3]
     if per_sm and tma:
         raise ValueError(f"skinny_linear: config {config}: a balanced grid has no fixed weight box for TMA")
     grid = triton.cdiv(n, block_n) if block_n else 0
@@ -540,18 +546,19 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         rows = rms_norm(rows.reshape(-1, group_size), None, eps).reshape(m, k)
     y_sq = torch.empty(m, 1, grid, device=x.device, dtype=torch.float32) if return_sq else None
     w_desc = _weight_descriptor(weight, block_n, block_k) if tma else None
+    use_pdl = bool(early) and pdl.enabled(x.device)
     _skinny_kernel[(grid,)](
         rows, weight, bias if bias is not None else weight, y, m, n, k, rows.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=stages, USE_PDL=False, res_ptr=res, srm=res.stride(0) if res is not None else 0,
+        num_stages=stages, USE_PDL=use_pdl, res_ptr=res, srm=res.stride(0) if res is not None else 0,
         HAS_RES=res is not None,
         xsq_ptr=x_sq if use_parts else None, n_xparts=x_sq.shape[-1] if use_parts else 1, group_size=group_size,
         eps=float(eps), NORM_GROUPS=norm_groups if use_parts else 0,
         BLOCK_Q=max(16, triton.next_power_of_2(x_sq.shape[-1])) if use_parts else 16,
         ysq_ptr=y_sq, WRITE_SQ=return_sq, BALANCED=bool(per_sm),
         ACT=SKINNY_ACTIVATIONS[activation] if activation else 0,
-        w_desc=w_desc, TMA=tma if w_desc is not None else 0,
+        w_desc=w_desc, TMA=tma if w_desc is not None else 0, **({"launch_pdl": True} if use_pdl else {}),
     )
     y = y.reshape(tuple(x.shape[:-1]) + (n,))
     return (y, y_sq) if return_sq else y
