@@ -98,11 +98,13 @@ def main() -> int:
         graph = StepGraph(model, cache)
         graph(ids)
         call, restore, what = (lambda: graph(ids)), (lambda: None), "AR step"
+    # events first: replays after torch.profiler has run are slower (BENCHMARKS.md, run 54)
+    replay_us = event_ms(restore, graph) * 1e3
     # the cache restore's copies are device-to-device; a host-to-device copy is the graph's own
     events = [e for e in kernel_events(call) if not e[2].startswith("Memcpy DtoD")]
     t0, t_end = events[0][0], events[-1][0] + events[-1][1]
     print(f"{args.preset} {'unfolded' if args.unfolded else 'folded'} {what}: {len(events)} kernels, "
-          f"first start to last end {t_end - t0:.1f} us; CUDA events around the replay {event_ms(restore, graph) * 1e3:.1f} us")
+          f"first start to last end {t_end - t0:.1f} us; CUDA events around the replay {replay_us:.1f} us")
     per_layer = (len(events) - 8) / len(model.layers)
     kinds = collections.defaultdict(list)
     prev_end = None

@@ -29,14 +29,19 @@ from ssmspec.trees.tree import Tree
 
 # candidates per row range, tried one projection at a time (the other at its best so far); the
 # current table entry is always timed too
-NARROW_IN = [(64, 128, 4, 4, 0, 2), (64, 128, 4, 5, 0, 2), (64, 256, 4, 3, 0, 2), (128, 128, 4, 4, 0, 2),
-             (32, 256, 4, 4, 0, 1)]
+NARROW_IN = [(64, 128, 4, 4, 0, 2, 1), (64, 128, 4, 5, 0, 2, 1), (128, 128, 4, 4, 0, 2, 1), (64, 128, 4, 3, 0, 2, 1),
+             (32, 256, 4, 4, 0, 1, 1), (32, 128, 4, 4, 0, 0, 1)]
 NARROW_OUT = [(16, 256, 2, 4, 0, 1), (16, 256, 2, 3, 0, 1), (16, 256, 2, 5, 0, 1), (16, 256, 4, 4, 0, 1),
               (32, 256, 2, 4, 0, 1), (16, 128, 2, 6, 0, 1)]
-WIDE_IN = [(128, 128, 4, 4, 0, 2), (128, 128, 4, 3, 0, 2), (128, 128, 8, 4, 0, 2), (128, 64, 4, 6, 0, 2)]
+WIDE_IN = [(128, 128, 4, 4, 0, 2, 1), (128, 128, 4, 3, 0, 2, 1), (128, 128, 8, 4, 0, 2, 1), (64, 128, 4, 4, 0, 2, 1)]
 WIDE_OUT = [(32, 256, 4, 4, 0, 1), (32, 256, 4, 3, 0, 1), (16, 256, 2, 4, 0, 1), (32, 256, 2, 4, 0, 1),
             (64, 256, 4, 3, 0, 1)]
 SCAN = [{}, {"SCAN_WARPS": 8}, {"SCAN_BLOCK_S": 128}]
+# one-row GEMV (AR step) candidates, GemvConfig fields (block_n, block_k, warps, split, persistent,
+# unroll, preload); block_k 0 with preload: the whole K (ops/gemv/triton.preload_blocks)
+AR_OUT = [(1, 0, 4, 1, 0, False, True), (1, 0, 2, 1, 0, False, True), (2, 0, 4, 1, 0, False, True),
+          (2, 0, 8, 1, 0, False, True)]
+AR_IN = [(1, 0, 2, 1, 0, False, True), (2, 0, 4, 1, 0, False, True), (1, 0, 8, 1, 0, False, True)]
 """Settings of ops/tree_scan/triton's knobs to time with the best projections ({}: the defaults)."""
 
 
@@ -47,6 +52,7 @@ def main() -> int:
     ap.add_argument("--skip-projections", action="store_true", help="time only the current projection configs")
     ap.add_argument("--skip-scan", action="store_true", help="do not sweep the tree scan's knobs")
     ap.add_argument("--skip-pdl", action="store_true", help="do not time the projections launched with PDL")
+    ap.add_argument("--ar", action="store_true", help="first tune the AR step's one-row GEMV configs")
     args = ap.parse_args()
     torch.manual_seed(0)
     dispatch.set_backend("triton")
@@ -61,6 +67,27 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}; {args.preset}; AR step {ar_ms:.3f} ms", flush=True)
     mixer = next(layer.mixer for layer in model.layers if layer.kind == "mamba")
     in_shape, out_shape = tuple(mixer.in_proj.weight.shape), tuple(mixer.out_proj.weight.shape)
+    if args.ar:  # the one-row GEMV configs of the AR step, one projection at a time
+        def step_ms() -> float:
+            cache = prefilled_cache(model, prompt, 256)
+            graph = StepGraph(model, cache)
+            return median_ms(lambda: graph(ids), iters=200)
+
+        for shape, cands in ((out_shape, AR_OUT), (in_shape, AR_IN)):
+            label = "in_proj" if shape == in_shape else "out_proj"
+            best_cfg, best_ms = None, step_ms()
+            print(f"  AR step, {label} GEMV default: {best_ms:.3f} ms", flush=True)
+            for cfg in cands:
+                gemv.TUNED[shape] = gemv.GemvConfig(*cfg)
+                ms = step_ms()
+                print(f"  AR step, {label} GEMV {cfg}: {ms:.3f} ms", flush=True)
+                if ms < best_ms:
+                    best_cfg, best_ms = cfg, ms
+            gemv.TUNED.pop(shape, None)
+            if best_cfg is not None:
+                gemv.TUNED[shape] = gemv.GemvConfig(*best_cfg)
+            print(f"  AR step best {label}: {best_cfg or 'default'} {best_ms:.3f} ms", flush=True)
+        gemv.TUNED.clear()
     summary = []
 
     def timed(label: str) -> float:
