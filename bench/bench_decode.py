@@ -237,14 +237,15 @@ def main() -> int:
             gemv.TWO_PIECE_PRELOAD = True
             out_shape = tuple(m.layers[0].mixer.out_proj.weight.shape) if m.layers[0].kind == "mamba" else None
             if out_shape:
-                gemv.TUNED[out_shape] = gemv.GemvConfig(1, 0, 4, preload=True)  # out_proj on 4 warps, not 8
-                record("AR step CUDA graph [folded, out_proj 4 warps]", step_graph_ms(m)[0])
-                del gemv.TUNED[out_shape]
                 in_shape = tuple(m.layers[0].mixer.in_proj.weight.shape)
-                for warps in (2, 8):  # in_proj on other warp counts than the default 4
-                    gemv.TUNED[in_shape] = gemv.GemvConfig(1, 0, warps, preload=True)
-                    record(f"AR step CUDA graph [folded, in_proj {warps} warps]", step_graph_ms(m)[0])
-                    del gemv.TUNED[in_shape]
+                saved = dict(gemv.TUNED)
+                for shape, cfg, what in ((out_shape, gemv.GemvConfig(1, 0, 8, preload=True), "out_proj 1 row x 8 warps"),
+                                         (in_shape, gemv.GemvConfig(1, 0, 2, preload=True), "in_proj 2 warps"),
+                                         (in_shape, gemv.GemvConfig(1, 0, 8, preload=True), "in_proj 8 warps")):
+                    gemv.TUNED[shape] = cfg  # other GEMV configs than the tuned / default ones
+                    record(f"AR step CUDA graph [folded, {what}]", step_graph_ms(m)[0])
+                    gemv.TUNED.clear()
+                    gemv.TUNED.update(saved)
     base = step_logits.get("reference", step_logits.get("unfolded"))
     for name in variants:
         if base is not None and base is not step_logits[name]:

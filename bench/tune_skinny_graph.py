@@ -73,10 +73,11 @@ def main() -> int:
             graph = StepGraph(model, cache)
             return median_ms(lambda: graph(ids), iters=200)
 
+        saved_gemv = dict(gemv.TUNED)
         for shape, cands in ((out_shape, AR_OUT), (in_shape, AR_IN)):
             label = "in_proj" if shape == in_shape else "out_proj"
             best_cfg, best_ms = None, step_ms()
-            print(f"  AR step, {label} GEMV default: {best_ms:.3f} ms", flush=True)
+            print(f"  AR step, {label} GEMV current {saved_gemv.get(shape, 'default')}: {best_ms:.3f} ms", flush=True)
             for cfg in cands:
                 gemv.TUNED[shape] = gemv.GemvConfig(*cfg)
                 ms = step_ms()
@@ -86,8 +87,11 @@ def main() -> int:
             gemv.TUNED.pop(shape, None)
             if best_cfg is not None:
                 gemv.TUNED[shape] = gemv.GemvConfig(*best_cfg)
+            elif shape in saved_gemv:
+                gemv.TUNED[shape] = saved_gemv[shape]
             print(f"  AR step best {label}: {best_cfg or 'default'} {best_ms:.3f} ms", flush=True)
         gemv.TUNED.clear()
+        gemv.TUNED.update(saved_gemv)
     summary = []
 
     def timed(label: str) -> float:
