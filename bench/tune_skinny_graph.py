@@ -133,8 +133,8 @@ def main() -> int:
         lm_shape = tuple(model.lm_head.weight.shape)
         names = {in_shape: "in_proj", out_shape: "out_proj", lm_shape: "lm_head"}
         current = {s_: table.get(s_) or gemv.SKINNY_DEFAULT for s_ in names}
-        for flags in ([] if args.skip_pdl else [{in_shape: 0}, {in_shape: 1}, {in_shape: 1, out_shape: 1},
-                                                 {in_shape: 1, lm_shape: 1}]):
+        for flags in ([] if args.skip_pdl else [{in_shape: 1, out_shape: 0}, {in_shape: 1, out_shape: 1},
+                                                 {in_shape: 1, out_shape: 2}, {in_shape: 1, out_shape: 3}]):
             for s_, cfg in current.items():  # the seventh entry: launched early with PDL
                 cfg = (tuple(cfg) + (0, 0, 0))[:6] + (flags.get(s_, (tuple(cfg) + (0,) * 7)[6]),)
                 table[s_] = cfg

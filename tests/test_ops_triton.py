@@ -333,7 +333,10 @@ else:
         n, k = 70, 152  # a row of 152 fp32 is 16-byte aligned, as TMA needs; 152 = 4 x 32 + 24
         x, w = torch.randn(1, m, k), torch.randn(n, k)
         assert GV._weight_descriptor(w, 16, 32) is not None  # the TMA path really runs
-        for cfg in ((16, 32, 1, 1, 0, 1), (32, 64, 1, 1, 0, 1), (16, 32, 1, 1, 0, 2), (64, 32, 1, 1, 0, 2)):
+        # (..., 1, 2|3): the first 1 or 2 weight boxes loaded ahead of the rest (before the PDL
+        # wait on the GPU); K = 152 leaves a partial box after them
+        for cfg in ((16, 32, 1, 1, 0, 1), (32, 64, 1, 1, 0, 1), (16, 32, 1, 1, 0, 2), (64, 32, 1, 1, 0, 2),
+                    (16, 32, 1, 1, 0, 1, 2), (32, 64, 1, 1, 0, 1, 3)):
             assert_close(GV.skinny_linear(x, w, None, config=cfg), naive_linear(x, w), atol=1e-4, rtol=1e-4,
                          name=str(cfg))
         assert GV._weight_descriptor(torch.randn(n, 150), 16, 32) is None  # unaligned rows: pointer loads
@@ -456,7 +459,8 @@ else:
         # 128 > a group of 64 at two groups: the block shrinks; (0, ..., k): the balanced grid,
         # k programs per SM (4 "SMs" under the interpreter), 70 columns as 8 and 9 per program
         # (..., 0, 1|2): TMA weight loads (two groups: a box per group's K range)
-        for cfg in ((16, 32, 1, 1), (32, 128, 1, 1), (0, 32, 1, 1, 2), (16, 32, 1, 1, 0, 1), (32, 64, 1, 1, 0, 2)):
+        for cfg in ((16, 32, 1, 1), (32, 128, 1, 1), (0, 32, 1, 1, 2), (16, 32, 1, 1, 0, 1), (32, 64, 1, 1, 0, 2),
+                    (16, 32, 1, 1, 0, 1, 3)):
             got, got_sq = GV.skinny_linear(x, w, None, cfg, res, norm_groups, 1e-5, x_sq=x_sq, return_sq=True)
             assert_close(got, want, atol=1e-4, rtol=1e-4, name=str(cfg))
             assert got_sq.shape == (rows, 1, 8 if len(cfg) == 5 else triton.cdiv(n, cfg[0]))

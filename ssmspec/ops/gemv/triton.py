@@ -362,7 +362,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
                    USE_PDL: tl.constexpr, res_ptr=None, srm=0, HAS_RES: tl.constexpr = False,
                    xsq_ptr=None, n_xparts=1, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0,
                    BLOCK_Q: tl.constexpr = 16, ysq_ptr=None, WRITE_SQ: tl.constexpr = False,
-                   BALANCED: tl.constexpr = False, ACT: tl.constexpr = 0, w_desc=None, TMA: tl.constexpr = 0):
+                   BALANCED: tl.constexpr = False, ACT: tl.constexpr = 0, w_desc=None, TMA: tl.constexpr = 0,
+                   PRE: tl.constexpr = 0):
     # USE_PDL (a config's seventh entry): launched early, waiting at the start. In the pointer-load
     # sweep of round 2 early-launched instances ran 1.4x slower back to back (13.7 -> 20.5 us at 8
     # rows: they held their pipelines' shared memory while waiting); inside the tree iteration the
@@ -375,9 +376,12 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
     # BALANCED: the grid is a multiple of the SM count and program p owns output columns
     # [p N / P, (p + 1) N / P) (at most BLOCK_N of them), so every SM streams the same number of
     # weight rows; with fixed BLOCK_N-wide tiles, 160 tiles on 132 SMs leave 28 SMs twice the work.
+    # PRE (TMA 1, one norm group at most): the first PRE weight boxes are loaded before the PDL
+    # wait, while the kernel before still runs (weights are never written).
     if USE_PDL:
         gdc_launch_dependents()
-        gdc_wait()
+        if PRE == 0:
+            gdc_wait()
     if BALANCED:
         pid = tl.program_id(0)
         n_hi = ((pid + 1) * N) // tl.num_programs(0)
@@ -389,7 +393,22 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     n0 = tl.program_id(0) * BLOCK_N  # the weight box's first row (TMA: tiled grids only)
-    if NORM_GROUPS <= 1:
+    if PRE > 0:
+        w_first = w_desc.load([n0, 0])
+        if PRE > 1:
+            w_second = w_desc.load([n0, BLOCK_K])
+        if USE_PDL:
+            gdc_wait()
+        acc = _skinny_dot(_skinny_x_tile(x_ptr, offs_m, mask_m, 0, K, sxm, BLOCK_K), tl.trans(w_first),
+                          tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+        if PRE > 1:
+            acc = _skinny_dot(_skinny_x_tile(x_ptr, offs_m, mask_m, BLOCK_K, K, sxm, BLOCK_K), tl.trans(w_second),
+                              acc, IEEE)
+        acc += _skinny_span(x_ptr, w_ptr, w_desc, offs_m, offs_n, mask_m, mask_n, n0, PRE * BLOCK_K, K, sxm, swn,
+                            IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+        if NORM_GROUPS == 1:
+            acc *= _rstd_from_parts(xsq_ptr, offs_m, mask_m, 0, n_xparts, group_size, eps, 1, BLOCK_Q)[:, None]
+    elif NORM_GROUPS <= 1:
         acc = _skinny_span(x_ptr, w_ptr, w_desc, offs_m, offs_n, mask_m, mask_n, n0, 0, K, sxm, swn, IEEE,
                            BLOCK_M, BLOCK_N, BLOCK_K, TMA)
         if NORM_GROUPS == 1:
@@ -429,7 +448,8 @@ SKINNY_DEFAULT = (32, 128, 4, 4)
 grid balanced (k programs per SM, each owning N / (k * SMs) columns; BLOCK_N is then derived);
 a sixth entry 1 or 2 reads the weight through a TMA descriptor (see `_skinny_span`); a seventh
 entry 1 launches it with PDL: its programs start while the kernel before ends and wait at their
-start, before any load (they hold their shared memory meanwhile)."""
+start, before any load (they hold their shared memory meanwhile); 2 or 3 also load their first
+1 or 2 weight boxes before waiting (TMA 1, one norm group at most)."""
 # (N, K) -> config: the best at 16 rows of the H100 sweeps (bench/results/gemv_sweep-h100.log, then
 # `bench_kernels.py --skinny-sweep`, bench/results/round4/skinny_sweep*.log): mamba2-2.7b out_proj,
 # hybrid-8b Mamba in/out_proj, MLP up/down, attention q/o and k/v, LM head. Unlisted shapes use
@@ -549,6 +569,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y_sq = torch.empty(m, 1, grid, device=x.device, dtype=torch.float32) if return_sq else None
     w_desc = _weight_descriptor(weight, block_n, block_k) if tma else None
     use_pdl = bool(early) and pdl.enabled(x.device)
+    # early 2 or 3: also the first 1 or 2 weight boxes before the wait (TMA 1, at most one norm
+    # group, K covering them); else none
+    pre = early - 1 if (early > 1 and w_desc is not None and tma == 1 and norm_groups <= 1
+                        and k >= (early - 1) * block_k) else 0
     _skinny_kernel[(grid,)](
         rows, weight, bias if bias is not None else weight, y, m, n, k, rows.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
@@ -560,7 +584,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         BLOCK_Q=max(16, triton.next_power_of_2(x_sq.shape[-1])) if use_parts else 16,
         ysq_ptr=y_sq, WRITE_SQ=return_sq, BALANCED=bool(per_sm),
         ACT=SKINNY_ACTIVATIONS[activation] if activation else 0,
-        w_desc=w_desc, TMA=tma if w_desc is not None else 0, **({"launch_pdl": True} if use_pdl else {}),
+        w_desc=w_desc, TMA=tma if w_desc is not None else 0, PRE=pre, **({"launch_pdl": True} if use_pdl else {}),
     )
     y = y.reshape(tuple(x.shape[:-1]) + (n,))
     return (y, y_sq) if return_sq else y
