@@ -479,10 +479,10 @@ producer's partial sums and adds the residual in its epilogue, which the cuBLAS 
 with a norm launch and an addmm copy."""
 # (N, K) -> config at 17..64 rows (entries as in SKINNY_DEFAULT's docstring). From
 # `bench/skinny_probe.py` (H100, 64 rows), the in_proj launched with PDL from run 51 (64-node
-# iteration 3.559 against 3.669 ms):
+# iteration 3.559 against 3.669 ms), the out_proj too (runs 51, 52, 57: 0.1-0.5% faster each time):
 SKINNY_WIDE: dict[tuple[int, int], tuple[int, ...]] = {
     (10576, 2560): (128, 128, 4, 4, 0, 2, 1),  # mamba2-2.7b in_proj: 22.05 us vs cuBLAS 22.19
-    (2560, 5120): (32, 256, 4, 4, 0, 1),  # mamba2-2.7b out_proj: 12.57 us vs cuBLAS 12.97
+    (2560, 5120): (32, 256, 4, 4, 0, 1, 1),  # mamba2-2.7b out_proj: 12.57 us vs cuBLAS 12.97
     (50288, 2560): (64, 128, 4, 6, 0, 2),  # mamba2-2.7b LM head: 92.5 us vs cuBLAS 97.8 (run 48)
 }
 
