@@ -9,7 +9,9 @@ unrolled K loop (all of a program's loads issued before the first add), a persis
 
 Inputs of 2..SKINNY_MAX_ROWS rows (the nodes of a verified tree) go to a skinny GEMM: each
 program owns BLOCK_N output columns and streams their weight tile once for all rows, with the
-rows padded to a tensor-core tile. Larger inputs go to F.linear (cuBLAS).
+rows padded to a tensor-core tile, by pointer loads or through a TMA descriptor (per-shape
+configs). Up to SKINNY_WIDE_MAX_ROWS rows the shapes listed in SKINNY_WIDE take it too; other
+inputs go to F.linear (cuBLAS).
 """
 from __future__ import annotations
 
