@@ -24,7 +24,6 @@ from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch, pdl
 from ssmspec.ops.gemv import triton as gemv
-from ssmspec.ops.step_update import triton as step_update
 from ssmspec.trees.tree import Tree
 
 RESULTS: dict = {}
@@ -230,9 +229,6 @@ def main() -> int:
             gemv.ENABLED = False  # the same step with cuBLAS projections
             record("AR step CUDA graph [folded, cuBLAS projections]", step_graph_ms(m)[0])
             gemv.ENABLED = True
-            step_update.SPLIT_Z = False  # in_proj in one launch, the step alone (before round 6)
-            record("AR step CUDA graph [folded, one in_proj launch]", step_graph_ms(m)[0])
-            step_update.SPLIT_Z = True
             pdl.ENABLED = False  # the same kernels launched without programmatic dependent launch
             record("AR step CUDA graph [folded, no PDL]", step_graph_ms(m)[0])
             pdl.ENABLED = True

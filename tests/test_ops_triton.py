@@ -238,7 +238,6 @@ else:
         kernels = {"tree_scan": TS.tree_scan, "tree_conv": TC.tree_conv, "mamba_step": SU.mamba_step, "rms_norm": SU.rms_norm,
                    "gated_rms_norm": SU.gated_rms_norm, "time_step": SU.time_step, "linear": GV.linear,
                    "add_rms_norm": SU.add_rms_norm, "mamba_step_out": SU.mamba_step_out,
-                   "mamba_residual_step": SU.mamba_residual_step,
                    "norm_linear": GV.norm_linear, "tree_scan_gated": TS.tree_scan_gated, "replay_states": SR.replay_states,
                    "replay_states_layers": SR.replay_states_layers}
         model = _tiny_model_with_head_dim(layers, head_dim)
@@ -509,59 +508,4 @@ else:
             assert_close(got, want, atol=1e-4, rtol=1e-4, name=label)
             assert_close(ss_got, ss_want, atol=1e-5, rtol=1e-5, name="ssm_state")
             assert torch.equal(cs_got, cs_want), f"conv state shift differs ({label})"
-
-    @pytest.mark.parametrize("shape", [(4, 16, 16, 1, 1, 4, 40), (6, 16, 8, 2, 3, 3, 24), (3, 8, 16, 1, 1, 4, 40),
-                                       (4, 32, 16, 2, 2, 4, 48)],
-                             ids=["G1", "G2-norm3-K3", "P8", "P32-norm2"])
-    @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-    @pytest.mark.parametrize("preload", [False, True], ids=["looped", "preloaded"])
-    def test_mamba_residual_step_matches_reference(shape, bias, preload, nan_outputs, monkeypatch):
-        """The whole sublayer step at batch 1: in_proj's xBC/dt rows, then the step beside the z
-        rows' GEMV (silu(z) out), then out_proj gating y. Against the reference, and bit for bit
-        against the one-in_proj route it replaces (same tiles, same roundings)."""
-        from ssmspec.ops.step_update.naive import naive_mamba_residual_step
-
-        if preload:  # in_proj's rows as the H100 runs them (the z rows and out_proj always are)
-            monkeypatch.setattr(GV, "_config", lambda n, k, device: GV.GemvConfig(1, 0, 1, preload=True))
-        heads, head_dim, d_state, groups, norm_groups, kernel_size, d_model = shape
-        channels, d_inner = heads * head_dim + 2 * groups * d_state, heads * head_dim
-        h = torch.randn(1, d_model)
-        conv_state = torch.randn(1, channels, kernel_size - 1)
-        ssm_state = torch.randn(1, heads, head_dim, d_state)
-        args = (torch.randn(d_inner + channels + heads, d_model) / 4, torch.randn(d_inner + channels + heads) if bias
-                else None, 1e-5)
-        rest = (torch.randn(channels, kernel_size), torch.randn(channels), torch.randn(heads), torch.randn(heads),
-                torch.randn(heads), groups, norm_groups, 0.01, 5.0, 1e-5, torch.randn(d_model, d_inner) / 8,
-                torch.randn(d_model) if bias else None)
-        results = {}
-        for name, fn in (("reference", naive_mamba_residual_step), ("split", SU.mamba_residual_step),
-                         ("one in_proj", SU.mamba_residual_step)):
-            SU.SPLIT_Z = name != "one in_proj"
-            try:
-                cs, ss = conv_state.clone(), ssm_state.clone()
-                results[name] = fn(h, *args, cs, ss, *rest), cs, ss
-            finally:
-                SU.SPLIT_Z = True
-        want, got, old = results["reference"], results["split"], results["one in_proj"]
-        assert got[0].shape == (1, d_model)
-        assert_close(got[0], want[0], atol=1e-4, rtol=1e-4, name="output")
-        assert_close(got[2], want[2], atol=1e-5, rtol=1e-5, name="ssm_state")
-        assert_close(got[1], want[1], atol=1e-5, rtol=1e-5, name="conv_state")  # the new column is in_proj's
-        assert torch.equal(got[1], old[1]) and torch.equal(got[2], old[2]), "states differ from the one-in_proj route's"
-        assert_close(got[0], old[0], atol=2e-6, rtol=2e-6, name="output against the one-in_proj route")
-
-    def test_mamba_residual_step_falls_back_beyond_batch_one(nan_outputs):
-        """Two rows take norm_linear + mamba_step_out, and still match the reference."""
-        from ssmspec.ops.step_update.naive import naive_mamba_residual_step
-
-        heads, head_dim, d_state, d_model, channels = 4, 16, 16, 40, 4 * 16 + 2 * 16
-        args = (torch.randn(64 + channels + heads, d_model) / 4, None, 1e-5)
-        rest = (torch.randn(channels, 4), None, torch.randn(heads), torch.randn(heads), torch.randn(heads), 1, 1,
-                0.01, 5.0, 1e-5, torch.randn(d_model, 64) / 8, None)
-        h = torch.randn(2, d_model)
-        state = (torch.randn(2, channels, 3), torch.randn(2, heads, head_dim, d_state))
-        mine, theirs = [s.clone() for s in state], [s.clone() for s in state]
-        assert_close(SU.mamba_residual_step(h, *args, *mine, *rest), naive_mamba_residual_step(h, *args, *theirs, *rest),
-                     atol=1e-4, rtol=1e-4, name="batch 2")
-        assert_close(mine[1], theirs[1], atol=1e-5, rtol=1e-5, name="ssm_state")
 

@@ -17,7 +17,6 @@ from .state_replay.naive import naive_replay_states, naive_replay_states_layers
 from .step_update.naive import (
     naive_add_rms_norm,
     naive_gated_rms_norm,
-    naive_mamba_residual_step,
     naive_mamba_step,
     naive_mamba_step_out,
     naive_rms_norm,
@@ -38,7 +37,6 @@ _REFERENCE = {
     "chunk_scan": naive_chunk_scan,
     "mamba_step": naive_mamba_step,
     "mamba_step_out": naive_mamba_step_out,
-    "mamba_residual_step": naive_mamba_residual_step,
     "rms_norm": naive_rms_norm,
     "add_rms_norm": naive_add_rms_norm,
     "gated_rms_norm": naive_gated_rms_norm,
@@ -56,7 +54,6 @@ _TRITON = {
     "replay_states_layers": ("ssmspec.ops.state_replay.triton", "replay_states_layers"),
     "mamba_step": ("ssmspec.ops.step_update.triton", "mamba_step"),
     "mamba_step_out": ("ssmspec.ops.step_update.triton", "mamba_step_out"),
-    "mamba_residual_step": ("ssmspec.ops.step_update.triton", "mamba_residual_step"),
     "rms_norm": ("ssmspec.ops.step_update.triton", "rms_norm"),
     "add_rms_norm": ("ssmspec.ops.step_update.triton", "add_rms_norm"),
     "gated_rms_norm": ("ssmspec.ops.step_update.triton", "gated_rms_norm"),
@@ -157,16 +154,6 @@ def mamba_step_out(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias
     return resolve("mamba_step_out", xBC.device)(
         xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,
         n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias, residual,
-    )
-
-
-def mamba_residual_step(h, in_weight, in_bias, pre_eps, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log,
-                        D, n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias):
-    """h + a Mamba sublayer's step on pre_norm(h), both norms folded into the projections (at
-    batch 1 the step runs beside in_proj's z rows, see ops/step_update)."""
-    return resolve("mamba_residual_step", h.device)(
-        h, in_weight, in_bias, pre_eps, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
-        n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias,
     )
 
 

@@ -82,19 +82,13 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr,
                PRELOAD: tl.constexpr, USE_PDL: tl.constexpr,
                res_ptr=None, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0, HAS_RES: tl.constexpr = False,
-               BLOCK_G: tl.constexpr = 1, GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0,
-               gate_ptr=None, GATE: tl.constexpr = False, SILU_OUT: tl.constexpr = False):
+               BLOCK_G: tl.constexpr = 1, GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0):
     """One tile of BLOCK_N output rows. NORM_GROUPS > 0: the input is RMS-normalised over that
     many groups (no norm weight: it is folded into w). A preloaded row with one group, or with
     power-of-two groups over a power-of-two K (GROUPED), scales its dot products by 1/rms at the
     end; otherwise x is normalised first and rounded to its dtype, as RMSNorm's output is.
     HAS_RES: the output, rounded to y's dtype, is added to the residual at res_ptr. BLOCK_K2:
-    a second preloaded piece of K (see `preload_blocks`).
-
-    GATE (preloaded tiles only): the input is x * gate (gate fp32, at gate_ptr), rounded to x's
-    dtype, as the Mamba step's gated value is (ops/step_update `mamba_residual_step`). SILU_OUT:
-    the output, rounded to the weight's dtype as a linear layer's output is, goes through silu
-    and is stored in y's dtype (fp32 for the gate)."""
+    a second preloaded piece of K (see `preload_blocks`)."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     k_lo = split * K_SPLIT
@@ -117,14 +111,9 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.
         if USE_PDL:
             gdc_wait()
         xv = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
-        if GATE:
-            xv = (xv.to(tl.float32) * tl.load(gate_ptr + offs_k, mask=mask_k, other=0.0)).to(xv.dtype)
         xf = xv.to(tl.float32)
         if BLOCK_K2 > 0:
-            xv2 = tl.load(x_ptr + offs_k2, mask=mask_k2, other=0.0)
-            if GATE:
-                xv2 = (xv2.to(tl.float32) * tl.load(gate_ptr + offs_k2, mask=mask_k2, other=0.0)).to(xv2.dtype)
-            xf2 = xv2.to(tl.float32)
+            xf2 = tl.load(x_ptr + offs_k2, mask=mask_k2, other=0.0).to(tl.float32)
             tail = tl.sum(w2.to(tl.float32) * xf2[None, :], axis=1)
         if NORM_GROUPS == 1:
             # The row's 1/rms scales the dot product at the end, and its sum of squares rides in
@@ -183,9 +172,6 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.
     if HAS_BIAS:
         # the bias goes into partial 0 only
         y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32) * tl.where(split == 0, 1.0, 0.0)
-    if SILU_OUT:
-        y = y.to(w_ptr.dtype.element_ty).to(tl.float32)
-        y = y * tl.sigmoid(y)
     if PARTIAL:
         tl.store(y_ptr + split * N + offs_n, y, mask=mask_n)  # fp32 partial sums, reduced by the consumer
     else:

@@ -2,13 +2,11 @@
 from .naive import (
     naive_add_rms_norm,
     naive_gated_rms_norm,
-    naive_mamba_residual_step,
     naive_mamba_step,
     naive_mamba_step_out,
     naive_rms_norm,
     naive_time_step,
 )
 
-__all__ = ["naive_add_rms_norm", "naive_gated_rms_norm", "naive_mamba_residual_step", "naive_mamba_step",
-           "naive_mamba_step_out", "naive_rms_norm",
+__all__ = ["naive_add_rms_norm", "naive_gated_rms_norm", "naive_mamba_step", "naive_mamba_step_out", "naive_rms_norm",
            "naive_time_step"]

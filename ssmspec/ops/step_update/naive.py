@@ -131,18 +131,3 @@ def naive_mamba_step_out(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, con
                                     norm_weight, n_groups, norm_groups, dt_min, dt_max, eps), out_weight, out_bias)
     return out if residual is None else residual + out.to(residual.dtype)
 
-
-
-def naive_mamba_residual_step(h, in_weight, in_bias, pre_eps, conv_state, ssm_state, conv_weight, conv_bias, dt_bias,
-                              A_log, D, n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias):
-    """A whole Mamba sublayer's step with both norms' weights folded into the projections
-    (models/fold.py): in_proj of RMSNorm(h) (no weight), `naive_mamba_step_out` with no norm
-    weight, plus the residual h. h (B, d_model) -> (B, d_model) in h's dtype; states in place."""
-    from ..gemv.naive import naive_norm_linear
-
-    heads = ssm_state.shape[1]
-    d_inner = heads * ssm_state.shape[2]
-    z, xBC, dt_raw = naive_norm_linear(h, in_weight, in_bias, 1, pre_eps).split(
-        [d_inner, conv_weight.shape[0], heads], dim=-1)
-    return naive_mamba_step_out(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, None,
-                                n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias, residual=h)

@@ -99,33 +99,10 @@ def _step_ssm_kernel(
         gdc_launch_dependents()
         if not PRELOAD_STATE:
             gdc_wait()
-    _step_block(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2),
-                xbc_ptr, dtr_ptr, z_ptr, cs_ptr, h_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr, sq_ptr,
-                H, P, S, G, heads_per_group, dt_min, dt_max, sxb, sxc, sdb, sdh, szb, szc, scb, scc, sck,
-                shb, shh, shp, shs, swc, swk, sgb, K, HAS_BIAS, BLOCK_P, BLOCK_S, BLOCK_K, WRITE_SQ,
-                PRELOAD_STATE, True)  # PRELOAD_STATE is only ever set with USE_PDL (_pdl_args)
-
-
-@triton.jit
-def _step_block(
-    b, h, p_block, n_p_blocks,
-    xbc_ptr, dtr_ptr, z_ptr, cs_ptr, h_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr, sq_ptr,
-    H, P, S, G, heads_per_group, dt_min, dt_max,
-    sxb, sxc, sdb, sdh, szb, szc,
-    scb, scc, sck,
-    shb, shh, shp, shs,
-    swc, swk,
-    sgb,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
-    WRITE_SQ: tl.constexpr, WAIT_AFTER_LOADS: tl.constexpr, GATE: tl.constexpr,
-):
-    """The step of (batch row b, head h, block p_block of P). WAIT_AFTER_LOADS: `gdc_wait`
-    after reading what no earlier kernel of this step writes (the caller has not waited yet).
-    GATE: g = y * silu(z) (z at z_ptr); otherwise g = y rounded to g's dtype (the gate is applied
-    by the consumer, `mamba_residual_step`)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
     grp = h // heads_per_group
-    offs_p = p_block * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_s = tl.arange(0, BLOCK_S)
     mask_p = offs_p < P
     mask_s = offs_s < S
@@ -157,7 +134,7 @@ def _step_block(
     dt_b = tl.load(dtb_ptr + h).to(tl.float32)
     A = -tl.exp(tl.load(Alog_ptr + h).to(tl.float32))
     D = tl.load(D_ptr + h).to(tl.float32)
-    if WAIT_AFTER_LOADS:
+    if USE_PDL and PRELOAD_STATE:
         gdc_wait()
 
     new_x = tl.load(xbc_ptr + b * sxb + cx * sxc, mask=mask_p, other=0.0)
@@ -175,14 +152,13 @@ def _step_block(
     dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
     state = state * tl.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
     y = tl.sum(state * Cv[None, :], axis=1) + x * D
-    if GATE:
-        zv = tl.load(z_ptr + b * szb + cx * szc, mask=mask_p, other=0.0).to(tl.float32)
-        gated = y.to(z_ptr.dtype.element_ty).to(tl.float32) * (zv * tl.sigmoid(zv))
-        tl.store(g_ptr + b * sgb + cx, gated, mask=mask_p)
-        if WRITE_SQ:  # this block's sum of squares, for the gated norm kernel
-            tl.store(sq_ptr + (b * H + h) * n_p_blocks + p_block, tl.sum(tl.where(mask_p, gated * gated, 0.0), axis=0))
-    else:
-        tl.store(g_ptr + b * sgb + cx, y.to(g_ptr.dtype.element_ty), mask=mask_p)
+    zv = tl.load(z_ptr + b * szb + cx * szc, mask=mask_p, other=0.0).to(tl.float32)
+    out_dtype = z_ptr.dtype.element_ty
+    gated = y.to(out_dtype).to(tl.float32) * (zv * tl.sigmoid(zv))
+    tl.store(g_ptr + b * sgb + cx, gated, mask=mask_p)
+    if WRITE_SQ:  # this block's sum of squares, for the gated norm kernel
+        tl.store(sq_ptr + (b * H + h) * tl.num_programs(2) + tl.program_id(2),
+                 tl.sum(tl.where(mask_p, gated * gated, 0.0), axis=0))
     # In-place writes last; the barrier in _shift_in also orders every replicated copy of the
     # state tile's loads before these stores.
     _shift_in(state_row, cx, mask_p, new_x, scc, sck, K, BLOCK_K)  # this program owns these x channels
@@ -512,19 +488,18 @@ def _step_out_kernel(
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr, PRELOAD: tl.constexpr,
     K_CONV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_KC: tl.constexpr, USE_PDL: tl.constexpr,
-    GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0, gate_ptr=None, GATE: tl.constexpr = False,
+    GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0,
 ):
     """out_proj of one row (batch 1) whose input is the gated value g of `_step_ssm_kernel`: the
     gated RMSNorm runs in the GEMV's prologue (its weight folded into out_proj's, see
     ops/gemv `norm_linear`) and the residual add in its epilogue. Program 0 also does the step's
     deferred conv-state shift of the B and C channels (see the module docstring): after the GEMV
-    tile's wait every step-kernel program that read the old window is done. GATE: g is the
-    step's y, gated here by silu(z) from gate_ptr (`mamba_residual_step`)."""
+    tile's wait every step-kernel program that read the old window is done."""
     if USE_PDL:
         gdc_launch_dependents()
     _gemv_tile(g_ptr, w_ptr, bias_ptr, y_ptr, tl.program_id(0), 0, N, K, swn, HAS_BIAS, False, BLOCK_N, BLOCK_K,
                K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G, GROUPED,
-               BLOCK_K2, gate_ptr, GATE)
+               BLOCK_K2)
     if tl.program_id(0) == 0:
         offs_s = tl.arange(0, BLOCK_S)
         mask_s = offs_s < S
@@ -603,19 +578,15 @@ def mamba_step_out(
 
 
 def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, norm_groups, eps, n_groups, d_state,
-                     kernel_size, gate=None):
+                     kernel_size):
     """`_step_out_kernel` for one row: out_proj of the gated value with the gated norm and the
-    residual add inside, and the deferred B/C conv-state shift. gate: silu(z) in fp32, when
-    `gated` is the step's y still to be gated (a preloaded GEMV tile, forced if not tuned)."""
+    residual add inside, and the deferred B/C conv-state shift."""
     from ..gemv.triton import GemvConfig, _config, grouped_epilogue, preload_blocks
 
     n_out, d_inner = out_weight.shape
     y = torch.empty(1, n_out, device=gated.device,
                     dtype=torch.result_type(gated, out_weight) if residual is None else residual.dtype)
-    cfg = GemvConfig(*_config(n_out, d_inner, gated.device))
-    if gate is not None and not cfg[6]:
-        cfg = _preloaded_config(d_inner)
-    block_n, cfg_k, warps, split, _, unroll, preload = cfg
+    block_n, cfg_k, warps, split, _, unroll, preload = GemvConfig(*_config(n_out, d_inner, gated.device))
     cfg_k2 = 0
     if preload:
         cfg_k, cfg_k2 = preload_blocks(d_inner, 1, norm_groups)
@@ -634,131 +605,7 @@ def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, nor
         UNROLL=bool(unroll), PRELOAD=bool(preload), K_CONV=kernel_size, BLOCK_S=max(16, triton.next_power_of_2(d_state)),
         BLOCK_KC=max(2, triton.next_power_of_2(kernel_size - 1)),
         USE_PDL=use_pdl, GROUPED=bool(preload) and grouped_epilogue(d_inner, cfg_k, norm_groups), BLOCK_K2=cfg_k2,
-        gate_ptr=gate, GATE=gate is not None, num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
+        num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
     )
     return y
 
-
-
-def _preloaded_config(k: int):
-    """A GEMV config with one row per program and its whole K preloaded (see ops/gemv)."""
-    from ..gemv.triton import GemvConfig
-
-    return GemvConfig(1, 0, 4 if k <= 4096 else 8, preload=True)
-
-
-SPLIT_Z = True
-"""`mamba_residual_step` computes z in the step's launch (see there); benchmarks set it False to
-time the one-in_proj route in the same process."""
-
-
-@triton.jit
-def _step_gate_kernel(
-    xbc_ptr, dtr_ptr, cs_ptr, st_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, y_ptr,
-    x_ptr, wz_ptr, bz_ptr, gate_ptr,
-    H, P, S, G, heads_per_group, dt_min, dt_max, n_step, d_model, swz, pre_eps,
-    sxc, sdh, scc, sck, shh, shp, shs, swc, swk,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, P_BLOCKS: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS_Z: tl.constexpr, BLOCK_NZ: tl.constexpr, BLOCK_KZ: tl.constexpr, BLOCK_KZ2: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """One launch, two kinds of program (batch 1). The first n_step run the step of one
-    (head, block of P), writing y; the rest are GEMV tiles of in_proj's z rows (the pre-norm
-    inside, as in ops/gemv `norm_linear`), writing silu(z) in fp32. The step is latency-bound
-    (its state was read before the wait, and then it waits on in_proj's xBC and dt), so the z
-    tiles' weight stream runs beside it instead of before it."""
-    if USE_PDL:
-        gdc_launch_dependents()
-    pid = tl.program_id(0)
-    if pid < n_step:
-        _step_block(0, pid // P_BLOCKS, pid % P_BLOCKS, P_BLOCKS,
-                    xbc_ptr, dtr_ptr, y_ptr, cs_ptr, st_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, y_ptr, y_ptr,
-                    H, P, S, G, heads_per_group, dt_min, dt_max, 0, sxc, 0, sdh, 0, 0, 0, scc, sck,
-                    0, shh, shp, shs, swc, swk, 0, K, HAS_BIAS, BLOCK_P, BLOCK_S, BLOCK_K, False, USE_PDL, False)
-    else:
-        _gemv_tile(x_ptr, wz_ptr, bz_ptr, gate_ptr, pid - n_step, 0, H * P, d_model, swz, HAS_BIAS_Z, False,
-                   BLOCK_NZ, BLOCK_KZ, BLOCK_KZ + BLOCK_KZ2, False, True, USE_PDL, None, d_model, pre_eps, 1,
-                   False, 1, False, BLOCK_KZ2, None, False, True)
-
-
-def mamba_residual_step(
-    h: torch.Tensor,
-    in_weight: torch.Tensor,
-    in_bias: torch.Tensor | None,
-    pre_eps: float,
-    conv_state: torch.Tensor,
-    ssm_state: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    dt_bias: torch.Tensor,
-    A_log: torch.Tensor,
-    D: torch.Tensor,
-    n_groups: int,
-    norm_groups: int,
-    dt_min: float,
-    dt_max: float,
-    eps: float,
-    out_weight: torch.Tensor,
-    out_bias: torch.Tensor | None,
-) -> torch.Tensor:
-    """A whole Mamba sublayer's step with both norms folded into the projections (models/fold.py):
-    h + out_proj(gated_norm(step(in_proj(rms_norm(h))))). Same contract as
-    `naive_mamba_residual_step`; the states are updated in place.
-
-    At batch 1 three launches: in_proj's xBC and dt rows (norm inside), then one launch in which
-    the step runs beside in_proj's z rows (`_step_gate_kernel`: the step no longer waits for z,
-    and its latency hides behind z's weight stream), then out_proj with the gate, the gated norm
-    and the residual add inside. Elsewhere `norm_linear` then `mamba_step_out`.
-
-    Args:
-        h: (B, d_model) the residual stream; in_weight: (2*H*P + 2*G*S + H, d_model) with the
-            pre-norm's weight folded in; out_weight: (d_model, H*P) with the gated norm's.
-        The rest as `mamba_step_out` (no norm weight: it is folded).
-    Returns:
-        (B, d_model) in h's dtype.
-    """
-    from ..gemv import triton as gemv
-
-    batch, heads, head_dim, d_state = ssm_state.shape
-    channels, kernel_size = conv_weight.shape
-    d_inner, d_model = heads * head_dim, h.shape[-1]
-    if tuple(in_weight.shape) != (d_inner + channels + heads, d_model) or h.dim() != 2:
-        raise ValueError(f"mamba_residual_step: in_proj {tuple(in_weight.shape)} does not match h {tuple(h.shape)} "
-                         f"and the state {tuple(ssm_state.shape)}")
-    fused = (SPLIT_Z and gemv.ENABLED and batch == 1 and h.dtype == in_weight.dtype and in_weight.stride(-1) == 1
-             and out_weight.stride(-1) == 1 and tuple(out_weight.shape) == (d_model, d_inner)
-             and d_inner % norm_groups == 0 and kernel_size >= 2 and ssm_state.dtype == torch.float32
-             and max(triton.next_power_of_2(d_model), triton.next_power_of_2(d_inner)) <= gemv.PRELOAD_MAX_K
-             and tuple(conv_state.shape) == (1, channels, kernel_size - 1)
-             and (h.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
-    if not fused:
-        zxbcdt = gemv.norm_linear(h, in_weight, in_bias, 1, pre_eps)
-        z, xBC, dt_raw = zxbcdt.split([d_inner, channels, heads], dim=-1)
-        return mamba_step_out(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, None,
-                              n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias, residual=h)
-    xbcdt = gemv.norm_linear(h, in_weight[d_inner:], None if in_bias is None else in_bias[d_inner:], 1, pre_eps)
-    xBC, dt_raw = xbcdt.split([channels, heads], dim=-1)
-    y = torch.empty(1, d_inner, device=h.device, dtype=h.dtype)  # the step's y, rounded as the reference's
-    gate = torch.empty(1, d_inner, device=h.device, dtype=torch.float32)  # silu(z)
-    block_nz = _preloaded_config(d_model)[0]
-    block_kz, block_kz2 = gemv.preload_blocks(d_model, 1, 1)
-    block_p = 16
-    p_blocks = triton.cdiv(head_dim, block_p)
-    n_step = heads * p_blocks
-    use_pdl = pdl.enabled(h.device)
-    _step_gate_kernel[(n_step + triton.cdiv(d_inner, block_nz),)](
-        xBC, dt_raw, conv_state, ssm_state, conv_weight, conv_bias if conv_bias is not None else conv_weight,
-        dt_bias, A_log, D, y, h, in_weight, in_bias if in_bias is not None else in_weight, gate,
-        heads, head_dim, d_state, n_groups, heads // n_groups, float(dt_min), float(dt_max), n_step, d_model,
-        in_weight.stride(0), float(pre_eps),
-        xBC.stride(-1), dt_raw.stride(-1), conv_state.stride(1), conv_state.stride(2), *ssm_state.stride()[1:],
-        *conv_weight.stride(),
-        K=kernel_size, HAS_BIAS=conv_bias is not None, P_BLOCKS=p_blocks,
-        BLOCK_P=block_p, BLOCK_S=max(16, triton.next_power_of_2(d_state)),
-        BLOCK_K=max(2, triton.next_power_of_2(kernel_size - 1)),
-        HAS_BIAS_Z=in_bias is not None, BLOCK_NZ=block_nz, BLOCK_KZ=block_kz, BLOCK_KZ2=block_kz2,
-        USE_PDL=use_pdl, num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
-    )
-    return _launch_out_proj(y, xBC, conv_state, out_weight, out_bias, h, norm_groups, eps, n_groups, d_state,
-                            kernel_size, gate=gate)
