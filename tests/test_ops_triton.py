@@ -140,6 +140,25 @@ else:
         assert_close(TS.tree_scan(x, dt, A, B, C, D, parents, h0), want, atol=1e-4, rtol=1e-4, name=f"tree_scan {tree_name}")
 
 
+    @pytest.mark.parametrize("block_s", [16, 32], ids=["3-chunks", "2-chunks"])
+    def test_tree_scan_over_state_chunks(block_s, nan_outputs, monkeypatch):
+        """A state wider than one chunk (the looped C.B / C.h0 products) matches the reference,
+        plain and gated."""
+        from ssmspec.ops.tree_scan.naive import naive_tree_scan_gated
+
+        monkeypatch.setattr(TS, "SCAN_BLOCK_S", block_s)
+        tree = TREES["uneven"]
+        parents = tree.parents_tensor()
+        x, dt, A, B, C, D, h0 = _scan_inputs(1, tree.num_nodes, 3, 8, 40, 1)
+        assert_close(TS.tree_scan(x, dt, A, B, C, D, parents, h0), naive_tree_scan(x, dt, A, B, C, D, parents, h0),
+                     atol=1e-4, rtol=1e-4, name=f"chunks of {block_s}")
+        z, bias = torch.randn(1, tree.num_nodes, 24), torch.randn(3)
+        got = TS.tree_scan_gated(x, dt, bias, 0.01, 5.0, A, B, C, D, z, parents, h0)
+        want = naive_tree_scan_gated(x, dt, bias, 0.01, 5.0, A, B, C, D, z, parents, h0)
+        assert_close(got[0], want[0], atol=1e-4, rtol=1e-4, name="gated")
+        assert_close(got[1], want[1], atol=1e-6, rtol=1e-6, name="dt")
+
+
     def test_tree_scan_without_D_and_strided_inputs(nan_outputs):
         tree = TREES["uneven"]
         n = tree.num_nodes

@@ -54,7 +54,7 @@ def _tree_scan_kernel(
     HAS_D: tl.constexpr,
     FUSED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, ONE_CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     sq_ptr=None, WRITE_SQ: tl.constexpr = False,
 ):
@@ -76,72 +76,90 @@ def _tree_scan_kernel(
     B_base = B_ptr + b * sBb + g * sBg
     C_base = C_ptr + b * sCb + g * sCg
     h0_base = h0_ptr + b * shb + h * shh
+    mask_np = mask_n[:, None] & mask_p[None, :]
 
     # Before the PDL wait, everything that no earlier kernel of this verify writes: the tree walk
-    # (parents only) and the first S chunk of the initial state. The state was last written by a
-    # replay or step before this verify's embedding lookup, a plain launch that waits for all
-    # earlier work.
+    # (parents only), the first S chunk of the initial state (all of it when ONE_CHUNK), D and
+    # dt_bias. The state was last written by a replay or step before this verify's embedding
+    # lookup, a plain launch that waits for all earlier work.
     anc = _ancestors(par_ptr, offs_n, mask_n, N, tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.int32))
     h0_first = tl.load(h0_base + offs_p[:, None] * shp + offs_s[None, :] * shs,
                        mask=mask_p[:, None] & (offs_s < S)[None, :], other=0.0).to(tl.float32)
+    if HAS_D:
+        D = tl.load(D_ptr + h).to(tl.float32)
+    if FUSED:
+        dt_b = tl.load(bias_ptr + h).to(tl.float32)
     if USE_PDL:  # wait for the previous kernel before reading activations or writing anything
         gdc_wait()
 
+    # Every activation load is issued here, before any of them is used: the kernel is latency
+    # bound (one program per head), and issuing them in use order cost one L2 round trip each.
+    # B and C stay in their dtype: C.B^T of bf16 tiles on the tensor cores is exact products
+    # with fp32 sums, as the TF32 product of their fp32 copies is.
     dt = tl.load(dt_base + offs_n * sdn, mask=mask_n, other=0.0).to(tl.float32)
     if FUSED:
-        # dt_ptr is dt_raw: the time step of every node here (padding lanes stay 0), stored for
-        # replay by the P-block-0 program. The gate's z is loaded now, its latency hidden by the
-        # products, and kept in its own dtype until the gate (fewer registers: measured faster
+        # The gate's z is kept in its own dtype until the gate (fewer registers: measured faster
         # than either loading it at the gate or holding it in fp32).
-        dt = _softplus(dt + tl.load(bias_ptr + h).to(tl.float32))
+        zm = tl.load(z_ptr + b * szb + offs_n[:, None] * szn + (h * P + offs_p[None, :]) * szc, mask=mask_np,
+                     other=0.0)
+    xm = tl.load(x_ptr + b * sxb + h * sxh + offs_n[:, None] * sxn + offs_p[None, :] * sxp, mask=mask_np,
+                 other=0.0)
+    if ONE_CHUNK:
+        mask_ns = mask_n[:, None] & (offs_s < S)[None, :]
+        Cm = tl.load(C_base + offs_n[:, None] * sCn + offs_s[None, :] * sCs, mask=mask_ns, other=0.0)
+        Bm = tl.load(B_base + offs_n[:, None] * sBn + offs_s[None, :] * sBs, mask=mask_ns, other=0.0)
+    if FUSED:
+        # dt_ptr is dt_raw: the time step of every node here (padding lanes stay 0), stored for
+        # replay by the P-block-0 program.
+        dt = _softplus(dt + dt_b)
         dt = tl.where(mask_n, tl.minimum(tl.maximum(dt, dt_min), dt_max), 0.0)
         if pid_p == 0:
             tl.store(dt_out_ptr + (b * N + offs_n) * H + h, dt, mask=mask_n)
-        zm = tl.load(z_ptr + b * szb + offs_n[:, None] * szn + (h * P + offs_p[None, :]) * szc,
-                     mask=mask_n[:, None] & mask_p[None, :], other=0.0)
     # acum[i] = sum of dt*A along node i's path (its log-decay from the prefix), through the
     # ancestor mask: dt is in registers already, cheaper than gathering it along each chain.
     acum = tl.sum(tl.where(anc != 0, dt[None, :] * A, 0.0), axis=1)
 
-    # scores[i, j] = C_i . B_j and the initial-state term C_i . h0[p, :], accumulated over S chunks
-    # so that the operands stay small whatever S is.
-    scores = tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.float32)
-    from_h0 = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
-    for s0 in range(0, S, BLOCK_S):
-        ss = s0 + offs_s
-        mask_s = ss < S
-        Cm = tl.load(C_base + offs_n[:, None] * sCn + ss[None, :] * sCs,
-                     mask=mask_n[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
-        Bm = tl.load(B_base + offs_n[:, None] * sBn + ss[None, :] * sBs,
-                     mask=mask_n[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
-        if s0 == 0:
-            h0 = h0_first
-        else:
-            h0 = tl.load(h0_base + offs_p[:, None] * shp + ss[None, :] * shs,
-                         mask=mask_p[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
-        scores += tl.dot(Cm, tl.trans(Bm), input_precision=PRECISION)
-        from_h0 += tl.dot(Cm, tl.trans(h0), input_precision=PRECISION)
+    # scores[i, j] = C_i . B_j and the initial-state term C_i . h0[p, :]; with more state than
+    # one chunk, accumulated over S chunks so that the operands stay small whatever S is.
+    if ONE_CHUNK:
+        scores = tl.dot(Cm, tl.trans(Bm), input_precision=PRECISION)
+        from_h0 = tl.dot(Cm.to(tl.float32), tl.trans(h0_first), input_precision=PRECISION)
+    else:
+        scores = tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.float32)
+        from_h0 = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
+        for s0 in range(0, S, BLOCK_S):
+            ss = s0 + offs_s
+            mask_s = ss < S
+            Cc = tl.load(C_base + offs_n[:, None] * sCn + ss[None, :] * sCs,
+                         mask=mask_n[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
+            Bc = tl.load(B_base + offs_n[:, None] * sBn + ss[None, :] * sBs,
+                         mask=mask_n[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
+            if s0 == 0:
+                h0 = h0_first
+            else:
+                h0 = tl.load(h0_base + offs_p[:, None] * shp + ss[None, :] * shs,
+                             mask=mask_p[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
+            scores += tl.dot(Cc, tl.trans(Bc), input_precision=PRECISION)
+            from_h0 += tl.dot(Cc, tl.trans(h0), input_precision=PRECISION)
 
     # Weight of node j's input in node i's output: C_i.B_j * exp(acum_i - acum_j) * dt_j on i's path.
     seg = tl.where(anc != 0, acum[:, None] - acum[None, :], float("-inf"))
     w = scores * tl.exp(seg) * dt[None, :]
-    xm = tl.load(x_ptr + b * sxb + h * sxh + offs_n[:, None] * sxn + offs_p[None, :] * sxp,
-                 mask=mask_n[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+    xm = xm.to(tl.float32)
     y = tl.dot(w, xm, input_precision=PRECISION) + from_h0 * tl.exp(acum)[:, None]
     if HAS_D:
-        y += xm * tl.load(D_ptr + h).to(tl.float32)
+        y += xm * D
     if FUSED:
         # g = y * silu(z) with y rounded to z's (= the output's) dtype first, as the reference does.
         zf = zm.to(tl.float32)
         y = y.to(y_ptr.dtype.element_ty).to(tl.float32) * (zf * tl.sigmoid(zf))
     out = y.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + b * syb + h * syh + offs_n[:, None] * syn + offs_p[None, :] * syp, out,
-             mask=mask_n[:, None] & mask_p[None, :])
+    tl.store(y_ptr + b * syb + h * syh + offs_n[:, None] * syn + offs_p[None, :] * syp, out, mask=mask_np)
     if WRITE_SQ:
         # Each node's sum of squares over this program's channels, for out_proj's gated norm
         # (ops/gemv norm_linear x_sq): at (b, node, h * P blocks + pid_p), so the parts of one
         # norm group (its heads) are contiguous.
-        of = tl.where(mask_n[:, None] & mask_p[None, :], out.to(tl.float32), 0.0)
+        of = tl.where(mask_np, out.to(tl.float32), 0.0)
         tl.store(sq_ptr + (b * N + offs_n) * (H * tl.num_programs(1)) + h * tl.num_programs(1) + pid_p,
                  tl.sum(of * of, axis=1), mask=mask_n)
 
@@ -260,8 +278,8 @@ def tree_scan_gated(
 SCAN_WARPS: int | None = None
 """Warps per program; None: 4 up to 32 nodes, else 8 (benchmarks sweep this)."""
 SCAN_BLOCK_S: int | None = None
-"""State columns per chunk of the C.B and C.h0 products; None: up to 128 up to 32 nodes, else up
-to 64 (benchmarks sweep this)."""
+"""State columns per chunk of the C.B and C.h0 products; None: all of them up to 128 (benchmarks
+sweep this)."""
 
 
 SCAN_BLOCK_P: int | None = None
@@ -287,10 +305,10 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
         return
     block_n = max(16, triton.next_power_of_2(n))
     block_p = _block_p(head_dim)
-    # Up to 32 nodes the whole state in one chunk: 3.26 against 4.14 us at 16 nodes and S = 128
-    # (bench_kernels.py --scan-sweep, H100); at 64 nodes 128 and 64 tie (8.10 / 8.22 us) and 64
-    # keeps the fp32 tiles small.
-    block_s = SCAN_BLOCK_S or min(128 if block_n <= 32 else 64, max(16, triton.next_power_of_2(d_state)))
+    # The whole state in one chunk up to S = 128 (ONE_CHUNK: straight-line code, every load
+    # issued at once): at 16 nodes 3.26 against 4.14 us for two chunks (bench_kernels.py
+    # --scan-sweep, H100); at 64 nodes the looped kernel tied at 128 and 64 (8.10 / 8.22 us).
+    block_s = SCAN_BLOCK_S or min(128, max(16, triton.next_power_of_2(d_state)))
     grid = (batch * heads, triton.cdiv(head_dim, block_p))
     D_arg = D if D is not None else A  # never read when HAS_D is False
     # the unfused scan never reads the fused-only arguments: any tensor stands in for them
@@ -303,7 +321,7 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *initial_state.stride(), *y.stride(), *z_strides,
         HAS_D=D is not None, FUSED=fused is not None,
         BLOCK_N=block_n, BLOCK_P=block_p, BLOCK_S=block_s,
-        PRECISION=precision,
+        PRECISION=precision, ONE_CHUNK=block_s >= d_state,
         num_warps=SCAN_WARPS or (4 if block_n <= 32 else 8), **_pdl_args(y.device),
         sq_ptr=sq, WRITE_SQ=sq is not None,
     )
