@@ -359,15 +359,10 @@ def _rstd_from_parts(sq_ptr, offs_m, mask_m, group, n_parts, group_size, eps, NO
 
 
 @triton.jit
-def _conv_prologue(par_ptr, cs_ptr, cw_ptr, cb_ptr, y_ptr, offs_m, M, ch, mask_ch, scc, sck, swc, swk,
-                   K_CONV: tl.constexpr, HAS_CB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_KC: tl.constexpr):
-    """The part of the tree conv of channels ch that needs no projection output (see
-    `_tree_conv_epilogue`). Each node's window as ops/tree_conv builds it: src[m, j] is the node
-    j steps back on m's path (-1 once past the root), where the cached prefix input of slot
-    K-2-(steps past the root) is read instead. Returns src, the taps (BLOCK_KC, BLOCK_N) with
-    tap j multiplying the input j steps back, and the cached inputs' share of every node's conv
-    plus the bias, fp32 (BLOCK_M, BLOCK_N)."""
+def _conv_windows(par_ptr, offs_m, M, K_CONV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KC: tl.constexpr):
+    """Each node's conv window, as ops/tree_conv builds it: src[m, j] is the node j steps back on
+    m's path (-1 past the root), slot[m, j] the cached prefix input read instead (K-2 the most
+    recent; -1 where src is a node, and for padding rows)."""
     offs_j = tl.arange(0, BLOCK_KC)
     mask_m = offs_m < M
     cur = tl.where(mask_m, offs_m, -1)
@@ -381,38 +376,36 @@ def _conv_prologue(par_ptr, cs_ptr, cw_ptr, cb_ptr, y_ptr, offs_m, M, ch, mask_c
         slot = tl.where(tap & (~in_tree & mask_m)[:, None], ((K_CONV - 2) - back)[:, None], slot)
         back = tl.where(in_tree, back, back + 1)
         cur = tl.where(in_tree, tl.load(par_ptr + cur, mask=in_tree, other=-1).to(tl.int32), -1)
-    mask_j = offs_j < K_CONV
-    taps = tl.load(cw_ptr + ch[None, :] * swc + (K_CONV - 1 - offs_j)[:, None] * swk,
-                   mask=mask_j[:, None] & mask_ch[None, :], other=0.0).to(tl.float32)
-    cached = tl.load(cs_ptr + ch[None, None, :] * scc + slot[:, :, None] * sck,
-                     mask=(slot >= 0)[:, :, None] & mask_ch[None, None, :], other=0.0)
-    # rounded to the tree inputs' dtype first, as the reference does
-    from_cache = tl.sum(cached.to(y_ptr.dtype.element_ty).to(tl.float32) * taps[None, :, :], axis=1)
-    if HAS_CB:
-        from_cache += tl.load(cb_ptr + ch, mask=mask_ch, other=0.0).to(tl.float32)[None, :]
-    return src, taps, from_cache
+    return src, slot
 
 
 @triton.jit
-def _tree_conv_epilogue(xr, src, taps, from_cache, offs_m, mask_m, ch, mask_ch, co_ptr, sco, IEEE: tl.constexpr,
-                        K_CONV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KC: tl.constexpr):
-    """silu(conv) of channels ch (mask_ch) of every node, into co_ptr: xr is the tile's rounded
-    pre-conv outputs (rows = nodes), the rest comes from `_conv_prologue`; the spec is
-    ops/tree_conv. A window entry that is a tree node is gathered from xr by a one-hot product
-    (exact: one term per output)."""
+def _tree_conv_epilogue(xr, src, slot, offs_m, mask_m, ch, mask_ch, cs_ptr, cw_ptr, cb_ptr, co_ptr, scc, sck, swc, swk,
+                        sco, IEEE: tl.constexpr, K_CONV: tl.constexpr, HAS_CB: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_KC: tl.constexpr):
+    """silu(conv) of channels ch (mask_ch) of every node from xr, the tile's rounded pre-conv
+    outputs (rows = nodes), into co_ptr: the spec is ops/tree_conv. A window entry that is a
+    tree node is gathered from xr by a one-hot product (exact: one term per output), one that is
+    past the root from the conv state, rounded to xr's dtype as the reference does."""
     if tl.sum(mask_ch.to(tl.int32), axis=0) > 0:
         offs_j = tl.arange(0, BLOCK_KC)
         offs_r = tl.arange(0, BLOCK_M)
-        acc = from_cache
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for j in tl.static_range(K_CONV):
-            tap = tl.sum(tl.where(offs_j[:, None] == j, taps, 0.0), axis=0)
+            src_j = tl.sum(tl.where(offs_j[None, :] == j, src, 0), axis=1)
+            slot_j = tl.sum(tl.where(offs_j[None, :] == j, slot, 0), axis=1)
             if j == 0:  # the node itself
                 win = xr.to(tl.float32)
             else:
-                src_j = tl.sum(tl.where(offs_j[None, :] == j, src, 0), axis=1)
                 onehot = (src_j[:, None] == offs_r[None, :]).to(xr.dtype)
                 win = _skinny_dot(onehot, xr, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+            cached = tl.load(cs_ptr + ch[None, :] * scc + slot_j[:, None] * sck,
+                             mask=(slot_j >= 0)[:, None] & mask_ch[None, :], other=0.0)
+            win += cached.to(xr.dtype).to(tl.float32)
+            tap = tl.load(cw_ptr + ch * swc + (K_CONV - 1 - j) * swk, mask=mask_ch, other=0.0).to(tl.float32)
             acc += win * tap[None, :]
+        if HAS_CB:
+            acc += tl.load(cb_ptr + ch, mask=mask_ch, other=0.0).to(tl.float32)[None, :]
         acc = acc * tl.sigmoid(acc)
         tl.store(co_ptr + offs_m[:, None] * sco + ch[None, :], acc.to(co_ptr.dtype.element_ty),
                  mask=mask_m[:, None] & mask_ch[None, :])
@@ -447,6 +440,11 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
     # causal conv + silu (`_tree_conv_epilogue`), which spares the tree conv its own launch.
     if USE_PDL:
         gdc_launch_dependents()
+    if K_CONV > 0:  # the tree walk reads only `parents`, never written by an earlier kernel here
+        src, slot = _conv_windows(par_ptr, tl.arange(0, BLOCK_M), M, K_CONV, BLOCK_M, BLOCK_KC)
+    if USE_PDL:
+        if PRE == 0:
+            gdc_wait()
     if BALANCED:
         pid = tl.program_id(0)
         n_hi = ((pid + 1) * N) // tl.num_programs(0)
@@ -458,17 +456,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     n0 = tl.program_id(0) * BLOCK_N  # the weight box's first row (TMA: tiled grids only)
-    if K_CONV > 0:
-        # Before the wait: the tree walk, the taps, the conv bias and the cached prefix inputs'
-        # share of the conv; no earlier kernel of this verify writes them (the conv state was last
-        # written before the verify's embedding lookup, a plain launch that waits for all work).
-        ch = offs_n - c_lo
-        mask_ch = mask_n & (ch >= 0) & (ch < C_CONV)
-        src, taps, from_cache = _conv_prologue(par_ptr, cs_ptr, cw_ptr, cb_ptr, y_ptr, offs_m, M, ch, mask_ch, scc,
-                                               sck, swc, swk, K_CONV, HAS_CB, BLOCK_M, BLOCK_N, BLOCK_KC)
-    if USE_PDL:
-        if PRE == 0:
-            gdc_wait()
     if PRE > 0:
         w_first = w_desc.load([n0, 0])
         if PRE > 1:
@@ -515,8 +502,9 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
         out = of.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :], out, mask=mask)
     if K_CONV > 0:
-        _tree_conv_epilogue(out, src, taps, from_cache, offs_m, mask_m, ch, mask_ch, co_ptr, sco, IEEE, K_CONV,
-                            BLOCK_M, BLOCK_N, BLOCK_KC)
+        _tree_conv_epilogue(out, src, slot, offs_m, mask_m, offs_n - c_lo, mask_n & (offs_n >= c_lo)
+                            & (offs_n < c_lo + C_CONV), cs_ptr, cw_ptr, cb_ptr, co_ptr, scc, sck, swc, swk, sco,
+                            IEEE, K_CONV, HAS_CB, BLOCK_M, BLOCK_N, BLOCK_KC)
     if WRITE_SQ:  # of the stored (rounded) values, as the next norm reads them
         of = tl.where(mask, out.to(tl.float32), 0.0)
         tl.store(ysq_ptr + offs_m * tl.num_programs(0) + tl.program_id(0), tl.sum(of * of, axis=1), mask=mask_m)

@@ -136,8 +136,8 @@ benchmarks set it False to time the separate conv launch in the same process."""
 
 def norm_linear_tree_conv(x, weight, bias, norm_groups, eps, x_sq, conv_state, conv_weight, conv_bias, parents, c_lo):
     """A Mamba layer's in_proj on a packed tree and the tree conv of its xBC columns; same
-    contract as `naive_norm_linear_tree_conv`. For one tree (batch 1) of up to SKINNY_MAX_ROWS
-    nodes (ops/gemv), one launch of the skinny GEMM: the conv and silu run in the GEMM's
+    contract as `naive_norm_linear_tree_conv`. For one tree (batch 1) whose node count takes the
+    skinny GEMM (ops/gemv `skinny_rows`), one launch: the conv and silu run in the GEMM's
     epilogue on the tile it just computed, each program owning all nodes of its columns; the
     launch and the dependent hop of the separate conv are gone. Otherwise `norm_linear`, then
     `tree_conv`."""
@@ -146,9 +146,7 @@ def norm_linear_tree_conv(x, weight, bias, norm_groups, eps, x_sq, conv_state, c
     n_out, k = weight.shape
     batch, n = x.shape[0], x.shape[1]
     channels = conv_weight.shape[0]
-    # Up to 16 nodes: at 64 the epilogue's (64, BLOCK_N) fp32 tiles beside the GEMM's accumulator
-    # cost more than the launch they spare (64-node iteration 5.92 against 3.80 ms, run 66).
-    if (IN_PROJ_EPILOGUE and gemv.ENABLED and batch == 1 and x.dim() == 3 and 1 < n <= gemv.SKINNY_MAX_ROWS
+    if (IN_PROJ_EPILOGUE and gemv.ENABLED and batch == 1 and x.dim() == 3 and 1 < n <= gemv.SKINNY_WIDE_MAX_ROWS
             and gemv.skinny_rows(n, n_out, k, weight.element_size()) and weight.stride(-1) == 1
             and (norm_groups == 0 or k % norm_groups == 0)
             and (x.device.type == "cuda" or gemv._interpreting())):
