@@ -258,7 +258,6 @@ else:
                    "gated_rms_norm": SU.gated_rms_norm, "time_step": SU.time_step, "linear": GV.linear,
                    "add_rms_norm": SU.add_rms_norm, "mamba_step_out": SU.mamba_step_out,
                    "norm_linear": GV.norm_linear, "tree_scan_gated": TS.tree_scan_gated, "replay_states": SR.replay_states,
-                   "norm_linear_tree_conv": TC.norm_linear_tree_conv,
                    "replay_states_layers": SR.replay_states_layers}
         model = _tiny_model_with_head_dim(layers, head_dim)
         prompt = torch.randint(0, 64, (batch, 5))
@@ -362,37 +361,6 @@ else:
         assert GV._weight_descriptor(torch.randn(n, 150), 16, 32) is None  # unaligned rows: pointer loads
         with pytest.raises(ValueError, match="balanced"):
             GV.skinny_linear(x, w, None, config=(0, 32, 1, 1, 2, 1))
-
-
-    @pytest.mark.parametrize("tree_name", ["binary depth 3", "uneven", "wide 9", "chain of 63"])
-    @pytest.mark.parametrize("kernel_size, bias", [(4, True), (2, False), (5, True)])
-    def test_norm_linear_tree_conv_matches_reference(tree_name, kernel_size, bias, nan_outputs, monkeypatch):
-        """in_proj with the tree conv in the skinny GEMM's epilogue: the projection and the conv of
-        columns [c_lo, c_lo + C) against norm_linear + naive_tree_conv, for tiles that straddle the
-        conv columns' ends, pointer and TMA weight loads (both orientations), norm from the
-        producer's parts or from the norm kernel, and 64 rows on the wide route."""
-        from ssmspec.ops.tree_conv.naive import naive_norm_linear_tree_conv
-
-        tree = TREES[tree_name]
-        n_nodes, k, channels, c_lo = tree.num_nodes, 64, 40, 21  # N = 21 + 40 + 9: no tile boundary at the ends
-        n = c_lo + channels + 9
-        monkeypatch.setitem(GV.SKINNY_WIDE, (n, k), (16, 32, 1, 1, 0, 2))
-        x = torch.randn(1, n_nodes, k) * 3
-        w, b = torch.randn(n, k) / 8, torch.randn(n) if bias else None
-        conv = (torch.randn(1, channels, kernel_size - 1), torch.randn(channels, kernel_size),
-                torch.randn(channels) if bias else None, tree.parents_tensor())
-        sums = x.reshape(n_nodes, -1).pow(2).sum(-1)
-        x_sq = torch.stack([sums * 0.5, sums * 0.5], dim=-1)[:, None]  # (rows, 1 group, 2 parts)
-        want = naive_norm_linear_tree_conv(x, w, b, 1, 1e-5, None, *conv, c_lo)
-        for cfg in ((16, 32, 1, 1), (32, 32, 1, 1, 0, 1), (16, 32, 1, 1, 0, 2)):
-            monkeypatch.setitem(GV.SKINNY_TUNED, (n, k), cfg)
-            monkeypatch.setitem(GV.SKINNY_WIDE, (n, k), cfg)
-            for parts in (x_sq, None):
-                got = TC.norm_linear_tree_conv(x, w, b, 1, 1e-5, parts, *conv, c_lo)
-                label = f"{cfg}, parts {parts is not None}"
-                assert_close(got[0], want[0], atol=1e-4, rtol=1e-4, name=f"in_proj {label}")
-                assert_close(got[1], want[1], atol=1e-4, rtol=1e-4, name=f"conv {label}")
-        assert n_nodes == 1 or TC.IN_PROJ_EPILOGUE and GV.skinny_rows(n_nodes, n, k)  # the fused route ran
 
 
     def test_wide_skinny_route_takes_norm_parts_and_residual(nan_outputs, monkeypatch):

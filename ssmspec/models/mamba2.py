@@ -216,10 +216,9 @@ class Mamba2Mixer(nn.Module):
         h (B, N, D) -> (B, N, D), its partial sums of squares (or None), and the activations
         for `replay`. h itself may be overwritten by the output (the residual add in place)."""
         c = self.cfg
-        zxbcdt, xBC_conv = dispatch.norm_linear_tree_conv(h, self.in_proj.weight, self.in_proj.bias, 1, pre_norm_eps,
-                                                          h_sq, cache.conv_state, self.conv_weight, self.conv1d.bias,
-                                                          parents, c.d_inner)
+        zxbcdt = dispatch.norm_linear(h, self.in_proj.weight, self.in_proj.bias, 1, pre_norm_eps, x_sq=h_sq)
         z, xBC, dt_raw = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
+        xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
         x, B, C = self._split_conv_out(xBC_conv)
         norm_groups = c.d_inner // self.norm.group_size
         gated, dt, g_sq = dispatch.tree_scan_gated(x, dt_raw, self.dt_bias, c.dt_min, c.dt_max, self.A, B, C, self.D,

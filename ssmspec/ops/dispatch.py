@@ -22,7 +22,7 @@ from .step_update.naive import (
     naive_rms_norm,
     naive_time_step,
 )
-from .tree_conv.naive import naive_norm_linear_tree_conv, naive_tree_conv
+from .tree_conv.naive import naive_tree_conv
 from .tree_scan.naive import naive_tree_scan, naive_tree_scan_gated
 
 BACKENDS = ("auto", "reference", "triton")
@@ -43,7 +43,6 @@ _REFERENCE = {
     "time_step": naive_time_step,
     "linear": naive_linear,
     "norm_linear": naive_norm_linear,
-    "norm_linear_tree_conv": naive_norm_linear_tree_conv,
     "greedy_accept": naive_greedy_accept,
 }
 # op name -> (module, function) of its Triton kernel, filled in as kernels land.
@@ -61,7 +60,6 @@ _TRITON = {
     "time_step": ("ssmspec.ops.step_update.triton", "time_step"),
     "linear": ("ssmspec.ops.gemv.triton", "linear"),
     "norm_linear": ("ssmspec.ops.gemv.triton", "norm_linear"),
-    "norm_linear_tree_conv": ("ssmspec.ops.tree_conv.triton", "norm_linear_tree_conv"),
     "greedy_accept": ("ssmspec.ops.greedy_accept.triton", "greedy_accept"),
 }
 
@@ -187,13 +185,6 @@ def norm_linear(x, weight, bias=None, norm_groups=1, eps=1e-5, residual=None, x_
     may overwrite residual; activation: applied to the output (see `naive_norm_linear`)."""
     return resolve("norm_linear", x.device)(x, weight, bias, norm_groups, eps, residual, x_sq=x_sq,
                                             return_sq=return_sq, reuse_residual=reuse_residual, activation=activation)
-
-
-def norm_linear_tree_conv(x, weight, bias, norm_groups, eps, x_sq, conv_state, conv_weight, conv_bias, parents, c_lo):
-    """A Mamba layer's in_proj (`norm_linear`) on a packed tree and the tree conv of its xBC
-    columns [c_lo, c_lo + C): (in_proj output, conv output). One launch on the skinny GEMM."""
-    return resolve("norm_linear_tree_conv", x.device)(x, weight, bias, norm_groups, eps, x_sq, conv_state, conv_weight,
-                                                      conv_bias, parents, c_lo)
 
 
 def greedy_accept(logits, tokens, parents, depth, mask, paths):

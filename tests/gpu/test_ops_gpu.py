@@ -266,36 +266,6 @@ def test_mamba_step_out_gpu(heads, groups, norm_groups):
     assert torch.equal(cs2, cs)
 
 
-@pytest.mark.parametrize("tree_name", ["3421", "binary31", "wide40", "chain63"])
-def test_norm_linear_tree_conv_gpu(tree_name):
-    """The mamba2-2.7b in_proj with the tree conv in the skinny GEMM's epilogue (16-64 nodes, bf16,
-    the tuned TMA configs): the projection bit for bit as the plain skinny GEMM's, the conv as
-    ops/tree_conv's kernel on it and close to the fp32 reference."""
-    from ssmspec.ops.gemv import triton as gemv
-    from ssmspec.ops.tree_conv import triton as TC
-    from ssmspec.ops.tree_conv.naive import naive_tree_conv
-
-    tree = TREES[tree_name]
-    n_nodes, n, k, d_inner, channels = tree.num_nodes, 10576, 2560, 5120, 5120 + 2 * S
-    bf = torch.bfloat16
-    x = torch.randn(1, n_nodes, k, device=DEV, dtype=bf) * 3
-    w = torch.randn(n, k, device=DEV, dtype=bf) / math.sqrt(k)
-    cs = torch.randn(1, channels, K - 1, device=DEV, dtype=bf)
-    cw, cb = torch.randn(channels, K, device=DEV, dtype=bf), torch.randn(channels, device=DEV, dtype=bf)
-    parents = tree.parents_tensor(DEV)
-    sums = x.float().reshape(n_nodes, -1).pow(2).sum(-1)
-    x_sq = torch.stack([sums * 0.25, sums * 0.75], dim=-1)[:, None]
-    _poison(n_nodes * n * 4)
-    y, conv = TC.norm_linear_tree_conv(x, w, None, 1, 1e-5, x_sq, cs, cw, cb, parents, d_inner)
-    assert gemv.skinny_rows(n_nodes, n, k)  # the fused route ran
-    plain = gemv.norm_linear(x, w, None, 1, 1e-5, x_sq=x_sq)
-    assert torch.equal(y, plain), "the projection differs from the plain skinny GEMM's"
-    xbc = plain[..., d_inner:d_inner + channels]
-    assert_close(conv.float(), TC.tree_conv(xbc, cs, cw, cb, parents).float(), atol=2e-2, rtol=2e-2)
-    want = naive_tree_conv(xbc.float(), cs.float(), cw.float(), cb.float(), parents)
-    assert torch.isfinite(conv).all() and _rel(conv, want) < 1e-2
-
-
 @pytest.mark.parametrize("rows", [1, 16, 64])
 @pytest.mark.parametrize("n, k, norm_groups", [(10576, 2560, 1), (2560, 5120, 1), (4096, 8192, 8)],
                          ids=["in_proj", "out_proj", "out_proj-8b"])

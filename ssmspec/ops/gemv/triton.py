@@ -359,68 +359,13 @@ def _rstd_from_parts(sq_ptr, offs_m, mask_m, group, n_parts, group_size, eps, NO
 
 
 @triton.jit
-def _conv_windows(par_ptr, offs_m, M, K_CONV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KC: tl.constexpr):
-    """Each node's conv window, as ops/tree_conv builds it: src[m, j] is the node j steps back on
-    m's path (-1 past the root), slot[m, j] the cached prefix input read instead (K-2 the most
-    recent; -1 where src is a node, and for padding rows)."""
-    offs_j = tl.arange(0, BLOCK_KC)
-    mask_m = offs_m < M
-    cur = tl.where(mask_m, offs_m, -1)
-    back = tl.zeros([BLOCK_M], dtype=tl.int32)
-    src = tl.full([BLOCK_M, BLOCK_KC], -1, tl.int32)
-    slot = tl.full([BLOCK_M, BLOCK_KC], -1, tl.int32)
-    for j in tl.static_range(K_CONV):
-        in_tree = cur >= 0
-        tap = (offs_j == j)[None, :]
-        src = tl.where(tap & in_tree[:, None], cur[:, None], src)
-        slot = tl.where(tap & (~in_tree & mask_m)[:, None], ((K_CONV - 2) - back)[:, None], slot)
-        back = tl.where(in_tree, back, back + 1)
-        cur = tl.where(in_tree, tl.load(par_ptr + cur, mask=in_tree, other=-1).to(tl.int32), -1)
-    return src, slot
-
-
-@triton.jit
-def _tree_conv_epilogue(xr, src, slot, offs_m, mask_m, ch, mask_ch, cs_ptr, cw_ptr, cb_ptr, co_ptr, scc, sck, swc, swk,
-                        sco, IEEE: tl.constexpr, K_CONV: tl.constexpr, HAS_CB: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_KC: tl.constexpr):
-    """silu(conv) of channels ch (mask_ch) of every node from xr, the tile's rounded pre-conv
-    outputs (rows = nodes), into co_ptr: the spec is ops/tree_conv. A window entry that is a
-    tree node is gathered from xr by a one-hot product (exact: one term per output), one that is
-    past the root from the conv state, rounded to xr's dtype as the reference does."""
-    if tl.sum(mask_ch.to(tl.int32), axis=0) > 0:
-        offs_j = tl.arange(0, BLOCK_KC)
-        offs_r = tl.arange(0, BLOCK_M)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for j in tl.static_range(K_CONV):
-            src_j = tl.sum(tl.where(offs_j[None, :] == j, src, 0), axis=1)
-            slot_j = tl.sum(tl.where(offs_j[None, :] == j, slot, 0), axis=1)
-            if j == 0:  # the node itself
-                win = xr.to(tl.float32)
-            else:
-                onehot = (src_j[:, None] == offs_r[None, :]).to(xr.dtype)
-                win = _skinny_dot(onehot, xr, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
-            cached = tl.load(cs_ptr + ch[None, :] * scc + slot_j[:, None] * sck,
-                             mask=(slot_j >= 0)[:, None] & mask_ch[None, :], other=0.0)
-            win += cached.to(xr.dtype).to(tl.float32)
-            tap = tl.load(cw_ptr + ch * swc + (K_CONV - 1 - j) * swk, mask=mask_ch, other=0.0).to(tl.float32)
-            acc += win * tap[None, :]
-        if HAS_CB:
-            acc += tl.load(cb_ptr + ch, mask=mask_ch, other=0.0).to(tl.float32)[None, :]
-        acc = acc * tl.sigmoid(acc)
-        tl.store(co_ptr + offs_m[:, None] * sco + ch[None, :], acc.to(co_ptr.dtype.element_ty),
-                 mask=mask_m[:, None] & mask_ch[None, :])
-
-
-@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr,
                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    USE_PDL: tl.constexpr, res_ptr=None, srm=0, HAS_RES: tl.constexpr = False,
                    xsq_ptr=None, n_xparts=1, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0,
                    BLOCK_Q: tl.constexpr = 16, ysq_ptr=None, WRITE_SQ: tl.constexpr = False,
                    BALANCED: tl.constexpr = False, ACT: tl.constexpr = 0, w_desc=None, TMA: tl.constexpr = 0,
-                   PRE: tl.constexpr = 0, par_ptr=None, cs_ptr=None, cw_ptr=None, cb_ptr=None, co_ptr=None, c_lo=0,
-                   C_CONV=0, scc=0, sck=0, swc=0, swk=0, sco=0, K_CONV: tl.constexpr = 0, HAS_CB: tl.constexpr = False,
-                   BLOCK_KC: tl.constexpr = 1):
+                   PRE: tl.constexpr = 0):
     # USE_PDL (a config's seventh entry): launched early, waiting at the start. In the pointer-load
     # sweep of round 2 early-launched instances ran 1.4x slower back to back (13.7 -> 20.5 us at 8
     # rows: they held their pipelines' shared memory while waiting); inside the tree iteration the
@@ -435,14 +380,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
     # weight rows; with fixed BLOCK_N-wide tiles, 160 tiles on 132 SMs leave 28 SMs twice the work.
     # PRE (TMA 1, one norm group at most): the first PRE weight boxes are loaded before the PDL
     # wait, while the kernel before still runs (weights are never written).
-    # K_CONV > 0: the rows are the nodes of a packed tree (batch 1) and output columns
-    # [c_lo, c_lo + C_CONV) are a Mamba layer's xBC: the epilogue also writes their path-aware
-    # causal conv + silu (`_tree_conv_epilogue`), which spares the tree conv its own launch.
     if USE_PDL:
         gdc_launch_dependents()
-    if K_CONV > 0:  # the tree walk reads only `parents`, never written by an earlier kernel here
-        src, slot = _conv_windows(par_ptr, tl.arange(0, BLOCK_M), M, K_CONV, BLOCK_M, BLOCK_KC)
-    if USE_PDL:
         if PRE == 0:
             gdc_wait()
     if BALANCED:
@@ -501,10 +440,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
             of = of * tl.sigmoid(of)
         out = of.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :], out, mask=mask)
-    if K_CONV > 0:
-        _tree_conv_epilogue(out, src, slot, offs_m, mask_m, offs_n - c_lo, mask_n & (offs_n >= c_lo)
-                            & (offs_n < c_lo + C_CONV), cs_ptr, cw_ptr, cb_ptr, co_ptr, scc, sck, swc, swk, sco,
-                            IEEE, K_CONV, HAS_CB, BLOCK_M, BLOCK_N, BLOCK_KC)
     if WRITE_SQ:  # of the stored (rounded) values, as the next norm reads them
         of = tl.where(mask, out.to(tl.float32), 0.0)
         tl.store(ysq_ptr + offs_m * tl.num_programs(0) + tl.program_id(0), tl.sum(of * of, axis=1), mask=mask_m)
@@ -590,23 +525,15 @@ SKINNY_ACTIVATIONS = {"relu": 1, "relu2": 2, "silu": 3}
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None,
                   residual: torch.Tensor | None = None, norm_groups: int = 0, eps: float = 0.0,
-                  x_sq: torch.Tensor | None = None, return_sq: bool = False, activation: str | None = None,
-                  tree_conv: tuple | None = None):
+                  x_sq: torch.Tensor | None = None, return_sq: bool = False, activation: str | None = None):
     """x (..., K) with M rows in all, weight (N, K) -> (..., N) for small M (any M works; the
     tile pads M up to a power of two >= 16, so it pays only for few rows). norm_groups, residual,
     x_sq, return_sq and activation (one of SKINNY_ACTIVATIONS, in the epilogue) as in
     `norm_linear`: with x_sq the norm scales each group's dot products inside the GEMM, without
-    it the norm kernel runs first.
-
-    tree_conv = (parents, conv_state, conv_weight, conv_bias, c_lo): the rows are the nodes of
-    one packed tree, and the epilogue also computes silu(tree_conv) of output columns
-    [c_lo, c_lo + C) (C = conv_weight's channels; the spec is ops/tree_conv `naive_tree_conv`).
-    Returns (y, conv output (..., C) in y's dtype) then, with no residual, activation or sums."""
+    it the norm kernel runs first."""
     if activation is not None and (activation not in SKINNY_ACTIVATIONS or residual is not None or return_sq):
         raise ValueError(f"skinny_linear: activation {activation!r} needs no residual, no return_sq and one of "
                          f"{sorted(SKINNY_ACTIVATIONS)}")
-    if tree_conv is not None and (activation is not None or residual is not None or return_sq):
-        raise ValueError("skinny_linear: the tree conv epilogue takes no residual, activation or return_sq")
     n, k = weight.shape
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
@@ -649,21 +576,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     # group, K covering them); else none
     pre = early - 1 if (early > 1 and w_desc is not None and tma == 1 and norm_groups <= 1
                         and k >= (early - 1) * block_k) else 0
-    conv_args, conv_out = {}, None
-    if tree_conv is not None:
-        parents, conv_state, conv_weight, conv_bias, c_lo = tree_conv
-        channels, kernel_size = conv_weight.shape
-        if (tuple(parents.shape) != (m,) or tuple(conv_state.shape) != (1, channels, kernel_size - 1)
-                or kernel_size < 2 or not 0 <= c_lo <= n - channels):
-            raise ValueError(f"skinny_linear: tree conv of {m} nodes: parents {tuple(parents.shape)}, conv state "
-                             f"{tuple(conv_state.shape)}, weight {tuple(conv_weight.shape)}, columns from {c_lo} of {n}")
-        conv_out = torch.empty(m, channels, device=x.device, dtype=y.dtype)
-        conv_args = dict(par_ptr=parents, cs_ptr=conv_state, cw_ptr=conv_weight,
-                         cb_ptr=conv_bias if conv_bias is not None else conv_weight, co_ptr=conv_out, c_lo=c_lo,
-                         C_CONV=channels, scc=conv_state.stride(1), sck=conv_state.stride(2),
-                         swc=conv_weight.stride(0), swk=conv_weight.stride(1), sco=conv_out.stride(0),
-                         K_CONV=kernel_size, HAS_CB=conv_bias is not None,
-                         BLOCK_KC=triton.next_power_of_2(kernel_size))
     _skinny_kernel[(grid,)](
         rows, weight, bias if bias is not None else weight, y, m, n, k, rows.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
@@ -675,12 +587,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         BLOCK_Q=max(16, triton.next_power_of_2(x_sq.shape[-1])) if use_parts else 16,
         ysq_ptr=y_sq, WRITE_SQ=return_sq, BALANCED=bool(per_sm),
         ACT=SKINNY_ACTIVATIONS[activation] if activation else 0,
-        w_desc=w_desc, TMA=tma if w_desc is not None else 0, PRE=pre, **conv_args,
-        **({"launch_pdl": True} if use_pdl else {}),
+        w_desc=w_desc, TMA=tma if w_desc is not None else 0, PRE=pre, **({"launch_pdl": True} if use_pdl else {}),
     )
     y = y.reshape(tuple(x.shape[:-1]) + (n,))
-    if conv_out is not None:
-        return y, conv_out.reshape(tuple(x.shape[:-1]) + (conv_out.shape[-1],))
     return (y, y_sq) if return_sq else y
 
 

@@ -74,16 +74,3 @@ def naive_tree_conv(
     elif activation is not None:
         raise ValueError(f"unsupported conv activation {activation!r}")
     return out.to(xBC.dtype)
-
-
-def naive_norm_linear_tree_conv(x, weight, bias, norm_groups, eps, x_sq, conv_state, conv_weight, conv_bias, parents,
-                                c_lo):
-    """A Mamba layer's in_proj on a packed tree and the tree conv of its xBC columns: y =
-    `naive_norm_linear`(x, weight, bias, norm_groups, eps) (x_sq, the producer's sums of squares,
-    is ignored: the reference reduces x itself), then `naive_tree_conv` of y's columns
-    [c_lo, c_lo + C) with silu. x (B, N, K) -> (y (B, N, N_out), conv (B, N, C))."""
-    from ..gemv.naive import naive_norm_linear
-
-    y = naive_norm_linear(x, weight, bias, norm_groups, eps)
-    xBC = y[..., c_lo:c_lo + conv_weight.shape[0]]
-    return y, naive_tree_conv(xBC, conv_state, conv_weight, conv_bias, parents)

@@ -127,30 +127,3 @@ def tree_conv(
         BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_K=triton.next_power_of_2(kernel_size), num_warps=warps, **_pdl_args(out.device),
     )
     return out
-
-
-IN_PROJ_EPILOGUE = True
-"""`norm_linear_tree_conv` runs the conv in the skinny in_proj's epilogue where it can;
-benchmarks set it False to time the separate conv launch in the same process."""
-
-
-def norm_linear_tree_conv(x, weight, bias, norm_groups, eps, x_sq, conv_state, conv_weight, conv_bias, parents, c_lo):
-    """A Mamba layer's in_proj on a packed tree and the tree conv of its xBC columns; same
-    contract as `naive_norm_linear_tree_conv`. For one tree (batch 1) whose node count takes the
-    skinny GEMM (ops/gemv `skinny_rows`), one launch: the conv and silu run in the GEMM's
-    epilogue on the tile it just computed, each program owning all nodes of its columns; the
-    launch and the dependent hop of the separate conv are gone. Otherwise `norm_linear`, then
-    `tree_conv`."""
-    from ..gemv import triton as gemv
-
-    n_out, k = weight.shape
-    batch, n = x.shape[0], x.shape[1]
-    channels = conv_weight.shape[0]
-    if (IN_PROJ_EPILOGUE and gemv.ENABLED and batch == 1 and x.dim() == 3 and 1 < n <= gemv.SKINNY_WIDE_MAX_ROWS
-            and gemv.skinny_rows(n, n_out, k, weight.element_size()) and weight.stride(-1) == 1
-            and (norm_groups == 0 or k % norm_groups == 0)
-            and (x.device.type == "cuda" or gemv._interpreting())):
-        return gemv.skinny_linear(x, weight, bias, norm_groups=norm_groups, eps=eps, x_sq=x_sq,
-                                  tree_conv=(parents, conv_state, conv_weight, conv_bias, c_lo))
-    y = gemv.norm_linear(x, weight, bias, norm_groups, eps, x_sq=x_sq)
-    return y, tree_conv(y[..., c_lo:c_lo + channels], conv_state, conv_weight, conv_bias, parents)

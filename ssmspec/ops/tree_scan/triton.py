@@ -54,7 +54,7 @@ def _tree_scan_kernel(
     HAS_D: tl.constexpr,
     FUSED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
-    PRECISION: tl.constexpr, ONE_CHUNK: tl.constexpr, S_CHUNKS: tl.constexpr,
+    PRECISION: tl.constexpr, ONE_CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     sq_ptr=None, WRITE_SQ: tl.constexpr = False,
 ):
@@ -127,15 +127,14 @@ def _tree_scan_kernel(
     else:
         scores = tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.float32)
         from_h0 = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
-        for chunk in tl.static_range(S_CHUNKS):  # unrolled: the next chunk's loads can issue early
-            s0 = chunk * BLOCK_S
+        for s0 in range(0, S, BLOCK_S):
             ss = s0 + offs_s
             mask_s = ss < S
             Cc = tl.load(C_base + offs_n[:, None] * sCn + ss[None, :] * sCs,
                          mask=mask_n[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
             Bc = tl.load(B_base + offs_n[:, None] * sBn + ss[None, :] * sBs,
                          mask=mask_n[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
-            if chunk == 0:
+            if s0 == 0:
                 h0 = h0_first
             else:
                 h0 = tl.load(h0_base + offs_p[:, None] * shp + ss[None, :] * shs,
@@ -279,8 +278,8 @@ def tree_scan_gated(
 SCAN_WARPS: int | None = None
 """Warps per program; None: 4 up to 32 nodes, else 8 (benchmarks sweep this)."""
 SCAN_BLOCK_S: int | None = None
-"""State columns per chunk of the C.B and C.h0 products; None: up to 128 up to 32 nodes, else up
-to 64 (benchmarks sweep this)."""
+"""State columns per chunk of the C.B and C.h0 products; None: all of them up to 128 (benchmarks
+sweep this)."""
 
 
 SCAN_BLOCK_P: int | None = None
@@ -306,10 +305,10 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
         return
     block_n = max(16, triton.next_power_of_2(n))
     block_p = _block_p(head_dim)
-    # Up to 32 nodes the whole state in one chunk (ONE_CHUNK: every load issued at once): 2.74
-    # against 4.70 us for two chunks at 16 nodes and S = 128 (run 65, bench/scan_probe.py, H100).
-    # At 64 nodes two chunks of 64: 9.56 against 11.53 us for one (its fp32 tiles are 4x larger).
-    block_s = SCAN_BLOCK_S or min(128 if block_n <= 32 else 64, max(16, triton.next_power_of_2(d_state)))
+    # The whole state in one chunk up to S = 128 (ONE_CHUNK: straight-line code, every load
+    # issued at once): at 16 nodes 3.26 against 4.14 us for two chunks (bench_kernels.py
+    # --scan-sweep, H100); at 64 nodes the looped kernel tied at 128 and 64 (8.10 / 8.22 us).
+    block_s = SCAN_BLOCK_S or min(128, max(16, triton.next_power_of_2(d_state)))
     grid = (batch * heads, triton.cdiv(head_dim, block_p))
     D_arg = D if D is not None else A  # never read when HAS_D is False
     # the unfused scan never reads the fused-only arguments: any tensor stands in for them
@@ -322,7 +321,7 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *initial_state.stride(), *y.stride(), *z_strides,
         HAS_D=D is not None, FUSED=fused is not None,
         BLOCK_N=block_n, BLOCK_P=block_p, BLOCK_S=block_s,
-        PRECISION=precision, ONE_CHUNK=block_s >= d_state, S_CHUNKS=triton.cdiv(d_state, block_s),
+        PRECISION=precision, ONE_CHUNK=block_s >= d_state,
         num_warps=SCAN_WARPS or (4 if block_n <= 32 else 8), **_pdl_args(y.device),
         sq_ptr=sq, WRITE_SQ=sq is not None,
     )
