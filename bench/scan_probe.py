@@ -2,7 +2,7 @@
 
 Times `tree_scan_gated` (bf16 activations, fp32 state, CUDA-graph median) for trees of 16 and
 64 nodes and a flat 64-node tree (depth 1: the shortest parent walk), over the knob settings in
-SETTINGS ({"SCAN_BLOCK_S": 64}: the state in two chunks, the looped products). Runs 49-50 also timed a parent walk by register gathers and node blocks per program
+SETTINGS ({"SCAN_BLOCK_S": 128}: the state in one chunk, straight-line code). Runs 49-50 also timed a parent walk by register gathers and node blocks per program
 (in git history): no gain. Run on the GPU from the repository root:
 `python3 bench/scan_probe.py`.
 """
@@ -30,8 +30,8 @@ def inputs(n: int):
     return x, dt_raw, dt_bias, 0.0, float("inf"), A, B, C, D, z, h0
 
 
-SETTINGS = [{}, {"SCAN_BLOCK_S": 64}, {"SCAN_WARPS": 4}, {"SCAN_WARPS": 8}, {"SCAN_BLOCK_P": 32},
-            {"SCAN_BLOCK_P": 32, "SCAN_WARPS": 4}]
+SETTINGS = [{}, {"SCAN_BLOCK_S": 128}, {"SCAN_BLOCK_S": 32}, {"SCAN_WARPS": 4}, {"SCAN_WARPS": 16},
+            {"SCAN_BLOCK_P": 32, "SCAN_WARPS": 4}, {"SCAN_BLOCK_P": 32, "SCAN_WARPS": 4, "SCAN_BLOCK_S": 128}]
 """ops/tree_scan/triton knob settings to time ({}: the defaults)."""
 DEFAULTS = {name: getattr(scan, name) for setting in SETTINGS for name in setting}
 

@@ -127,6 +127,7 @@ def _tree_scan_kernel(
     else:
         scores = tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.float32)
         from_h0 = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
+        # a dynamic loop: unrolled (tl.static_range) it measured 12.3 against 9.6 us (runs 65-66)
         for s0 in range(0, S, BLOCK_S):
             ss = s0 + offs_s
             mask_s = ss < S
@@ -278,8 +279,8 @@ def tree_scan_gated(
 SCAN_WARPS: int | None = None
 """Warps per program; None: 4 up to 32 nodes, else 8 (benchmarks sweep this)."""
 SCAN_BLOCK_S: int | None = None
-"""State columns per chunk of the C.B and C.h0 products; None: all of them up to 128 (benchmarks
-sweep this)."""
+"""State columns per chunk of the C.B and C.h0 products; None: up to 128 up to 32 nodes, else up
+to 64 (benchmarks sweep this)."""
 
 
 SCAN_BLOCK_P: int | None = None
@@ -305,10 +306,10 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
         return
     block_n = max(16, triton.next_power_of_2(n))
     block_p = _block_p(head_dim)
-    # The whole state in one chunk up to S = 128 (ONE_CHUNK: straight-line code, every load
-    # issued at once): at 16 nodes 3.26 against 4.14 us for two chunks (bench_kernels.py
-    # --scan-sweep, H100); at 64 nodes the looped kernel tied at 128 and 64 (8.10 / 8.22 us).
-    block_s = SCAN_BLOCK_S or min(128, max(16, triton.next_power_of_2(d_state)))
+    # Up to 32 nodes the whole state in one chunk (ONE_CHUNK: every load issued at once): 2.74
+    # against 4.70 us for two chunks at 16 nodes and S = 128 (run 65, bench/scan_probe.py, H100).
+    # At 64 nodes two chunks of 64: 9.56 against 11.53 us for one (its fp32 tiles are 4x larger; run 65).
+    block_s = SCAN_BLOCK_S or min(128 if block_n <= 32 else 64, max(16, triton.next_power_of_2(d_state)))
     grid = (batch * heads, triton.cdiv(head_dim, block_p))
     D_arg = D if D is not None else A  # never read when HAS_D is False
     # the unfused scan never reads the fused-only arguments: any tensor stands in for them
