@@ -20,12 +20,10 @@ import time
 
 import torch
 
-from ssmspec.decoding import graphs
 from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch, pdl
 from ssmspec.ops.gemv import triton as gemv
-from ssmspec.ops.tree_scan import triton as tree_scan
 from ssmspec.trees.tree import Tree
 
 RESULTS: dict = {}
@@ -267,14 +265,6 @@ def main() -> int:
             if args.profile and name == "folded":
                 to_profile.append((info["iteration"], f"tree iteration [{tree.num_nodes} nodes, {name}] (+ cache restore copy)"))
             if name == "folded":
-                tree_scan.CONV_IN_SCAN = False  # the tree conv in its own launch (before round 6)
-                record(f"  same, separate tree conv launch [{tree.num_nodes} nodes, {name}]",
-                       time_tree_iteration(m, prompt, tree, vocab)["ms"])
-                tree_scan.CONV_IN_SCAN = True
-                graphs.FP32_TREE_LOGITS = True  # an fp32 copy of the logits before the argmax (before round 6)
-                record(f"  same, fp32 logits copy [{tree.num_nodes} nodes, {name}]",
-                       time_tree_iteration(m, prompt, tree, vocab)["ms"])
-                graphs.FP32_TREE_LOGITS = False
                 gemv.ENABLED = False
                 record(f"  same, cuBLAS projections [{tree.num_nodes} nodes, {name}]",
                        time_tree_iteration(m, prompt, tree, vocab)["ms"])

@@ -159,38 +159,6 @@ else:
         assert_close(got[1], want[1], atol=1e-6, rtol=1e-6, name="dt")
 
 
-    @pytest.mark.parametrize("tree_name", ["one node", "binary depth 3", "uneven", "wide 9", "chain of 63"])
-    @pytest.mark.parametrize("shape", [(3, 8, 16, 1, 4, True), (6, 12, 10, 3, 2, False), (4, 16, 8, 2, 5, True)],
-                             ids=["G1-K4", "G3-K2-P12", "G2-K5"])
-    def test_tree_conv_scan_gated_matches_reference(tree_name, shape, nan_outputs, monkeypatch):
-        """The tree conv inside the gated scan's launch (up to 16 nodes; more take the separate
-        conv): outputs, time steps, sums of squares and the conv output for replay, against the
-        reference, with xBC a column slice of a wider projection as in the model."""
-        from ssmspec.ops.tree_scan.naive import naive_tree_conv_scan_gated
-
-        heads, head_dim, d_state, groups, kernel_size, bias = shape
-        tree = TREES[tree_name]
-        n, d_inner = tree.num_nodes, heads * head_dim
-        channels = d_inner + 2 * groups * d_state
-        if n <= TS.CONV_IN_SCAN_MAX_NODES:  # the fused route: the separate conv must not run
-            import ssmspec.ops.tree_conv.triton as tree_conv_module
-
-            monkeypatch.setattr(tree_conv_module, "tree_conv", lambda *a, **k: pytest.fail("separate conv ran"))
-        proj = torch.randn(1, n, d_inner + channels + heads)
-        z, xBC, dt_raw = proj.split([d_inner, channels, heads], dim=-1)
-        args = (torch.randn(1, channels, kernel_size - 1), torch.randn(channels, kernel_size),
-                torch.randn(channels) if bias else None, dt_raw, torch.randn(heads), 0.01, 5.0,
-                -(0.5 + torch.rand(heads) * 2), torch.randn(heads), z, tree.parents_tensor(),
-                torch.randn(1, heads, head_dim, d_state), groups)
-        want = naive_tree_conv_scan_gated(xBC, *args, return_sq=True)
-        got = TS.tree_conv_scan_gated(xBC, *args, return_sq=True)
-        assert_close(got[0], want[0], atol=1e-4, rtol=1e-4, name="gated output")
-        assert_close(got[1], want[1], atol=1e-6, rtol=1e-6, name="dt")
-        assert_close(got[2].sum(-1), want[2].sum(-1), atol=1e-3, rtol=1e-4, name="sums of squares")
-        assert_close(got[3], want[3], atol=1e-5, rtol=1e-5, name="conv output")
-        assert TS.tree_conv_scan_gated(xBC, *args)[2] is None
-
-
     def test_tree_scan_without_D_and_strided_inputs(nan_outputs):
         tree = TREES["uneven"]
         n = tree.num_nodes
@@ -290,7 +258,6 @@ else:
                    "gated_rms_norm": SU.gated_rms_norm, "time_step": SU.time_step, "linear": GV.linear,
                    "add_rms_norm": SU.add_rms_norm, "mamba_step_out": SU.mamba_step_out,
                    "norm_linear": GV.norm_linear, "tree_scan_gated": TS.tree_scan_gated, "replay_states": SR.replay_states,
-                   "tree_conv_scan_gated": TS.tree_conv_scan_gated,
                    "replay_states_layers": SR.replay_states_layers}
         model = _tiny_model_with_head_dim(layers, head_dim)
         prompt = torch.randint(0, 64, (batch, 5))

@@ -63,12 +63,6 @@ class StepGraph:
         return self.logits
 
 
-FP32_TREE_LOGITS = False
-"""GreedyTreeGraph's acceptance takes the argmax of the LM head's own (e.g. bf16) logits: the
-fp32 copy was a launch of its own (3-10 us at 16-64 nodes) and changes no argmax. Benchmarks
-set it True to time the copy in the same process."""
-
-
 class GreedyTreeGraph:
     """One greedy speculative iteration on a fixed tree, captured: verify, accept, replay.
 
@@ -103,7 +97,7 @@ class GreedyTreeGraph:
         self.out_tokens = self.out_len = self.out_last = None  # out_last: (B,) deepest accepted node
 
         def iteration():
-            logits, acts = model.verify(self.tokens_in, tree, cache, fp32_logits=FP32_TREE_LOGITS)
+            logits, acts = model.verify(self.tokens_in, tree, cache)
             path, path_len, out, last = dispatch.greedy_accept(logits, self.tokens_in, self.parents, self.depth,
                                                                self.mask, self.paths)
             model.replay(cache, acts, path, path_len)

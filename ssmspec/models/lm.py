@@ -174,7 +174,7 @@ class LanguageModel(nn.Module):
         cache.seqlen += 1
         return self._logits(h)
 
-    def _fused_stack(self, h: torch.Tensor, run_mixer, run_folded, fp32_logits: bool = True):
+    def _fused_stack(self, h: torch.Tensor, run_mixer, run_folded):
         """The sublayers on the kernel path: each residual add runs inside the next sublayer's
         RMSNorm (one launch instead of two: ops/step_update add_rms_norm) and the LM head goes
         through `dispatch.linear` (one-row GEMV or skinny GEMM). Sublayers whose norms are folded
@@ -186,7 +186,7 @@ class LanguageModel(nn.Module):
         activations or None), where h_sq are h's (or None): a folded sublayer's output projection
         hands the next one's norm its sums of squares (ops/gemv `norm_linear`). run_folded may
         overwrite h (the residual add in place): h is dead once its sublayer has run.
-        Returns (logits, acts); logits in fp32, or in the LM head's dtype when not fp32_logits.
+        Returns (logits, acts).
         """
         x = None  # the previous sublayer's output, not yet added to h
         h_sq = None  # h's partial sums of squares while h is a folded sublayer's output
@@ -208,8 +208,7 @@ class LanguageModel(nn.Module):
             normed = self.norm_f(h)
         else:
             _, normed = dispatch.add_rms_norm(x, h, self.norm_f.weight, self.norm_f.eps)
-        logits = dispatch.linear(normed, self.lm_head.weight, self.lm_head.bias)
-        return logits.float() if fp32_logits else logits, acts
+        return dispatch.linear(normed, self.lm_head.weight, self.lm_head.bias).float(), acts
 
     def _fused_step(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor:
         """`step` on the kernels, same math (see `_fused_stack`). input_ids (B, 1) -> logits (B, 1, V)."""
@@ -231,22 +230,20 @@ class LanguageModel(nn.Module):
         cache.seqlen += 1
         return logits
 
-    def verify(self, tokens: torch.Tensor, tree, cache: ModelCache, fp32_logits: bool = True):
+    def verify(self, tokens: torch.Tensor, tree, cache: ModelCache):
         """Logits of every node of a packed token tree in one call; the cache is left untouched.
 
         Args:
             tokens: (B, N) packed tree tokens, node 0 the root.
             tree: a `ssmspec.trees.Tree` (parents, depths, ancestor mask).
             cache: the state after the prefix.
-            fp32_logits: False leaves the logits in the LM head's dtype (an argmax needs no fp32
-                copy: it is exact and order-preserving).
         Returns:
-            logits (B, N, V) fp32 (see fp32_logits), and TreeActivations for `replay`.
+            logits (B, N, V) fp32, and TreeActivations for `replay`.
         """
         device = tokens.device
         if (not torch.is_grad_enabled() and dispatch.uses_kernel("add_rms_norm", device)
                 and self.config.d_model <= _ADD_NORM_MAX_DIM):
-            return self._fused_verify(tokens, tree, cache, fp32_logits)
+            return self._fused_verify(tokens, tree, cache)
         parents = tree.parents_tensor(device)
         depth = tree.depth_tensor(device)
         mask = tree.mask_tensor(device)
@@ -262,10 +259,9 @@ class LanguageModel(nn.Module):
                 x, a = layer.mixer(x), None
             acts.append(a)
             h = h + x
-        logits = self.lm_head(self.norm_f(h))
-        return logits.float() if fp32_logits else logits, TreeActivations(acts)
+        return self._logits(h), TreeActivations(acts)
 
-    def _fused_verify(self, tokens: torch.Tensor, tree, cache: ModelCache, fp32_logits: bool = True):
+    def _fused_verify(self, tokens: torch.Tensor, tree, cache: ModelCache):
         """`verify` on the kernels, same math and contract (see `_fused_stack`)."""
         device = tokens.device
         parents = tree.parents_tensor(device)
@@ -284,7 +280,7 @@ class LanguageModel(nn.Module):
                 return layer.mixer.folded_residual_verify(h, cache.layers[i], parents, layer.norm.eps, h_sq)
             return *_folded_mlp_residual(layer.mixer, h, layer.norm.eps, h_sq), None
 
-        logits, acts = self._fused_stack(self.embeddings(tokens), run_mixer, run_folded, fp32_logits)
+        logits, acts = self._fused_stack(self.embeddings(tokens), run_mixer, run_folded)
         return logits, TreeActivations(acts)
 
     def replay(self, cache: ModelCache, acts: TreeActivations, path: torch.Tensor, path_len: torch.Tensor) -> None:

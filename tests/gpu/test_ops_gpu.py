@@ -266,40 +266,6 @@ def test_mamba_step_out_gpu(heads, groups, norm_groups):
     assert torch.equal(cs2, cs)
 
 
-@pytest.mark.parametrize("config", [(3, 2, 1), (2, 2, 2), (15,), (1,), (3, 4, 2, 1)], ids=str)
-@pytest.mark.parametrize("heads, groups", [(80, 1), (128, 8)], ids=["2.7b", "8b"])
-def test_tree_conv_scan_gated_gpu(config, heads, groups, monkeypatch):
-    """The tree conv inside the gated scan's launch at the mamba2-2.7b and hybrid-8b mixer shapes
-    (bf16; up to 16 nodes, 64 take the separate conv): against the two separate kernels and the
-    fp32 reference."""
-    from ssmspec.ops.tree_conv import triton as TC
-    from ssmspec.ops.tree_scan import triton as TS
-    from ssmspec.ops.tree_scan.naive import naive_tree_conv_scan_gated
-
-    tree = Tree.from_config(config)
-    n, d_inner = tree.num_nodes, heads * P
-    channels = d_inner + 2 * groups * S
-    bf = torch.bfloat16
-    proj = torch.randn(1, n, d_inner + channels + heads, device=DEV, dtype=bf)
-    z, xbc, dt_raw = proj.split([d_inner, channels, heads], dim=-1)
-    args = (torch.randn(1, channels, K - 1, device=DEV, dtype=bf), torch.randn(channels, K, device=DEV, dtype=bf) / 2,
-            torch.randn(channels, device=DEV, dtype=bf), dt_raw, torch.rand(heads, device=DEV) - 4, 0.0, math.inf,
-            -(1 + torch.rand(heads, device=DEV) * 15), torch.randn(heads, device=DEV), z, tree.parents_tensor(DEV),
-            torch.randn(1, heads, P, S, device=DEV), groups)
-    want = naive_tree_conv_scan_gated(xbc.float(), *[a.float() if torch.is_tensor(a) and a.is_floating_point() else a
-                                                     for a in args], return_sq=True)
-    separate = TC.tree_conv
-    if n <= TS.CONV_IN_SCAN_MAX_NODES:  # the fused route: the separate conv must not run
-        monkeypatch.setattr(TC, "tree_conv", lambda *a, **k: pytest.fail("separate conv ran"))
-    _poison(n * d_inner * 4)
-    g, dt, sq, conv = TS.tree_conv_scan_gated(xbc, *args, return_sq=True)
-    conv_sep = separate(xbc, *args[:3], args[10])
-    assert_close(conv.float(), conv_sep.float(), atol=2e-2, rtol=2e-2)
-    assert torch.isfinite(g).all() and _rel(g, want[0]) < 2e-2 and _rel(conv, want[3]) < 1e-2
-    assert_close(dt, want[1], atol=1e-5, rtol=1e-5)
-    assert _rel(sq.sum(-1), want[2].sum(-1)) < 2e-2
-
-
 @pytest.mark.parametrize("rows", [1, 16, 64])
 @pytest.mark.parametrize("n, k, norm_groups", [(10576, 2560, 1), (2560, 5120, 1), (4096, 8192, 8)],
                          ids=["in_proj", "out_proj", "out_proj-8b"])

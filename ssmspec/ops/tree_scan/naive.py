@@ -125,19 +125,3 @@ def naive_tree_scan_gated(
         groups = B.shape[2]
         return g, dt, g.float().unflatten(-1, (groups, -1)).pow(2).sum(-1).reshape(-1, groups, 1)
     return g, dt
-
-
-def naive_tree_conv_scan_gated(xBC, conv_state, conv_weight, conv_bias, dt_raw, dt_bias, dt_min, dt_max, A, D, z,
-                               parents, initial_state, n_groups, return_sq=False):
-    """The verify path's tree conv and gated scan: `naive_tree_conv` (silu) of xBC (B, N, C), its
-    output split into x (B, N, H, P), B and C (B, N, G, S), then `naive_tree_scan_gated`.
-    Returns (g, dt, g's sums of squares or None, the conv output (B, N, C))."""
-    from ..tree_conv.naive import naive_tree_conv
-
-    heads, head_dim, d_state = initial_state.shape[1:]
-    conv = naive_tree_conv(xBC, conv_state, conv_weight, conv_bias, parents)
-    x, B, C = conv.split([heads * head_dim, n_groups * d_state, n_groups * d_state], dim=-1)
-    out = naive_tree_scan_gated(x.unflatten(-1, (heads, head_dim)), dt_raw, dt_bias, dt_min, dt_max, A,
-                                B.unflatten(-1, (n_groups, d_state)), C.unflatten(-1, (n_groups, d_state)), D, z,
-                                parents, initial_state, return_sq=return_sq)
-    return (*out, conv) if return_sq else (*out, None, conv)

@@ -40,55 +40,6 @@ def _ancestors(par_ptr, offs_n, mask_n, N, anc):
 
 
 @triton.jit
-def _conv_windows(par_ptr, offs_n, N, K_CONV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KC: tl.constexpr):
-    """Each node's conv window, as ops/tree_conv builds it: src[n, j] is the node j steps back on
-    n's path (-1 once past the root), slot[n, j] the cached prefix input read instead (K-2 the
-    most recent; -1 where src is a node, and for padding rows)."""
-    offs_j = tl.arange(0, BLOCK_KC)
-    mask_n = offs_n < N
-    cur = tl.where(mask_n, offs_n, -1)
-    back = tl.zeros([BLOCK_N], dtype=tl.int32)
-    src = tl.full([BLOCK_N, BLOCK_KC], -1, tl.int32)
-    slot = tl.full([BLOCK_N, BLOCK_KC], -1, tl.int32)
-    for j in tl.static_range(K_CONV):
-        in_tree = cur >= 0
-        tap = (offs_j == j)[None, :]
-        src = tl.where(tap & in_tree[:, None], cur[:, None], src)
-        slot = tl.where(tap & (~in_tree & mask_n)[:, None], ((K_CONV - 2) - back)[:, None], slot)
-        back = tl.where(in_tree, back, back + 1)
-        cur = tl.where(in_tree, tl.load(par_ptr + cur, mask=in_tree, other=-1).to(tl.int32), -1)
-    return src, slot
-
-
-@triton.jit
-def _conv_cached(cs_row, cw_ptr, cb_ptr, slot, ch, mask_c, scc, sck, swc, swk, in_dtype, K_CONV: tl.constexpr,
-                 HAS_CB: tl.constexpr, BLOCK_KC: tl.constexpr):
-    """The taps (BLOCK_KC, channels), tap j multiplying the input j steps back, and the cached
-    prefix inputs' share of every node's conv of channels ch plus the bias, fp32 (nodes,
-    channels); the cached inputs are rounded to the tree inputs' dtype first, as the reference
-    does."""
-    offs_j = tl.arange(0, BLOCK_KC)
-    taps = tl.load(cw_ptr + ch[None, :] * swc + (K_CONV - 1 - offs_j)[:, None] * swk,
-                   mask=(offs_j < K_CONV)[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-    cached = tl.load(cs_row + ch[None, None, :] * scc + slot[:, :, None] * sck,
-                     mask=(slot >= 0)[:, :, None] & mask_c[None, None, :], other=0.0)
-    part = tl.sum(cached.to(in_dtype).to(tl.float32) * taps[None, :, :], axis=1)
-    if HAS_CB:
-        part += tl.load(cb_ptr + ch, mask=mask_c, other=0.0).to(tl.float32)[None, :]
-    return taps, part
-
-
-@triton.jit
-def _conv_gathered(xbc_row, src, ch, mask_c, taps, cached, sxbn, sxbc):
-    """silu(conv) of channels ch of every node, rounded to the tree inputs' dtype: the tree
-    nodes of each window gathered from the pre-conv inputs, plus `_conv_cached`'s share."""
-    raw = tl.load(xbc_row + src[:, :, None] * sxbn + ch[None, None, :] * sxbc,
-                  mask=(src >= 0)[:, :, None] & mask_c[None, None, :], other=0.0)
-    acc = cached + tl.sum(raw.to(tl.float32) * taps[None, :, :], axis=1)
-    return (acc * tl.sigmoid(acc)).to(xbc_row.dtype.element_ty)
-
-
-@triton.jit
 def _tree_scan_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, par_ptr, h0_ptr, y_ptr,
     bias_ptr, z_ptr, dt_out_ptr, dt_min, dt_max,
@@ -106,9 +57,6 @@ def _tree_scan_kernel(
     PRECISION: tl.constexpr, ONE_CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     sq_ptr=None, WRITE_SQ: tl.constexpr = False,
-    xbc_ptr=None, cs_ptr=None, cw_ptr=None, cb_ptr=None, co_ptr=None, sxbb=0, sxbn=0, sxbc=0, scb=0, scc=0, sck=0,
-    swc=0, swk=0, scob=0, scon=0, d_inner=0, G=1,
-    CONV: tl.constexpr = False, K_CONV: tl.constexpr = 2, HAS_CB: tl.constexpr = False, BLOCK_KC: tl.constexpr = 2,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
@@ -141,23 +89,6 @@ def _tree_scan_kernel(
         D = tl.load(D_ptr + h).to(tl.float32)
     if FUSED:
         dt_b = tl.load(bias_ptr + h).to(tl.float32)
-    if CONV:
-        # The path-aware conv of this program's x channels and of its group's B and C channels
-        # (ops/tree_conv is the spec): the windows, the taps, the bias and the cached prefix
-        # inputs' share now (the conv state was last written before the embedding lookup).
-        src, slot = _conv_windows(par_ptr, offs_n, N, K_CONV, BLOCK_N, BLOCK_KC)
-        cs_row = cs_ptr + b * scb
-        cx = h * P + offs_p
-        cB = d_inner + g * S + offs_s
-        cC = cB + G * S
-        mask_sc = offs_s < S
-        in_dtype = xbc_ptr.dtype.element_ty
-        taps_x, cached_x = _conv_cached(cs_row, cw_ptr, cb_ptr, slot, cx, mask_p, scc, sck, swc, swk, in_dtype,
-                                        K_CONV, HAS_CB, BLOCK_KC)
-        taps_B, cached_B = _conv_cached(cs_row, cw_ptr, cb_ptr, slot, cB, mask_sc, scc, sck, swc, swk, in_dtype,
-                                        K_CONV, HAS_CB, BLOCK_KC)
-        taps_C, cached_C = _conv_cached(cs_row, cw_ptr, cb_ptr, slot, cC, mask_sc, scc, sck, swc, swk, in_dtype,
-                                        K_CONV, HAS_CB, BLOCK_KC)
     if USE_PDL:  # wait for the previous kernel before reading activations or writing anything
         gdc_wait()
 
@@ -171,24 +102,12 @@ def _tree_scan_kernel(
         # than either loading it at the gate or holding it in fp32).
         zm = tl.load(z_ptr + b * szb + offs_n[:, None] * szn + (h * P + offs_p[None, :]) * szc, mask=mask_np,
                      other=0.0)
-    if CONV:  # ONE_CHUNK: the whole state in one chunk
-        xbc_row = xbc_ptr + b * sxbb
-        xm = _conv_gathered(xbc_row, src, cx, mask_p, taps_x, cached_x, sxbn, sxbc)
-        Bm = _conv_gathered(xbc_row, src, cB, mask_sc, taps_B, cached_B, sxbn, sxbc)
-        Cm = _conv_gathered(xbc_row, src, cC, mask_sc, taps_C, cached_C, sxbn, sxbc)
-        co_row = co_ptr + b * scob + offs_n[:, None] * scon
-        tl.store(co_row + cx[None, :], xm, mask=mask_np)
-        if (h % heads_per_group == 0) & (pid_p == 0):  # one program per group writes its B and C
-            mask_ns = mask_n[:, None] & mask_sc[None, :]
-            tl.store(co_row + cB[None, :], Bm, mask=mask_ns)
-            tl.store(co_row + cC[None, :], Cm, mask=mask_ns)
-    else:
-        xm = tl.load(x_ptr + b * sxb + h * sxh + offs_n[:, None] * sxn + offs_p[None, :] * sxp, mask=mask_np,
-                     other=0.0)
-        if ONE_CHUNK:
-            mask_ns = mask_n[:, None] & (offs_s < S)[None, :]
-            Cm = tl.load(C_base + offs_n[:, None] * sCn + offs_s[None, :] * sCs, mask=mask_ns, other=0.0)
-            Bm = tl.load(B_base + offs_n[:, None] * sBn + offs_s[None, :] * sBs, mask=mask_ns, other=0.0)
+    xm = tl.load(x_ptr + b * sxb + h * sxh + offs_n[:, None] * sxn + offs_p[None, :] * sxp, mask=mask_np,
+                 other=0.0)
+    if ONE_CHUNK:
+        mask_ns = mask_n[:, None] & (offs_s < S)[None, :]
+        Cm = tl.load(C_base + offs_n[:, None] * sCn + offs_s[None, :] * sCs, mask=mask_ns, other=0.0)
+        Bm = tl.load(B_base + offs_n[:, None] * sBn + offs_s[None, :] * sBs, mask=mask_ns, other=0.0)
     if FUSED:
         # dt_ptr is dt_raw: the time step of every node here (padding lanes stay 0), stored for
         # replay by the P-block-0 program.
@@ -375,12 +294,10 @@ def _block_p(head_dim: int) -> int:
     return SCAN_BLOCK_P or min(64, max(16, triton.next_power_of_2(head_dim)))
 
 
-def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None, sq=None, conv=None):
+def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None, sq=None):
     """Run `_tree_scan_kernel` into y (B, N, H, P); fused = (dt_bias, dt_min, dt_max, z, dt_out)
     makes dt the raw time step and y the gated output (tree_scan_gated); sq receives the gated
-    output's partial sums of squares; conv = (xBC, conv_state, conv_weight, conv_bias, conv_out)
-    computes x, B and C by the tree conv of xBC inside (x, B and C are then views of conv_out,
-    which the kernel writes)."""
+    output's partial sums of squares."""
     if precision is None:
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
     batch, n, heads, head_dim = x.shape
@@ -393,17 +310,6 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
     # against 4.70 us for two chunks at 16 nodes and S = 128 (run 65, bench/scan_probe.py, H100).
     # At 64 nodes two chunks of 64: 9.56 against 11.53 us for one (its fp32 tiles are 4x larger; run 65).
     block_s = SCAN_BLOCK_S or min(128 if block_n <= 32 else 64, max(16, triton.next_power_of_2(d_state)))
-    conv_args = {}
-    if conv is not None:  # the conv needs the whole state in one chunk
-        block_s = max(block_s, triton.next_power_of_2(d_state))
-        xBC, conv_state, conv_weight, conv_bias, conv_out = conv
-        conv_args = dict(xbc_ptr=xBC, cs_ptr=conv_state, cw_ptr=conv_weight,
-                         cb_ptr=conv_bias if conv_bias is not None else conv_weight, co_ptr=conv_out,
-                         sxbb=xBC.stride(0), sxbn=xBC.stride(1), sxbc=xBC.stride(2), scb=conv_state.stride(0),
-                         scc=conv_state.stride(1), sck=conv_state.stride(2), swc=conv_weight.stride(0),
-                         swk=conv_weight.stride(1), scob=conv_out.stride(0), scon=conv_out.stride(1),
-                         d_inner=heads * head_dim, G=groups, CONV=True, K_CONV=conv_weight.shape[1],
-                         HAS_CB=conv_bias is not None, BLOCK_KC=triton.next_power_of_2(conv_weight.shape[1]))
     grid = (batch * heads, triton.cdiv(head_dim, block_p))
     D_arg = D if D is not None else A  # never read when HAS_D is False
     # the unfused scan never reads the fused-only arguments: any tensor stands in for them
@@ -418,78 +324,5 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
         BLOCK_N=block_n, BLOCK_P=block_p, BLOCK_S=block_s,
         PRECISION=precision, ONE_CHUNK=block_s >= d_state,
         num_warps=SCAN_WARPS or (4 if block_n <= 32 else 8), **_pdl_args(y.device),
-        sq_ptr=sq, WRITE_SQ=sq is not None, **conv_args,
+        sq_ptr=sq, WRITE_SQ=sq is not None,
     )
-
-
-CONV_IN_SCAN = True
-"""`tree_conv_scan_gated` runs the conv inside the scan's launch (up to CONV_IN_SCAN_MAX_NODES
-nodes); benchmarks set it False to time the separate conv launch in the same process."""
-CONV_IN_SCAN_MAX_NODES = 16
-
-
-def tree_conv_scan_gated(
-    xBC: torch.Tensor,
-    conv_state: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    dt_raw: torch.Tensor,
-    dt_bias: torch.Tensor,
-    dt_min: float,
-    dt_max: float,
-    A: torch.Tensor,
-    D: torch.Tensor | None,
-    z: torch.Tensor,
-    parents: torch.Tensor,
-    initial_state: torch.Tensor,
-    n_groups: int,
-    return_sq: bool = False,
-):
-    """The verify path's tree conv (silu), time step, tree scan and gate in one launch; same
-    contract as `naive_tree_conv_scan_gated`.
-
-    Each program convolves its own x channels and its group's B and C channels (every head of a
-    group repeats the B/C conv: 2S channels, cheaper than a launch) from the pre-conv xBC, with
-    the windows, taps and the conv state's share read before the PDL wait; the conv output is
-    written for replay. Up to CONV_IN_SCAN_MAX_NODES nodes with S <= 128 (the state in one
-    chunk); otherwise `tree_conv` then `tree_scan_gated`.
-
-    Returns:
-        (g, dt, partial sums of squares or None, conv output (B, N, C) in xBC's dtype).
-    """
-    from ..tree_conv.triton import tree_conv
-
-    batch, n, channels = xBC.shape
-    heads, head_dim, d_state = initial_state.shape[1:]
-    d_inner = heads * head_dim
-    if channels != d_inner + 2 * n_groups * d_state or tuple(z.shape) != (batch, n, d_inner):
-        raise ValueError(f"tree_conv_scan_gated: xBC {tuple(xBC.shape)} / z {tuple(z.shape)} do not match the "
-                         f"state {tuple(initial_state.shape)} with {n_groups} groups")
-    fused = (CONV_IN_SCAN and 0 < n <= CONV_IN_SCAN_MAX_NODES and d_state <= 128 and conv_weight.shape[1] >= 2
-             and tuple(conv_state.shape) == (batch, channels, conv_weight.shape[1] - 1))
-    if not fused:
-        conv = tree_conv(xBC, conv_state, conv_weight, conv_bias, parents)
-        x, B, C = _split_conv(conv, heads, head_dim, n_groups, d_state)
-        out = tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, initial_state,
-                              return_sq=return_sq)
-        return (*out, conv) if return_sq else (*out, None, conv)
-    conv = torch.empty(batch, n, channels, device=xBC.device, dtype=xBC.dtype)
-    x, B, C = _split_conv(conv, heads, head_dim, n_groups, d_state)
-    _check_tree_scan_shapes(x, dt_raw, A, B, C, D, parents, initial_state, op="tree_conv_scan_gated")
-    if tuple(dt_bias.shape) != (heads,):
-        raise ValueError(f"tree_conv_scan_gated: dt_bias {tuple(dt_bias.shape)}, expected ({heads},)")
-    g = torch.empty(batch, n, d_inner, device=xBC.device, dtype=z.dtype)
-    dt = torch.empty(batch, n, heads, device=xBC.device, dtype=torch.float32)
-    sq = None
-    if return_sq:
-        parts = heads // n_groups * triton.cdiv(head_dim, _block_p(head_dim))
-        sq = torch.empty(batch * n, n_groups, parts, device=xBC.device, dtype=torch.float32)
-    _launch(x, dt_raw, A, B, C, D, parents, initial_state, g.view(batch, n, heads, head_dim), None,
-            fused=(dt_bias, float(dt_min), float(dt_max), z, dt), sq=sq,
-            conv=(xBC, conv_state, conv_weight, conv_bias, conv))
-    return g, dt, sq, conv
-
-
-def _split_conv(conv, heads, head_dim, groups, d_state):
-    x, B, C = conv.split([heads * head_dim, groups * d_state, groups * d_state], dim=-1)
-    return x.unflatten(-1, (heads, head_dim)), B.unflatten(-1, (groups, d_state)), C.unflatten(-1, (groups, d_state))
