@@ -240,7 +240,7 @@ def main() -> int:
                 in_shape = tuple(m.layers[0].mixer.in_proj.weight.shape)
                 saved = dict(gemv.TUNED)
                 for shape, cfg, what in ((out_shape, gemv.GemvConfig(1, 0, 8, preload=True), "out_proj 1 row x 8 warps"),
-                                         (in_shape, gemv.GemvConfig(1, 0, 4, preload=True), "in_proj 4 warps"),
+                                         (in_shape, gemv.GemvConfig(1, 0, 2, preload=True), "in_proj 2 warps"),
                                          (in_shape, gemv.GemvConfig(1, 0, 8, preload=True), "in_proj 8 warps")):
                     gemv.TUNED[shape] = cfg  # other GEMV configs than the tuned / default ones
                     record(f"AR step CUDA graph [folded, {what}]", step_graph_ms(m)[0])

@@ -220,10 +220,8 @@ class GemvConfig(tuple):
 # per-shape tile beat the defaults by more than ~3%: under PDL one row per program with its whole
 # K range preloaded (when next_pow2(K) <= PRELOAD_MAX_K), else DEFAULT (2 rows x 1024). Inside
 # the AR step graph, timed with no profiler run before (runs 54-55), the 2.7b out_proj was
-# 1.2-1.5% faster on 4 warps than on the default 8. The 2.7b in_proj on 2 warps: as fast or faster
-# than on 4 in each of runs 59 and 65-70 (AR step 2.361-2.381 against 2.374-2.426 ms, same process).
-TUNED: dict[tuple[int, int], GemvConfig] = {(2560, 5120): GemvConfig(2, 0, 4, preload=True),
-                                            (10576, 2560): GemvConfig(1, 0, 2, preload=True)}
+# 1.2-1.5% faster on 4 warps than on the default 8.
+TUNED: dict[tuple[int, int], GemvConfig] = {(2560, 5120): GemvConfig(2, 0, 4, preload=True)}
 DEFAULT = GemvConfig()
 PRELOAD_MAX_K = 8192
 
