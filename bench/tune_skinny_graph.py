@@ -24,6 +24,7 @@ from ssmspec.decoding.graphs import StepGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch
 from ssmspec.ops.gemv import triton as gemv
+from ssmspec.ops.tree_conv import triton as conv
 from ssmspec.ops.tree_scan import triton as scan
 from ssmspec.trees.tree import Tree
 
@@ -36,7 +37,9 @@ NARROW_OUT = [(32, 256, 2, 4, 0, 1, 2), (32, 256, 2, 4, 0, 1, 3), (16, 256, 2, 4
 WIDE_IN = [(128, 128, 4, 4, 0, 2, 1), (128, 128, 4, 3, 0, 2, 1), (128, 128, 8, 4, 0, 2, 1), (64, 128, 4, 4, 0, 2, 1)]
 WIDE_OUT = [(32, 256, 4, 4, 0, 1), (32, 256, 4, 3, 0, 1), (16, 256, 2, 4, 0, 1), (32, 256, 2, 4, 0, 1),
             (64, 256, 4, 3, 0, 1)]
-SCAN = [{}, {"SCAN_WARPS": 8}, {"SCAN_BLOCK_S": 128}]
+SCAN = [{}, {"SCAN_WARPS": 8}, {"SCAN_WARPS": 4}, {"SCAN_BLOCK_S": 128}]
+CONV_TILES = [(1, 128, 1), (2, 128, 1), (1, 256, 2), (2, 256, 2), (1, 512, 2), (4, 128, 2)]
+"""ops/tree_conv/triton CONV_TILE settings (nodes, channels, warps) timed with --conv."""
 # one-row GEMV (AR step) candidates, GemvConfig fields (block_n, block_k, warps, split, persistent,
 # unroll, preload); block_k 0 with preload: the whole K (ops/gemv/triton.preload_blocks)
 AR_OUT = [(1, 0, 4, 1, 0, False, True), (1, 0, 2, 1, 0, False, True), (2, 0, 4, 1, 0, False, True),
@@ -53,6 +56,7 @@ def main() -> int:
     ap.add_argument("--skip-scan", action="store_true", help="do not sweep the tree scan's knobs")
     ap.add_argument("--skip-pdl", action="store_true", help="do not time the projections launched with PDL")
     ap.add_argument("--ar", action="store_true", help="first tune the AR step's one-row GEMV configs")
+    ap.add_argument("--conv", action="store_true", help="also time the tree conv's tiles (CONV_TILES)")
     args = ap.parse_args()
     torch.manual_seed(0)
     dispatch.set_backend("triton")
@@ -130,6 +134,10 @@ def main() -> int:
             timed(f"scan {setting or 'defaults'}")
         for name, value in defaults.items():
             setattr(scan, name, value)
+        for tile in CONV_TILES if args.conv else []:
+            conv.CONV_TILE = tile
+            timed(f"tree conv tile {tile}")
+        conv.CONV_TILE = None
         lm_shape = tuple(model.lm_head.weight.shape)
         names = {in_shape: "in_proj", out_shape: "out_proj", lm_shape: "lm_head"}
         current = {s_: table.get(s_) or gemv.SKINNY_DEFAULT for s_ in names}
