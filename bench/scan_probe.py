@@ -2,9 +2,9 @@
 
 Times `tree_scan_gated` (bf16 activations, fp32 state, CUDA-graph median) for trees of 16 and
 64 nodes and a flat 64-node tree (depth 1: the shortest parent walk), over the knob settings in
-SETTINGS ({"SCAN_BLOCK_S": 128}: the state in one chunk, straight-line code). Runs 49-50 also timed a parent walk by register gathers and node blocks per program
-(in git history): no gain. Run on the GPU from the repository root:
-`python3 bench/scan_probe.py`.
+SETTINGS ({"SCAN_BLOCK_S": 128}: the state in one chunk, straight-line code). Runs 49-50 also
+timed a parent walk by register gathers and node blocks per program (in git history): no gain.
+Run on the GPU from the repository root: `python3 bench/scan_probe.py`.
 """
 from __future__ import annotations
 
