@@ -34,16 +34,7 @@ def median_ms(fn, iters: int = 50, warmup: int = 5) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+    return restored_call_times(lambda: None, fn, iters)[iters // 2]
 
 
 def copy_bandwidth() -> float:
