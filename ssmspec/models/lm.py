@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..ops import dispatch, prefetch
+from ..ops import dispatch
 from .attention import Attention
 from .cache import ModelCache
 from .config import ModelConfig
@@ -195,8 +195,7 @@ class LanguageModel(nn.Module):
             if layer.norms_folded:
                 if x is not None:
                     h, x, h_sq = h + x, None, None
-                with prefetch.targets(**self._prefetch_targets(i)):
-                    h, h_sq, a = run_folded(i, layer, h, h_sq)
+                h, h_sq, a = run_folded(i, layer, h, h_sq)
             else:
                 h_sq = None
                 if x is None:
@@ -210,23 +209,6 @@ class LanguageModel(nn.Module):
         else:
             _, normed = dispatch.add_rms_norm(x, h, self.norm_f.weight, self.norm_f.eps)
         return dispatch.linear(normed, self.lm_head.weight, self.lm_head.bias).float(), acts
-
-    def _prefetch_targets(self, i: int) -> dict:
-        """The weights layer i's kernels may prefetch into L2 (ops/prefetch.py): its own out_proj
-        and the next sublayer's first projection (the LM head after the last)."""
-        if not prefetch.PLAN:
-            return {}
-        layer = self.layers[i]
-        nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-        if nxt is None:
-            following = self.lm_head.weight
-        elif nxt.kind == "mamba":
-            following = nxt.mixer.in_proj.weight
-        elif nxt.kind == "attention":
-            following = nxt.mixer.q_proj.weight
-        else:
-            following = getattr(nxt.mixer, "gate_proj", nxt.mixer.up_proj).weight
-        return {"out_proj": layer.mixer.out_proj.weight if layer.kind == "mamba" else None, "next": following}
 
     def _fused_step(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor:
         """`step` on the kernels, same math (see `_fused_stack`). input_ids (B, 1) -> logits (B, 1, V)."""

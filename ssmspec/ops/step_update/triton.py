@@ -27,10 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import pdl, prefetch
+from .. import pdl
 from ..gemv.triton import _gemv_tile
 from ..pdl import gdc_launch_dependents, gdc_wait
-from ..prefetch import prefetch_share
 
 
 PRELOAD_STATE = True
@@ -95,7 +94,6 @@ def _step_ssm_kernel(
     WRITE_SQ: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
     PRELOAD_STATE: tl.constexpr = False,
-    pf_ptr=None, pf_first=0, pf_lines=0, PREFETCH: tl.constexpr = False, PF_EVICT_LAST: tl.constexpr = False,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
@@ -136,9 +134,6 @@ def _step_ssm_kernel(
     dt_b = tl.load(dtb_ptr + h).to(tl.float32)
     A = -tl.exp(tl.load(Alog_ptr + h).to(tl.float32))
     D = tl.load(D_ptr + h).to(tl.float32)
-    if PREFETCH:  # ops/prefetch.py: weights a later kernel streams, while this one waits on latency
-        part = (b * H + h) * tl.num_programs(2) + tl.program_id(2)
-        prefetch_share(pf_ptr, pf_first, pf_lines, part, tl.num_programs(0) * H * tl.num_programs(2), PF_EVICT_LAST)
     if USE_PDL and PRELOAD_STATE:
         gdc_wait()
 
@@ -494,7 +489,6 @@ def _step_out_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr, PRELOAD: tl.constexpr,
     K_CONV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_KC: tl.constexpr, USE_PDL: tl.constexpr,
     GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0,
-    pf_ptr=None, pf_first=0, pf_lines=0, PREFETCH: tl.constexpr = False, PF_EVICT_LAST: tl.constexpr = False,
 ):
     """out_proj of one row (batch 1) whose input is the gated value g of `_step_ssm_kernel`: the
     gated RMSNorm runs in the GEMV's prologue (its weight folded into out_proj's, see
@@ -503,8 +497,6 @@ def _step_out_kernel(
     tile's wait every step-kernel program that read the old window is done."""
     if USE_PDL:
         gdc_launch_dependents()
-    if PREFETCH:  # ops/prefetch.py
-        prefetch_share(pf_ptr, pf_first, pf_lines, tl.program_id(0), tl.num_programs(0), PF_EVICT_LAST)
     _gemv_tile(g_ptr, w_ptr, bias_ptr, y_ptr, tl.program_id(0), 0, N, K, swn, HAS_BIAS, False, BLOCK_N, BLOCK_K,
                K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G, GROUPED,
                BLOCK_K2)
@@ -579,7 +571,7 @@ def mamba_step_out(
         *conv_weight.stride(), gated.stride(0),
         K=kernel_size, HAS_BIAS=conv_bias is not None,
         BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_K=block_k, WRITE_SQ=False,
-        num_warps=4, **_pdl_args(z.device, preload_state=True), **prefetch.kernel_args("step"),
+        num_warps=4, **_pdl_args(z.device, preload_state=True),
     )
     return _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, norm_groups, eps, n_groups,
                             d_state, kernel_size)
@@ -613,7 +605,7 @@ def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, nor
         UNROLL=bool(unroll), PRELOAD=bool(preload), K_CONV=kernel_size, BLOCK_S=max(16, triton.next_power_of_2(d_state)),
         BLOCK_KC=max(2, triton.next_power_of_2(kernel_size - 1)),
         USE_PDL=use_pdl, GROUPED=bool(preload) and grouped_epilogue(d_inner, cfg_k, norm_groups), BLOCK_K2=cfg_k2,
-        num_warps=warps, **({"launch_pdl": True} if use_pdl else {}), **prefetch.kernel_args("step_out"),
+        num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
     )
     return y
 

@@ -11,9 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import prefetch
 from ..pdl import gdc_launch_dependents, gdc_wait
-from ..prefetch import prefetch_share
 from ..step_update.triton import _pdl_args
 
 
@@ -34,7 +32,6 @@ def _tree_conv_kernel(
     K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,
-    pf_ptr=None, pf_first=0, pf_lines=0, PREFETCH: tl.constexpr = False, PF_EVICT_LAST: tl.constexpr = False,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
@@ -70,10 +67,6 @@ def _tree_conv_kernel(
                          mask=live & (slot >= 0)[:, :, None], other=0.0)
     # Round the cached inputs to the tree inputs' dtype first, as the reference does.
     window = from_state.to(x_ptr.dtype.element_ty).to(tl.float32)
-    if PREFETCH:  # ops/prefetch.py: weights a later kernel streams, while this one waits on latency
-        part = (b * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
-        prefetch_share(pf_ptr, pf_first, pf_lines, part, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2),
-                       PF_EVICT_LAST)
     if USE_PDL:  # wait for the previous kernel (in_proj) before reading its output or writing
         gdc_wait()
     window += tl.load(x_ptr + b * sxb + src[:, :, None] * sxn + offs_c[None, None, :] * sxc,
@@ -132,6 +125,5 @@ def tree_conv(
         *xBC.stride(), *conv_state.stride(), *weight.stride(), *out.stride(),
         K=kernel_size, HAS_BIAS=bias is not None, SILU=activation == "silu",
         BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_K=triton.next_power_of_2(kernel_size), num_warps=warps, **_pdl_args(out.device),
-        **prefetch.kernel_args("tree_conv"),
     )
     return out

@@ -21,9 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import prefetch
 from ..pdl import gdc_launch_dependents, gdc_wait
-from ..prefetch import prefetch_share
 from ..step_update.triton import _pdl_args, _softplus
 
 
@@ -59,7 +57,6 @@ def _tree_scan_kernel(
     PRECISION: tl.constexpr, ONE_CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     sq_ptr=None, WRITE_SQ: tl.constexpr = False,
-    pf_ptr=None, pf_first=0, pf_lines=0, PREFETCH: tl.constexpr = False, PF_EVICT_LAST: tl.constexpr = False,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
@@ -92,9 +89,6 @@ def _tree_scan_kernel(
         D = tl.load(D_ptr + h).to(tl.float32)
     if FUSED:
         dt_b = tl.load(bias_ptr + h).to(tl.float32)
-    if PREFETCH:  # ops/prefetch.py: weights a later kernel streams, while this one waits on latency
-        prefetch_share(pf_ptr, pf_first, pf_lines, pid_bh * tl.num_programs(1) + pid_p,
-                       tl.num_programs(0) * tl.num_programs(1), PF_EVICT_LAST)
     if USE_PDL:  # wait for the previous kernel before reading activations or writing anything
         gdc_wait()
 
@@ -330,5 +324,5 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
         BLOCK_N=block_n, BLOCK_P=block_p, BLOCK_S=block_s,
         PRECISION=precision, ONE_CHUNK=block_s >= d_state,
         num_warps=SCAN_WARPS or (4 if block_n <= 32 else 8), **_pdl_args(y.device),
-        sq_ptr=sq, WRITE_SQ=sq is not None, **(prefetch.kernel_args("tree_scan") if fused is not None else {}),
+        sq_ptr=sq, WRITE_SQ=sq is not None,
     )
