@@ -292,3 +292,131 @@ else:
         args = _gated_args(v, CLAMPS[0], tree.parents_tensor())
         for got, want in zip(dispatch.tree_scan_gated(*args), naive_tree_scan_gated(*args)):
             assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _pending(batch, capacity, heads, head_dim, d_state, groups, lens, dtype=torch.float32):
+    """A deferred replay's pending buffers (models/cache.py) with `lens` live steps per row."""
+    return (torch.randn(batch, capacity, heads, head_dim).to(dtype), torch.rand(batch, capacity, heads) * 0.5 + 0.01,
+            torch.randn(batch, capacity, groups, d_state).to(dtype), torch.tensor(lens, dtype=torch.int32))
+
+
+if INTERPRETED:
+    from ssmspec.ops.state_replay.naive import naive_defer_replay_layers
+    from ssmspec.ops.tree_scan.naive import settle_pending
+
+    @pytest.mark.parametrize("tree_name", ["binary 2,2,2", "uneven 3,4,2,1"])
+    @pytest.mark.parametrize("block_s", [None, 8], ids=["one-chunk", "state-chunks"])
+    def test_tree_scan_gated_settles_a_pending_replay(tree_name, block_s, monkeypatch, nan_outputs):
+        """With pending steps the scan first advances the state over them, in place (rows with 5,
+        0 and 2 steps; the pending buffers hold 6), and scans from the advanced state: the same
+        outputs and state as settling first (ops/state_replay) and scanning after. block_s 8 over
+        S = 24: the state in three chunks, each settled and written back before the wait."""
+        monkeypatch.setattr(TS, "SCAN_BLOCK_S", block_s)
+        tree = TREES[tree_name]
+        batch, heads, head_dim, d_state, groups = 3, 4, 12, 24, 2
+        v = _verify_inputs(batch, tree.num_nodes, heads, head_dim, d_state, groups)
+        pend = _pending(batch, 6, heads, head_dim, d_state, groups, [5, 0, 2])
+        want_state = v["initial_state"].clone()
+        settle_pending(want_state, v["A"], *pend)
+        want = naive_tree_scan_gated(*_gated_args({**v, "initial_state": want_state.clone()}, CLAMPS[0],
+                                                  tree.parents_tensor()), return_sq=True)
+        state = v["initial_state"].clone()
+        got = TS.tree_scan_gated(*_gated_args({**v, "initial_state": state}, CLAMPS[0], tree.parents_tensor()),
+                                 return_sq=True, pending=pend)
+        assert_close(state, want_state, atol=1e-5, rtol=1e-5, name="settled state")
+        assert torch.equal(state[1], v["initial_state"][1]), "a row with no pending step keeps its state"
+        assert_close(got[0], want[0], atol=1e-4, rtol=1e-4, name="g")
+        assert_close(got[1], want[1], atol=1e-6, rtol=1e-6, name="dt")
+        # and the reference's own pending argument is the same as settling first
+        state2 = v["initial_state"].clone()
+        ref = naive_tree_scan_gated(*_gated_args({**v, "initial_state": state2}, CLAMPS[0], tree.parents_tensor()),
+                                    pending=pend)
+        assert_close(state2, want_state, atol=1e-6, rtol=1e-6, name="reference settle")
+        assert_close(ref[0], want[0], atol=1e-6, rtol=1e-6, name="reference g")
+
+    def test_settle_pending_kernel_matches_reference():
+        pend = _pending(2, 5, 3, 8, 16, 1, [4, 1])
+        state = torch.randn(2, 3, 8, 16)
+        A = -torch.rand(3) - 0.5
+        want = state.clone()
+        settle_pending(want, A, *pend)
+        SR.settle_pending(state, A, *pend)
+        assert_close(state, want, atol=1e-5, rtol=1e-5)
+
+    @pytest.mark.parametrize("lens", [(5, 1), (2, 5)], ids=["full+root", "partial+full"])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_defer_replay_layers_matches_reference(lens, dtype):
+        """One launch: every layer's conv-state replay and the path's x, dt and B copied into its
+        pending buffers (8 slots for a 5-step path), pending_len set; slots past a row's length
+        are unspecified and not compared."""
+        layers, path, path_len = _layers_inputs(3, list(lens), dtype=dtype)
+        heads, head_dim = layers[0]["x"].shape[2:]
+        groups, d_state = layers[0]["B"].shape[2:]
+
+        def buffers():
+            return [(torch.full((2, 8, heads, head_dim), float("nan")).to(dtype), torch.full((2, 8, heads), float("nan")),
+                     torch.full((2, 8, groups, d_state), float("nan")).to(dtype)) for _ in layers]
+
+        def run(fn, pendings):
+            convs = [layer["conv_state"].clone() for layer in layers]
+            plen = torch.zeros(2, dtype=torch.int32)
+            fn(convs, [layer["xBC"] for layer in layers], [layer["x"] for layer in layers],
+               [layer["dt"] for layer in layers], [layer["B"] for layer in layers], pendings, path, path_len, plen)
+            return convs, plen
+
+        want_p, got_p = buffers(), buffers()
+        want_c, want_len = run(naive_defer_replay_layers, want_p)
+        got_c, got_len = run(SR.defer_replay_layers, got_p)
+        assert torch.equal(got_len, want_len) and got_len.tolist() == list(lens)
+        for i in range(len(layers)):
+            assert torch.equal(got_c[i], want_c[i]), f"layer {i} conv"
+            for row, n in enumerate(lens):
+                for got, want in zip(got_p[i], want_p[i]):
+                    assert torch.equal(got[row, :n], want[row, :n]), f"layer {i} row {row} pending"
+
+    def test_deferred_greedy_iterations_match_the_ordinary_replay(monkeypatch):
+        """GreedyTreeGraph run eagerly on the kernels (capture=False) over a folded tiny model:
+        iterations with the replay deferred into the next verify's scans give the same tokens as
+        with the ordinary replay, and the settled cache the same states; in between, a step
+        (which settles first) also agrees."""
+        from helpers import tiny_model
+        from ssmspec.decoding import graphs
+        from ssmspec.trees import Tree as T
+
+        monkeypatch.setattr(dispatch, "_backend", "triton")
+        model = tiny_model().fold_norm_weights_()
+        prompt = torch.randint(0, 64, (2, 6))
+        tree = T.from_config((2, 2, 1))
+
+        def run(defer):
+            monkeypatch.setattr(graphs, "DEFER_REPLAY", defer)
+            torch.manual_seed(3)
+            cache = model.new_cache(2, 64)
+            with torch.no_grad():
+                model(prompt, cache)
+            graph = graphs.GreedyTreeGraph(model, cache, tree, capture=False)
+            assert graph.deferred == defer
+            outs = []
+            for it in range(4):
+                tokens = torch.randint(0, 64, (2, tree.num_nodes))
+                tokens[:, 1:] = tokens[:, 1:] % 4  # peaked tiny model: some acceptance
+                out, n = graph(tokens)
+                outs.append((out.clone(), n.clone()))
+                if it == 1:
+                    with torch.no_grad():
+                        outs.append((model.step(out[:, :1], cache).argmax(-1),))
+            assert cache.pending_maybe == defer
+            if defer:  # the last iteration's path is still pending
+                assert cache.pending_len.tolist() == outs[-1][1].tolist()
+            model.settle_cache(cache)
+            return outs, cache
+
+        want, ref = run(False)
+        got, cache = run(True)
+        for g, w in zip(got, want):
+            for a, b in zip(g, w):
+                assert torch.equal(a, b)
+        assert torch.equal(cache.seqlen, ref.seqlen)
+        for mine, theirs in zip(cache.layers, ref.layers):
+            assert_close(mine.ssm_state, theirs.ssm_state, atol=1e-5, rtol=1e-5, name="settled ssm_state")
+            assert torch.equal(mine.conv_state, theirs.conv_state)
