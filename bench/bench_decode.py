@@ -20,7 +20,6 @@ import time
 
 import torch
 
-from ssmspec.decoding import graphs
 from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch, pdl
@@ -268,10 +267,6 @@ def main() -> int:
             if args.profile and name == "folded":
                 to_profile.append((info["iteration"], f"tree iteration [{tree.num_nodes} nodes, {name}] (+ cache restore copy)"))
             if name == "folded":
-                graphs.DEFER_REPLAY = False  # the SSM states advanced by their own replay kernel
-                record(f"  same, replay not deferred [{tree.num_nodes} nodes, {name}]",
-                       time_tree_iteration(m, prompt, tree, vocab)["ms"])
-                graphs.DEFER_REPLAY = True
                 gemv.ENABLED = False
                 record(f"  same, cuBLAS projections [{tree.num_nodes} nodes, {name}]",
                        time_tree_iteration(m, prompt, tree, vocab)["ms"])

@@ -18,12 +18,6 @@ from ..models.cache import ModelCache
 from ..models.lm import LanguageModel
 from ..ops import dispatch
 
-DEFER_REPLAY = True
-"""Greedy tree iterations defer the SSM state replay into the next verify's scans where the model
-can (models/cache.py); benchmarks turn it off to time the ordinary replay in the same process."""
-PENDING_STEPS = 16
-"""Pending-buffer capacity (steps) a cache gets for deferred replays: trees up to 15 deep."""
-
 
 def _warm_up_and_capture(fn, cache: ModelCache, warmup: int = 2) -> torch.cuda.CUDAGraph:
     """Run fn a few times on a side stream (compiles kernels, sets up cuBLAS), restore the cache,
@@ -60,14 +54,11 @@ class StepGraph:
             self.logits = model.step(self.ids, cache)
 
         with torch.inference_mode():
-            model.settle_cache(cache)  # settled eagerly before each replay, never inside the graph
             self.graph = _warm_up_and_capture(step, cache)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (B, 1) -> logits (B, 1, V) (a static buffer)."""
         self.ids.copy_(ids)
-        with torch.inference_mode():
-            self.model.settle_cache(self.cache)
         self.graph.replay()
         return self.logits
 
@@ -86,12 +77,6 @@ class GreedyTreeGraph:
     tree_tokens (B, N) advances the cache over root + accepted nodes and returns the static
     buffers `tokens` (B, D+1) (accepted drafted tokens, the bonus, then 0s) and
     `n` (B,) = accepted drafted tokens + 1.
-
-    Where the model can (`LanguageModel.can_defer_replay`, DEFER_REPLAY), the replay is deferred
-    (models/cache.py): the iteration's verify applies the previous iteration's accepted path to
-    each SSM state inside its tree scan and the replay only records the new path, so each state
-    is read and written once per iteration instead of read twice and written once. The cache's
-    SSM states are then one path behind between calls (`deferred`); every other reader settles it.
     """
 
     def __init__(self, model: LanguageModel, cache: ModelCache, tree, capture: bool = True):
@@ -110,22 +95,18 @@ class GreedyTreeGraph:
             paths[i, : len(p)] = torch.tensor(p)
         self.paths = paths.to(device)
         self.out_tokens = self.out_len = self.out_last = None  # out_last: (B,) deepest accepted node
-        self.deferred = (DEFER_REPLAY and depth_count <= PENDING_STEPS and model.can_defer_replay(cache)
-                         and cache.enable_pending(PENDING_STEPS))
 
         def iteration():
-            logits, acts = model.verify(self.tokens_in, tree, cache, pending="consume" if self.deferred else "auto")
+            logits, acts = model.verify(self.tokens_in, tree, cache)
             path, path_len, out, last = dispatch.greedy_accept(logits, self.tokens_in, self.parents, self.depth,
                                                                self.mask, self.paths)
-            model.replay(cache, acts, path, path_len, defer=self.deferred)
+            model.replay(cache, acts, path, path_len)
             self.out_tokens, self.out_len, self.out_last = out, path_len, last
 
         self._iteration = iteration
         self.graph = None
         if capture:  # capture=False runs the same iteration eagerly (CPU, debugging)
             with torch.inference_mode():
-                if not self.deferred:
-                    model.settle_cache(cache)  # settled eagerly before each replay, never inside the graph
                 self.graph = _warm_up_and_capture(iteration, cache)
 
     def __call__(self, tree_tokens: torch.Tensor):
@@ -135,9 +116,5 @@ class GreedyTreeGraph:
             with torch.inference_mode():
                 self._iteration()
         else:
-            if not self.deferred:
-                with torch.inference_mode():
-                    self.model.settle_cache(self.cache)
             self.graph.replay()
-            self.cache.pending_maybe = self.cache.pending_maybe or self.deferred
         return self.out_tokens, self.out_len

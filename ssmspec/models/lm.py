@@ -142,8 +142,6 @@ class LanguageModel(nn.Module):
         Returns:
             logits (B, T, V) in fp32.
         """
-        if cache is not None:
-            self.settle_cache(cache)
         h = self.embeddings(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer.norm(h)
@@ -160,7 +158,6 @@ class LanguageModel(nn.Module):
 
     def step(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor:
         """One token per row: input_ids (B, 1) -> logits (B, 1, V); cache advanced by one."""
-        self.settle_cache(cache)
         if (not torch.is_grad_enabled() and dispatch.uses_kernel("add_rms_norm", input_ids.device)
                 and self.config.d_model <= _ADD_NORM_MAX_DIM):
             return self._fused_step(input_ids, cache)
@@ -233,25 +230,20 @@ class LanguageModel(nn.Module):
         cache.seqlen += 1
         return logits
 
-    def verify(self, tokens: torch.Tensor, tree, cache: ModelCache, pending: str = "auto"):
-        """Logits of every node of a packed token tree in one call; the cache is left untouched
-        (but for settling a deferred replay, see models/cache.py).
+    def verify(self, tokens: torch.Tensor, tree, cache: ModelCache):
+        """Logits of every node of a packed token tree in one call; the cache is left untouched.
 
         Args:
             tokens: (B, N) packed tree tokens, node 0 the root.
             tree: a `ssmspec.trees.Tree` (parents, depths, ancestor mask).
             cache: the state after the prefix.
-            pending: "auto": a deferred replay the cache may hold is settled (inside the tree
-                scans where `can_defer_replay`); "consume": the scans apply the pending steps
-                whatever the host flag says and leave the pending length for a deferred replay
-                to overwrite (the captured greedy iteration, decoding/graphs.py).
         Returns:
             logits (B, N, V) fp32, and TreeActivations for `replay`.
         """
         device = tokens.device
-        if self._fused_path(device):
-            return self._fused_verify(tokens, tree, cache, pending)
-        self.settle_cache(cache)
+        if (not torch.is_grad_enabled() and dispatch.uses_kernel("add_rms_norm", device)
+                and self.config.d_model <= _ADD_NORM_MAX_DIM):
+            return self._fused_verify(tokens, tree, cache)
         parents = tree.parents_tensor(device)
         depth = tree.depth_tensor(device)
         mask = tree.mask_tensor(device)
@@ -269,40 +261,9 @@ class LanguageModel(nn.Module):
             h = h + x
         return self._logits(h), TreeActivations(acts)
 
-    def _fused_path(self, device: torch.device, grad_ok: bool = False) -> bool:
-        return ((grad_ok or not torch.is_grad_enabled()) and dispatch.uses_kernel("add_rms_norm", device)
-                and self.config.d_model <= _ADD_NORM_MAX_DIM)
-
-    def can_defer_replay(self, cache: ModelCache) -> bool:
-        """Whether greedy iterations on `cache` may defer the SSM state replay into the next
-        verify's scans (models/cache.py): the verify runs on the kernels (under no_grad) with every
-        Mamba layer's norms folded (the scans that apply it are the gated ones of that path)."""
-        mamba = [layer for layer in self.layers if layer.kind == "mamba"]
-        return (bool(mamba) and all(layer.norms_folded for layer in mamba)
-                and self._fused_path(cache.seqlen.device, grad_ok=True)
-                and dispatch.uses_kernel("tree_scan_gated", cache.seqlen.device))
-
-    def settle_cache(self, cache: ModelCache) -> None:
-        """Apply a deferred replay the cache may hold to its SSM states (models/cache.py): every
-        reader of the states other than a settling verify calls this first; a no-op otherwise."""
-        if not cache.pending_maybe:
-            return
-        for layer, c in zip(self.layers, cache.layers):
-            if layer.kind == "mamba":
-                dispatch.settle_pending(c.ssm_state, layer.mixer.A, *c.pending, cache.pending_len)
-        cache.pending_len.zero_()
-        cache.pending_maybe = False
-
-    def _fused_verify(self, tokens: torch.Tensor, tree, cache: ModelCache, pending: str = "auto"):
+    def _fused_verify(self, tokens: torch.Tensor, tree, cache: ModelCache):
         """`verify` on the kernels, same math and contract (see `_fused_stack`)."""
         device = tokens.device
-        consume = pending == "consume" or cache.pending_maybe
-        if consume and not self.can_defer_replay(cache):
-            if pending == "consume":
-                raise ValueError("verify: pending='consume' on a model or cache that cannot defer replays")
-            self.settle_cache(cache)
-            consume = False
-        pending_len = cache.pending_len if consume else None
         parents = tree.parents_tensor(device)
         depth = tree.depth_tensor(device)
         mask = tree.mask_tensor(device)
@@ -316,34 +277,16 @@ class LanguageModel(nn.Module):
 
         def run_folded(i, layer, h, h_sq):
             if layer.kind == "mamba":
-                return layer.mixer.folded_residual_verify(h, cache.layers[i], parents, layer.norm.eps, h_sq,
-                                                          pending_len)
+                return layer.mixer.folded_residual_verify(h, cache.layers[i], parents, layer.norm.eps, h_sq)
             return *_folded_mlp_residual(layer.mixer, h, layer.norm.eps, h_sq), None
 
         logits, acts = self._fused_stack(self.embeddings(tokens), run_mixer, run_folded)
-        if consume and pending == "auto":  # settled: every scan has applied the pending steps
-            cache.pending_len.zero_()
-            cache.pending_maybe = False
         return logits, TreeActivations(acts)
 
-    def replay(self, cache: ModelCache, acts: TreeActivations, path: torch.Tensor, path_len: torch.Tensor,
-               defer: bool = False) -> None:
-        """Advance the cache along the accepted path: (B, M) node indices (root first), (B,) lengths.
-
-        defer: leave the SSM states behind, with the path's SSM inputs in the cache's pending
-        buffers for the next verify's scans (models/cache.py; needs `cache.enable_pending` and
-        `can_defer_replay`). Conv states and attention caches advance either way."""
+    def replay(self, cache: ModelCache, acts: TreeActivations, path: torch.Tensor, path_len: torch.Tensor) -> None:
+        """Advance the cache along the accepted path: (B, M) node indices (root first), (B,) lengths."""
         mamba = [i for i, layer in enumerate(self.layers) if layer.kind == "mamba"]
-        if defer and mamba:
-            saved = [acts.layers[i] for i in mamba]
-            dispatch.defer_replay_layers(
-                [cache.layers[i].conv_state for i in mamba], [a.xBC for a in saved], [a.x for a in saved],
-                [a.dt for a in saved], [a.B for a in saved], [cache.layers[i].pending for i in mamba], path, path_len,
-                cache.pending_len,
-            )
-            cache.pending_maybe = True
-        elif mamba:  # every Mamba layer in one call: one launch on the kernels instead of one per layer
-            self.settle_cache(cache)
+        if mamba:  # every Mamba layer in one call: one launch on the kernels instead of one per layer
             states = [cache.layers[i] for i in mamba]
             saved = [acts.layers[i] for i in mamba]
             dispatch.replay_states_layers(

@@ -206,16 +206,13 @@ class Mamba2Mixer(nn.Module):
         return self._output(y, z), MambaTreeActivations(xBC=xBC, x=x, dt=dt, B=B)
 
     def folded_residual_verify(self, h: torch.Tensor, cache: MambaLayerCache, parents: torch.Tensor,
-                               pre_norm_eps: float, h_sq: torch.Tensor | None = None,
-                               pending_len: torch.Tensor | None = None):
+                               pre_norm_eps: float, h_sq: torch.Tensor | None = None):
         """h + verify(pre_norm(h)) with both norms' weights folded into in_proj and out_proj
         (models/fold.py), on the kernels: the pre-norm inside in_proj, the time step and the gate
         inside the tree scan, the gated norm and the residual add inside out_proj.
 
         h_sq: h's partial sums of squares from its producer, or None (ops/gemv `norm_linear`);
         the gated value's come from the scan, so neither norm needs a launch of its own.
-        pending_len: (B,) steps of a deferred replay that the scan applies to the state first
-        (models/cache.py), or None.
         h (B, N, D) -> (B, N, D), its partial sums of squares (or None), and the activations
         for `replay`. h itself may be overwritten by the output (the residual add in place)."""
         c = self.cfg
@@ -225,8 +222,7 @@ class Mamba2Mixer(nn.Module):
         x, B, C = self._split_conv_out(xBC_conv)
         norm_groups = c.d_inner // self.norm.group_size
         gated, dt, g_sq = dispatch.tree_scan_gated(x, dt_raw, self.dt_bias, c.dt_min, c.dt_max, self.A, B, C, self.D,
-                                                   z, parents, cache.ssm_state, return_sq=True,
-                                                   pending=None if pending_len is None else (*cache.pending, pending_len))
+                                                   z, parents, cache.ssm_state, return_sq=True)
         if g_sq.shape[1] != norm_groups:  # norm groups other than the SSM groups: the norm reduces itself
             g_sq = None
         out, out_sq = dispatch.norm_linear(gated, self.out_proj.weight, self.out_proj.bias, norm_groups,

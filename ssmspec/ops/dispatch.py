@@ -13,7 +13,7 @@ import torch
 from .chunk_scan.naive import naive_chunk_scan
 from .gemv.naive import naive_linear, naive_norm_linear
 from .greedy_accept.naive import naive_greedy_accept
-from .state_replay.naive import naive_defer_replay_layers, naive_replay_states, naive_replay_states_layers
+from .state_replay.naive import naive_replay_states, naive_replay_states_layers
 from .step_update.naive import (
     naive_add_rms_norm,
     naive_gated_rms_norm,
@@ -23,7 +23,7 @@ from .step_update.naive import (
     naive_time_step,
 )
 from .tree_conv.naive import naive_tree_conv
-from .tree_scan.naive import naive_tree_scan, naive_tree_scan_gated, settle_pending
+from .tree_scan.naive import naive_tree_scan, naive_tree_scan_gated
 
 BACKENDS = ("auto", "reference", "triton")
 _backend = "auto"
@@ -34,8 +34,6 @@ _REFERENCE = {
     "tree_conv": naive_tree_conv,
     "replay_states": naive_replay_states,
     "replay_states_layers": naive_replay_states_layers,
-    "defer_replay_layers": naive_defer_replay_layers,
-    "settle_pending": settle_pending,
     "chunk_scan": naive_chunk_scan,
     "mamba_step": naive_mamba_step,
     "mamba_step_out": naive_mamba_step_out,
@@ -54,8 +52,6 @@ _TRITON = {
     "tree_conv": ("ssmspec.ops.tree_conv.triton", "tree_conv"),
     "replay_states": ("ssmspec.ops.state_replay.triton", "replay_states"),
     "replay_states_layers": ("ssmspec.ops.state_replay.triton", "replay_states_layers"),
-    "defer_replay_layers": ("ssmspec.ops.state_replay.triton", "defer_replay_layers"),
-    "settle_pending": ("ssmspec.ops.state_replay.triton", "settle_pending"),
     "mamba_step": ("ssmspec.ops.step_update.triton", "mamba_step"),
     "mamba_step_out": ("ssmspec.ops.step_update.triton", "mamba_step_out"),
     "rms_norm": ("ssmspec.ops.step_update.triton", "rms_norm"),
@@ -118,13 +114,11 @@ def tree_scan(x, dt, A, B, C, D, parents, initial_state):
     return resolve("tree_scan", x.device)(x, dt, A, B, C, D, parents, initial_state)
 
 
-def tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, initial_state, return_sq=False,
-                    pending=None):
+def tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, initial_state, return_sq=False):
     """Time step, tree scan and silu(z) gate of the verify path: returns (g, dt), and with
-    return_sq g's sums of squares per group for out_proj's norm (see `naive_tree_scan_gated`).
-    pending: a deferred replay to apply to initial_state first (models/cache.py)."""
+    return_sq g's sums of squares per group for out_proj's norm (see `naive_tree_scan_gated`)."""
     return resolve("tree_scan_gated", x.device)(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents,
-                                                initial_state, return_sq=return_sq, pending=pending)
+                                                initial_state, return_sq=return_sq)
 
 
 def tree_conv(xBC, conv_state, weight, bias, parents, activation="silu"):
@@ -139,19 +133,6 @@ def replay_states(conv_state, ssm_state, xBC, x, dt, A, B, path, path_len):
 def replay_states_layers(conv_states, ssm_states, xBCs, xs, dts, As, Bs, path, path_len):
     """replay_states of every Mamba layer (lists, one entry per layer; one launch with kernels)."""
     return resolve("replay_states_layers", path.device)(conv_states, ssm_states, xBCs, xs, dts, As, Bs, path, path_len)
-
-
-def defer_replay_layers(conv_states, xBCs, xs, dts, Bs, pendings, path, path_len, pending_len):
-    """Every Mamba layer's conv-state replay, with the SSM inputs of the path kept in the
-    layers' pending buffers for the next verify's scan instead of advancing the SSM states
-    (models/cache.py; one launch with kernels)."""
-    return resolve("defer_replay_layers", path.device)(conv_states, xBCs, xs, dts, Bs, pendings, path, path_len,
-                                                       pending_len)
-
-
-def settle_pending(ssm_state, A, x, dt, B, steps):
-    """Advance ssm_state in place over a deferred replay's pending steps (models/cache.py)."""
-    return resolve("settle_pending", ssm_state.device)(ssm_state, A, x, dt, B, steps)
 
 
 def chunk_scan(x, dt, A, B, C, D, chunk_size=64, initial_state=None):

@@ -112,42 +112,6 @@ def naive_replay_states_layers(
         naive_replay_states(conv_state, ssm_state, xBC, x, dt, A, B, path, path_len)
 
 
-def naive_defer_replay_layers(
-    conv_states: list[torch.Tensor],
-    xBCs: list[torch.Tensor],
-    xs: list[torch.Tensor],
-    dts: list[torch.Tensor],
-    Bs: list[torch.Tensor],
-    pendings: list[tuple],
-    path: torch.Tensor,
-    path_len: torch.Tensor,
-    pending_len: torch.Tensor,
-) -> None:
-    """The deferred form of `naive_replay_states_layers` (models/cache.py): each layer's conv
-    state is replayed, but its SSM state is left as it is and the path's SSM inputs go to the
-    layer's pending buffers instead, for the next verify's scan to apply.
-
-    Args:
-        conv_states: L tensors (B, C, K-1), updated in place.
-        xBCs, xs, dts, Bs: the L layers' activations of the verified tree, as in
-            `naive_replay_states_layers`.
-        pendings: L (x (B, Mp, H, P), dt (B, Mp, H), B (B, Mp, G, S)) pending buffers, Mp >= M.
-        path: (B, M) node indices, root first; path_len: (B,) valid entries.
-        pending_len: (B,) int, set to path_len.
-    Slots at or past path_len of the pending buffers are left unspecified.
-    """
-    batch, steps = path.shape
-    rows = torch.arange(batch, device=path.device)[:, None]
-    for conv_state, xBC, x, dt, B, (px, pdt, pB) in zip(conv_states, xBCs, xs, dts, Bs, pendings, strict=True):
-        if px.shape[1] < steps:
-            raise ValueError(f"defer_replay_layers: a path of {steps} steps does not fit pending buffers of {px.shape[1]}")
-        naive_replay_conv_state(conv_state, xBC, path, path_len)
-        px[:, :steps] = x[rows, path].to(px.dtype)
-        pdt[:, :steps] = dt[rows, path].to(pdt.dtype)
-        pB[:, :steps] = B[rows, path].to(pB.dtype)
-    pending_len.copy_(path_len)
-
-
 def layer_arguments(*per_layer: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
     """The per-layer lists of `naive_replay_states_layers` as one (conv state, SSM state, xBC,
     x, dt, A, B) tuple per layer; the lists must be equally long."""

@@ -346,10 +346,9 @@ def replay_states(
 
 
 @triton.jit
-def _table_ptr(table_ptr, layer, column: tl.constexpr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
-               WIDTH: tl.constexpr = 7):
-    # Entry (layer, column) of the (L, WIDTH) pointer table as a pointer to DTYPE.
-    ptr = tl.load(table_ptr + layer * WIDTH + column).to(tl.pointer_type(DTYPE))
+def _table_ptr(table_ptr, layer, column: tl.constexpr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    # Entry (layer, column) of the (L, 7) pointer table as a pointer to DTYPE.
+    ptr = tl.load(table_ptr + layer * 7 + column).to(tl.pointer_type(DTYPE))
     if ALIGNED:  # what Triton's argument specialisation tells replay_states of 16-byte-aligned tensors
         ptr = tl.multiple_of(ptr, 16)
     return ptr
@@ -399,7 +398,7 @@ replay of the graph, so these live as long as the process (a few KB per capture)
 
 
 def _pointer_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    """(L, columns) int64 addresses on `device`, built without a host sync and safe to capture in a CUDA graph."""
+    """(L, 7) int64 addresses on `device`, built without a host sync and safe to capture in a CUDA graph."""
     if device.type != "cuda":  # the interpreter reads host memory
         return torch.tensor(rows, dtype=torch.int64)
     host = torch.tensor(rows, dtype=torch.int64, pin_memory=True)
@@ -476,133 +475,3 @@ def replay_states_layers(
         **blocks, HIST=max(history, 1), BLOCK_H=triton.next_power_of_2(max(history, 1)), BLOCK_C=_CONV_BLOCK,
         num_warps=4, **_pdl_args(ssm_state.device),
     )
-
-
-@triton.jit
-def _defer_replay_layers_kernel(
-    table_ptr, path_ptr, len_ptr, plen_ptr,
-    n_bh, n_cblocks, batch,
-    H, P, S, G, M, MP, heads_per_group, CH,
-    sxb, sxn, sxh, sxp,
-    sdb, sdn, sdh,
-    sBb, sBn, sBg, sBs,
-    ssb, ssc, ssk,
-    scb, scn, scc,
-    spb, spm,
-    CS_DTYPE: tl.constexpr, XBC_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr, DT_DTYPE: tl.constexpr,
-    B_DTYPE: tl.constexpr, PX_DTYPE: tl.constexpr, PB_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-    HIST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):
-    # Grid (n_bh + conv programs, layers). Table columns: conv state, xBC, x, dt, B, and the
-    # pending x, dt, B (contiguous (B, MP, ...) buffers).
-    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
-        gdc_launch_dependents()
-        gdc_wait()
-    layer = tl.program_id(1)
-    pid = tl.program_id(0)
-    if pid < n_bh:
-        # One (row, head): the path's x and dt of this head, and B when the head is its group's first.
-        b = pid // H
-        h = pid % H
-        g = h // heads_per_group
-        steps = tl.minimum(tl.load(len_ptr + b).to(tl.int32), M)
-        offs_m = tl.arange(0, BLOCK_M)
-        live = offs_m < steps
-        node = tl.load(path_ptr + b * spb + offs_m * spm, mask=live, other=0)
-        offs_p = tl.arange(0, BLOCK_P)
-        m_p = live[:, None] & (offs_p < P)[None, :]
-        x_ptr = _table_ptr(table_ptr, layer, 2, X_DTYPE, ALIGNED, 8)
-        xv = tl.load(x_ptr + b * sxb + node[:, None] * sxn + h * sxh + offs_p[None, :] * sxp, mask=m_p, other=0.0)
-        px_ptr = _table_ptr(table_ptr, layer, 5, PX_DTYPE, ALIGNED, 8)
-        tl.store(px_ptr + ((b * MP + offs_m[:, None]) * H + h) * P + offs_p[None, :], xv.to(PX_DTYPE), mask=m_p)
-        dt_ptr = _table_ptr(table_ptr, layer, 3, DT_DTYPE, ALIGNED, 8)
-        dtv = tl.load(dt_ptr + b * sdb + node * sdn + h * sdh, mask=live, other=0.0)
-        pdt_ptr = _table_ptr(table_ptr, layer, 6, tl.float32, ALIGNED, 8)
-        tl.store(pdt_ptr + (b * MP + offs_m) * H + h, dtv.to(tl.float32), mask=live)
-        if h % heads_per_group == 0:
-            offs_s = tl.arange(0, BLOCK_S)
-            m_s = live[:, None] & (offs_s < S)[None, :]
-            B_ptr = _table_ptr(table_ptr, layer, 4, B_DTYPE, ALIGNED, 8)
-            Bv = tl.load(B_ptr + b * sBb + node[:, None] * sBn + g * sBg + offs_s[None, :] * sBs, mask=m_s, other=0.0)
-            pB_ptr = _table_ptr(table_ptr, layer, 7, PB_DTYPE, ALIGNED, 8)
-            tl.store(pB_ptr + ((b * MP + offs_m[:, None]) * G + g) * S + offs_s[None, :], Bv.to(PB_DTYPE), mask=m_s)
-        if (layer == 0) & (pid == 0):  # every row's pending length (no program here reads it)
-            offs_r = tl.arange(0, BLOCK_R)
-            n = tl.load(len_ptr + offs_r, mask=offs_r < batch, other=0)
-            tl.store(plen_ptr + offs_r, n.to(plen_ptr.dtype.element_ty), mask=offs_r < batch)
-    else:
-        pid_c = pid - n_bh
-        _replay_conv_tile(
-            _table_ptr(table_ptr, layer, 0, CS_DTYPE, ALIGNED, 8), _table_ptr(table_ptr, layer, 1, XBC_DTYPE, ALIGNED, 8),
-            path_ptr, len_ptr, pid_c // n_cblocks, pid_c % n_cblocks,
-            CH, M, ssb, ssc, ssk, scb, scn, scc, spb, spm, HIST, BLOCK_H, BLOCK_C,
-        )
-
-
-def defer_replay_layers(
-    conv_states: list[torch.Tensor],
-    xBCs: list[torch.Tensor],
-    xs: list[torch.Tensor],
-    dts: list[torch.Tensor],
-    Bs: list[torch.Tensor],
-    pendings: list[tuple],
-    path: torch.Tensor,
-    path_len: torch.Tensor,
-    pending_len: torch.Tensor,
-) -> None:
-    """`naive_defer_replay_layers` in one launch: every layer's conv-state replay and the copy of
-    the path's SSM inputs into its pending buffers (models/cache.py). Where the layers' tensors
-    do not share shapes, strides and dtypes, the reference runs instead."""
-    from .naive import naive_defer_replay_layers
-
-    layers = list(zip(conv_states, xBCs, xs, dts, Bs, strict=True))
-    if len(pendings) != len(layers):
-        raise ValueError("defer_replay_layers: pass one pending (x, dt, B) per layer")
-    batch, steps = path.shape
-    if not layers or steps == 0:
-        pending_len.copy_(path_len)
-        return
-    for (conv_state, xBC, x, _, B), (px, _, _) in zip(layers, pendings):
-        _check_conv_replay("defer_replay_layers", conv_state, xBC, path, path_len)
-        if px.shape[1] < steps:
-            raise ValueError(f"defer_replay_layers: a path of {steps} steps does not fit pending buffers of {px.shape[1]}")
-    rows = [list(layer) + list(p) for layer, p in zip(layers, pendings)]
-    first = [_layout(t) for t in rows[0]]
-    shared = (all(t.dtype in _TL_DTYPES for t in rows[0]) and all(t.is_contiguous() for t in pendings[0])
-              and all([_layout(t) for t in row] == first for row in rows[1:]))
-    if not shared:
-        naive_defer_replay_layers(conv_states, xBCs, xs, dts, Bs, pendings, path, path_len, pending_len)
-        return
-    conv_state, xBC, x, dt, B, px, pdt, pB = rows[0]
-    channels, history = conv_state.shape[1:]
-    _, _, heads, head_dim = x.shape
-    groups, d_state = B.shape[2], B.shape[3]
-    n_bh = batch * heads
-    n_cblocks = triton.cdiv(channels, _CONV_BLOCK)
-    n_conv = batch * n_cblocks if history and conv_state.numel() else 0
-    ptrs = [[t.data_ptr() for t in row] for row in rows]
-    table = _pointer_table(ptrs, x.device)
-    _defer_replay_layers_kernel[(n_bh + n_conv, len(rows))](
-        table, path, path_len, pending_len,
-        n_bh, n_cblocks, batch,
-        heads, head_dim, d_state, groups, steps, px.shape[1], heads // groups, channels,
-        *x.stride(), *dt.stride(), *B.stride(), *conv_state.stride(), *xBC.stride(), *path.stride(),
-        CS_DTYPE=_TL_DTYPES[conv_state.dtype], XBC_DTYPE=_TL_DTYPES[xBC.dtype], X_DTYPE=_TL_DTYPES[x.dtype],
-        DT_DTYPE=_TL_DTYPES[dt.dtype], B_DTYPE=_TL_DTYPES[B.dtype], PX_DTYPE=_TL_DTYPES[px.dtype],
-        PB_DTYPE=_TL_DTYPES[pB.dtype], ALIGNED=all(p % 16 == 0 for row in ptrs for p in row),
-        BLOCK_M=triton.next_power_of_2(steps), BLOCK_P=triton.next_power_of_2(head_dim),
-        BLOCK_S=triton.next_power_of_2(d_state), BLOCK_R=triton.next_power_of_2(batch),
-        HIST=max(history, 1), BLOCK_H=triton.next_power_of_2(max(history, 1)), BLOCK_C=_CONV_BLOCK,
-        num_warps=4, **_pdl_args(x.device),
-    )
-
-
-def settle_pending(ssm_state: torch.Tensor, A: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor,
-                   steps: torch.Tensor) -> None:
-    """`replay_ssm_state` over a deferred replay's pending buffers (their slots are the path):
-    same contract as ops/tree_scan/naive `settle_pending`."""
-    batch, capacity = x.shape[:2]
-    path = torch.arange(capacity, device=x.device).expand(batch, capacity)
-    replay_ssm_state(ssm_state, x, dt, A, B, path, steps)

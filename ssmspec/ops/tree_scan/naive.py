@@ -6,7 +6,6 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from ..state_replay.naive import naive_replay_ssm_state
 from ..step_update.naive import naive_time_step
 
 
@@ -95,7 +94,6 @@ def naive_tree_scan_gated(
     parents: torch.Tensor,
     initial_state: torch.Tensor,
     return_sq: bool = False,
-    pending: tuple | None = None,
 ):
     """The verify path's time step, tree scan and gate y * silu(z) in one op.
 
@@ -115,15 +113,10 @@ def naive_tree_scan_gated(
         initial_state: (B, H, P, S) the state before the root.
         return_sq: also return g's sums of squares per group of heads (the G groups of B),
             (B*N, G, 1) fp32, for out_proj's gated norm (kernels return them split in parts).
-        pending: a deferred replay (models/cache.py), (x (B, M, H, P), dt (B, M, H), B (B, M, G, S),
-            steps (B,)): initial_state is first advanced in place over each row's first `steps`
-            of them (`naive_replay_ssm_state`), and the scan runs from the advanced state.
     Returns:
         g: (B, N, H*P) in z's dtype, y * silu(z); dt: (B, N, H) fp32, kept for replay; with
         return_sq, the sums of squares.
     """
-    if pending is not None:
-        settle_pending(initial_state, A, *pending)
     dt = naive_time_step(dt_raw, dt_bias, dt_min, dt_max)  # (B, N, H) fp32
     y = naive_tree_scan(x, dt, A, B, C, D, parents, initial_state)
     y = y.flatten(-2).to(z.dtype)  # (B, N, H*P)
@@ -132,12 +125,3 @@ def naive_tree_scan_gated(
         groups = B.shape[2]
         return g, dt, g.float().unflatten(-1, (groups, -1)).pow(2).sum(-1).reshape(-1, groups, 1)
     return g, dt
-
-
-def settle_pending(ssm_state: torch.Tensor, A: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor,
-                   steps: torch.Tensor) -> None:
-    """Advance ssm_state in place over the pending steps of a deferred replay: x (B, M, H, P),
-    dt (B, M, H), B (B, M, G, S) in order, the first steps[b] of row b."""
-    batch, capacity = x.shape[:2]
-    path = torch.arange(capacity, device=x.device).expand(batch, capacity)
-    naive_replay_ssm_state(ssm_state, x, dt, A, B, path, steps.clamp(max=capacity))

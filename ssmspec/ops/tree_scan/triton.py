@@ -40,27 +40,6 @@ def _ancestors(par_ptr, offs_n, mask_n, N, anc):
 
 
 @triton.jit
-def _settle_tile(state, px_ptr, pdt_ptr, pB_ptr, b, h, g, A, steps, offs_p, mask_p, ss, mask_s, H, P, G, S, MP,
-                 UNROLL: tl.constexpr):
-    """A (P_blk, S_blk) state tile advanced over the first `steps` pending steps of a deferred
-    replay (models/cache.py), with ops/state_replay's arithmetic: h <- exp(dt A) h + dt x B^T.
-    The pending buffers are contiguous (B, MP, H, P), (B, MP, H) and (B, MP, G, S); the steps
-    run in unrolled chunks (their loads independent of the state), dead steps as dt = 0."""
-    for m0 in range(0, steps, UNROLL):
-        for i in tl.static_range(UNROLL):
-            m = m0 + i
-            live = m < steps
-            dt = tl.load(pdt_ptr + (b * MP + m) * H + h, mask=live, other=0.0).to(tl.float32)
-            # live as blocks: Triton's interpreter cannot combine a scalar mask with a block one
-            xv = tl.load(px_ptr + ((b * MP + m) * H + h) * P + offs_p, mask=mask_p & (offs_p * 0 + m < steps),
-                         other=0.0).to(tl.float32)
-            Bv = tl.load(pB_ptr + ((b * MP + m) * G + g) * S + ss, mask=mask_s & (ss * 0 + m < steps),
-                         other=0.0).to(tl.float32)
-            state = state * tl.exp(dt * A) + (dt * xv)[:, None] * Bv[None, :]
-    return state
-
-
-@triton.jit
 def _tree_scan_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, par_ptr, h0_ptr, y_ptr,
     bias_ptr, z_ptr, dt_out_ptr, dt_min, dt_max,
@@ -78,7 +57,6 @@ def _tree_scan_kernel(
     PRECISION: tl.constexpr, ONE_CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     sq_ptr=None, WRITE_SQ: tl.constexpr = False,
-    plen_ptr=None, px_ptr=None, pdt_ptr=None, pB_ptr=None, G=1, MP=1, PENDING: tl.constexpr = False,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
@@ -107,28 +85,6 @@ def _tree_scan_kernel(
     anc = _ancestors(par_ptr, offs_n, mask_n, N, tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.int32))
     h0_first = tl.load(h0_base + offs_p[:, None] * shp + offs_s[None, :] * shs,
                        mask=mask_p[:, None] & (offs_s < S)[None, :], other=0.0).to(tl.float32)
-    if PENDING:
-        # A deferred replay (models/cache.py): advance this program's rows of the state over the
-        # pending steps and write them back, every S chunk, before the wait: the pending buffers
-        # and the state were last written before this verify's embedding lookup (a plain launch),
-        # and no other kernel of this verify touches this layer's state. Chunks past the first
-        # are read again after the wait: the barrier makes the stores visible to every thread.
-        steps = tl.minimum(tl.load(plen_ptr + b).to(tl.int32), MP)
-        h0_first = _settle_tile(h0_first, px_ptr, pdt_ptr, pB_ptr, b, h, g, A, steps, offs_p, mask_p, offs_s,
-                                offs_s < S, H, P, G, S, MP, 4)
-        tl.debug_barrier()  # a replicated tile's copies are all read before any is written
-        tl.store(h0_base + offs_p[:, None] * shp + offs_s[None, :] * shs, h0_first,
-                 mask=mask_p[:, None] & (offs_s < S)[None, :])
-        if not ONE_CHUNK:
-            for s0 in range(BLOCK_S, S, BLOCK_S):
-                ss = s0 + offs_s
-                m_ps = mask_p[:, None] & (ss < S)[None, :]
-                chunk = tl.load(h0_base + offs_p[:, None] * shp + ss[None, :] * shs, mask=m_ps, other=0.0)
-                chunk = _settle_tile(chunk, px_ptr, pdt_ptr, pB_ptr, b, h, g, A, steps, offs_p, mask_p, ss, ss < S,
-                                     H, P, G, S, MP, 4)
-                tl.debug_barrier()
-                tl.store(h0_base + offs_p[:, None] * shp + ss[None, :] * shs, chunk, mask=m_ps)
-            tl.debug_barrier()
     if HAS_D:
         D = tl.load(D_ptr + h).to(tl.float32)
     if FUSED:
@@ -280,7 +236,6 @@ def tree_scan_gated(
     initial_state: torch.Tensor,
     precision: str | None = None,
     return_sq: bool = False,
-    pending: tuple | None = None,
 ):
     """Time step, tree scan and gate y * silu(z) of the verify path in one launch.
 
@@ -299,9 +254,6 @@ def tree_scan_gated(
         z: (B, N, H*P) gate.
         parents: (N,) int, -1 for the root, parents before children.
         initial_state: (B, H, P, S) the state before the root.
-        pending: a deferred replay's (x, dt, B, steps), as in `naive_tree_scan_gated`: each
-            program advances its rows of initial_state over them (written back in place) before
-            the scan, so the state costs one read and one write here instead of a replay's.
     Returns:
         g: (B, N, H*P) in z's dtype; dt: (B, N, H) fp32, kept for replay; with return_sq, the
         partial sums of squares.
@@ -319,19 +271,8 @@ def tree_scan_gated(
     if return_sq:
         parts = heads // groups * triton.cdiv(head_dim, _block_p(head_dim))
         sq = torch.empty(batch * n, groups, parts, device=x.device, dtype=torch.float32)
-    pend_args = {}
-    if pending is not None:
-        px, pdt, pB, steps = pending
-        mp = px.shape[1]
-        if (tuple(px.shape) != (batch, mp, heads, head_dim) or tuple(pdt.shape) != (batch, mp, heads)
-                or tuple(pB.shape) != (batch, mp, groups, B.shape[3]) or tuple(steps.shape) != (batch,)
-                or pdt.dtype != torch.float32 or initial_state.dtype != torch.float32
-                or not (px.is_contiguous() and pdt.is_contiguous() and pB.is_contiguous())):
-            raise ValueError(f"tree_scan_gated: pending buffers x {tuple(px.shape)}, dt {tuple(pdt.shape)}, "
-                             f"B {tuple(pB.shape)}, steps {tuple(steps.shape)} do not match the scan")
-        pend_args = dict(plen_ptr=steps, px_ptr=px, pdt_ptr=pdt, pB_ptr=pB, G=groups, MP=mp, PENDING=True)
     _launch(x, dt_raw, A, B, C, D, parents, initial_state, g.view(batch, n, heads, head_dim), precision,
-            fused=(dt_bias, float(dt_min), float(dt_max), z, dt), sq=sq, pend_args=pend_args)
+            fused=(dt_bias, float(dt_min), float(dt_max), z, dt), sq=sq)
     return (g, dt, sq) if return_sq else (g, dt)
 
 
@@ -353,7 +294,7 @@ def _block_p(head_dim: int) -> int:
     return SCAN_BLOCK_P or min(64, max(16, triton.next_power_of_2(head_dim)))
 
 
-def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None, sq=None, pend_args=None):
+def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None, sq=None):
     """Run `_tree_scan_kernel` into y (B, N, H, P); fused = (dt_bias, dt_min, dt_max, z, dt_out)
     makes dt the raw time step and y the gated output (tree_scan_gated); sq receives the gated
     output's partial sums of squares."""
@@ -383,5 +324,5 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
         BLOCK_N=block_n, BLOCK_P=block_p, BLOCK_S=block_s,
         PRECISION=precision, ONE_CHUNK=block_s >= d_state,
         num_warps=SCAN_WARPS or (4 if block_n <= 32 else 8), **_pdl_args(y.device),
-        sq_ptr=sq, WRITE_SQ=sq is not None, **(pend_args or {}),
+        sq_ptr=sq, WRITE_SQ=sq is not None,
     )
