@@ -363,32 +363,6 @@ else:
             GV.skinny_linear(x, w, None, config=(0, 32, 1, 1, 2, 1))
 
 
-    @pytest.mark.parametrize("m", [3, 17])
-    def test_skinny_streamk_matches_reference(m, nan_outputs):
-        """The stream-K skinny GEMM (a config's eighth entry: programs per SM; 4 "SMs" under the
-        interpreter): 5 column blocks x 5 weight boxes split over 4, 8 and 12 programs, so column
-        blocks are finished whole, or from the partials of 2 or 3 programs (slot-order sums);
-        with the norm from partial sums, a bias, the residual add and the output's sums of
-        squares. Twice in a row: the arrival counts are reset for the next launch."""
-        from ssmspec.ops.gemv.naive import naive_linear, naive_norm_linear
-
-        n, k = 70, 152
-        x, w, b = torch.randn(1, m, k) * 3, torch.randn(n, k) / 8, torch.randn(n)
-        res = torch.randn(1, m, n)
-        x_sq = x.reshape(m, 1, k).pow(2).sum(-1, keepdim=True)  # one part per row
-        want = naive_linear(x, w, b)
-        want_n, want_sq = naive_norm_linear(x, w, b, 1, 1e-5, res, return_sq=True)
-        for cfg in ((16, 32, 1, 1, 0, 1, 0, 1), (16, 32, 1, 1, 0, 1, 0, 2), (16, 32, 1, 1, 0, 1, 0, 3),
-                    (64, 32, 1, 1, 0, 2, 0, 1), (16, 32, 1, 1, 0, 1, 1, 3)):
-            for _ in range(2):
-                assert_close(GV.skinny_linear(x, w, b, config=cfg), want, atol=1e-4, rtol=1e-4, name=str(cfg))
-                got, got_sq = GV.skinny_linear(x, w, b, cfg, res, 1, 1e-5, x_sq=x_sq, return_sq=True)
-                assert_close(got, want_n, atol=1e-4, rtol=1e-4, name=f"norm {cfg}")
-                assert_close(got_sq.sum(-1, keepdim=True), want_sq, atol=1e-3, rtol=1e-5, name=f"sq {cfg}")
-        for (_, _, _, _), (_, counts) in GV._STREAMK_BUFFERS.items():
-            assert not counts.any(), "every split column block's count is back to 0"
-
-
     def test_wide_skinny_route_takes_norm_parts_and_residual(nan_outputs, monkeypatch):
         """From 17 to SKINNY_WIDE_MAX_ROWS rows a shape listed in SKINNY_WIDE runs the skinny GEMM
         (norm from the producer's parts, residual in the epilogue, its own parts out) instead of

@@ -293,29 +293,3 @@ def test_norm_linear_gpu(rows, n, k, norm_groups):
         assert _rel(got - res, want - res) < 1e-2
         assert _rel(got_sq.sum(-1).flatten(), got.float().pow(2).sum(-1).flatten()) < 1e-4
 
-
-
-@pytest.mark.parametrize("rows", [16, 64])
-@pytest.mark.parametrize("proj", ["in_proj", "out_proj"])
-def test_skinny_streamk_gpu(rows, proj):
-    """The stream-K skinny GEMM (ops/gemv `_skinny_streamk_kernel`) at the 2.7b projection
-    shapes, bf16, with the norm from partial sums, the residual add and the output's sums of
-    squares, for 1 and 2 programs per SM; run twice (arrival counts reset between launches)."""
-    from ssmspec.ops.gemv.naive import naive_norm_linear
-    from ssmspec.ops.gemv.triton import skinny_linear
-
-    n, k = (2 * H * P + 2 * S + H, 2560) if proj == "in_proj" else (2560, H * P)
-    bf = torch.bfloat16
-    x = torch.randn(1, rows, k, device=DEV, dtype=bf) * 3
-    w = torch.randn(n, k, device=DEV, dtype=bf) / math.sqrt(k)
-    res = torch.randn(1, rows, n, device=DEV, dtype=bf)
-    want = naive_norm_linear(x.float(), w.float(), None, 1, 1e-5, res.float())
-    x_sq = x.float().reshape(rows, 1, k).pow(2).sum(-1, keepdim=True)
-    box = (64, 128, 4, 4, 0, 2, 1) if proj == "in_proj" else (16, 256, 2, 4, 0, 1, 1)
-    for per_sm in (1, 2):
-        for _ in range(2):
-            _poison(rows * n * 4)
-            got, got_sq = skinny_linear(x, w, None, box + (per_sm,), res, 1, 1e-5, x_sq=x_sq, return_sq=True)
-            assert got.dtype == bf and torch.isfinite(got).all()
-            assert _rel(got - res, want - res) < 1e-2, per_sm
-            assert _rel(got_sq.sum(-1).flatten(), got.float().pow(2).sum(-1).flatten()) < 1e-4

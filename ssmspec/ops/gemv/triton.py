@@ -445,129 +445,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
         tl.store(ysq_ptr + offs_m * tl.num_programs(0) + tl.program_id(0), tl.sum(of * of, axis=1), mask=mask_m)
 
 
-@triton.jit
-def _streamk_program(p, P, U, T):
-    """First unit of program p when U units are split evenly over P programs (p may be P)."""
-    return (p * U) // P
-
-
-@triton.jit
-def _streamk_owner(u, P, U):
-    """The program whose range holds unit u (the inverse of `_streamk_program`)."""
-    return ((u + 1) * P + U - 1) // U - 1
-
-
-@triton.jit
-def _skinny_streamk_kernel(x_ptr, w_desc, b_ptr, y_ptr, M, N, K, sxm, sym, HAS_BIAS: tl.constexpr,
-                           IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           TMA: tl.constexpr, USE_PDL: tl.constexpr, part_ptr, count_ptr, SLOTS: tl.constexpr,
-                           res_ptr=None, srm=0, HAS_RES: tl.constexpr = False,
-                           xsq_ptr=None, n_xparts=1, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0,
-                           BLOCK_Q: tl.constexpr = 16, ysq_ptr=None, WRITE_SQ: tl.constexpr = False):
-    """The skinny GEMM split evenly over a grid that fills the GPU (stream-K). The work is
-    C column blocks of BLOCK_N outputs times T = K / BLOCK_K weight boxes each, U = C T units
-    in column-block-major order; program p streams units [p U / P, (p + 1) U / P), so every
-    program reads the same number of weight bytes whatever C is (C = 80 or 166 tiles leave
-    SMs idle or doubled on 132 SMs). A column block that one program covers whole is finished
-    there; one split between programs has each write its partial sum (fp32) to slot
-    (program - first program of the block) of part_ptr and count itself in at count_ptr; the
-    last to arrive adds the slots in slot order (the sum is the same whichever program is
-    last) and finishes the block: the norm scale, bias, residual add and store of
-    `_skinny_kernel`, then resets the count for the next launch. Nothing waits on another
-    program, so the grid needs no co-residency."""
-    if USE_PDL:
-        gdc_launch_dependents()
-        gdc_wait()  # every load below reads activations or the shared partials
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    T = tl.cdiv(K, BLOCK_K)
-    U = tl.cdiv(N, BLOCK_N) * T
-    u_lo = _streamk_program(pid, P, U, T)
-    u_hi = _streamk_program(pid + 1, P, U, T)
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
-    if NORM_GROUPS == 1:
-        rstd = _rstd_from_parts(xsq_ptr, offs_m, mask_m, 0, n_xparts, group_size, eps, 1, BLOCK_Q)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    offs_b = tl.arange(0, BLOCK_N)
-    for c in range(u_lo // T, tl.cdiv(u_hi, T)):
-        t_lo = tl.maximum(u_lo, c * T) - c * T
-        t_hi = tl.minimum(u_hi, (c + 1) * T) - c * T
-        n0 = c * BLOCK_N
-        offs_n = n0 + offs_b
-        mask_n = offs_n < N
-        acc = _skinny_span(x_ptr, None, w_desc, offs_m, offs_n, mask_m, mask_n, n0, t_lo * BLOCK_K,
-                           tl.minimum(t_hi * BLOCK_K, K), sxm, 0, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
-        if (t_lo == 0) & (t_hi == T):
-            done = True
-        else:
-            first = _streamk_owner(c * T, P, U)
-            n_parts = _streamk_owner((c + 1) * T - 1, P, U) - first + 1
-            tile = offs_m[:, None] * BLOCK_N + offs_b[None, :]
-            slot_ptr = part_ptr + (c * SLOTS) * (BLOCK_M * BLOCK_N)
-            tl.store(slot_ptr + (pid - first) * (BLOCK_M * BLOCK_N) + tile, acc)
-            arrived = tl.atomic_add(count_ptr + c, 1, sem="acq_rel", scope="gpu")
-            done = arrived == n_parts - 1
-            if done:  # the last part in: the sum of all parts in slot order
-                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for q in range(0, n_parts):
-                    total += tl.load(slot_ptr + q * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
-                acc = total
-                tl.atomic_xchg(count_ptr + c, 0, sem="relaxed", scope="gpu")
-        if done:
-            acc = acc * rstd[:, None]
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            mask = mask_m[:, None] & mask_n[None, :]
-            if HAS_RES:
-                acc = (tl.load(res_ptr + offs_m[:, None] * srm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-                       + acc.to(y_ptr.dtype.element_ty).to(tl.float32))
-            out = acc.to(y_ptr.dtype.element_ty)
-            tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :], out, mask=mask)
-            if WRITE_SQ:
-                of = tl.where(mask, out.to(tl.float32), 0.0)
-                ss += tl.sum(of * of, axis=1)
-    if WRITE_SQ:  # this program's share of the output rows' sums of squares (0 if it finished none)
-        tl.store(ysq_ptr + offs_m * P + pid, ss, mask=mask_m)
-
-
-_STREAMK_BUFFERS: dict = {}
-"""(device, column blocks, slots, tile elements) -> (partials, counts): one pair per shape for the
-process's life (a captured graph keeps their addresses), counts zero between launches."""
-
-
-def _streamk_buffers(device, blocks: int, slots: int, tile: int):
-    key = (str(device), blocks, slots, tile)
-    if key not in _STREAMK_BUFFERS:
-        _STREAMK_BUFFERS[key] = (torch.empty(blocks * slots * tile, device=device, dtype=torch.float32),
-                                 torch.zeros(blocks, device=device, dtype=torch.int32))
-    return _STREAMK_BUFFERS[key]
-
-
-def _launch_streamk(rows, w_desc, bias, y, m, n, k, block_n, block_k, warps, stages, tma, per_sm, use_pdl, res,
-                    x_sq, use_parts, group_size, eps, norm_groups, y_sq, device):
-    """`_skinny_streamk_kernel` over per_sm programs per SM (at most one per weight box)."""
-    blocks, t = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-    grid = min(_sm_count(device) * per_sm, blocks * t)
-    per_program = (blocks * t) // grid
-    slots = triton.cdiv(t, max(per_program, 1)) + 1  # programs one column block can be split over
-    block_m = max(16, triton.next_power_of_2(m))
-    parts, counts = _streamk_buffers(device, blocks, slots, block_m * block_n)
-    _skinny_streamk_kernel[(grid,)](
-        rows, w_desc, bias if bias is not None else y, y, m, n, k, rows.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, IEEE=rows.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, TMA=tma, USE_PDL=use_pdl, part_ptr=parts, count_ptr=counts, SLOTS=slots,
-        res_ptr=res, srm=res.stride(0) if res is not None else 0, HAS_RES=res is not None,
-        xsq_ptr=x_sq if use_parts else None, n_xparts=x_sq.shape[-1] if use_parts else 1, group_size=group_size,
-        eps=float(eps), NORM_GROUPS=norm_groups if use_parts else 0,
-        BLOCK_Q=max(16, triton.next_power_of_2(x_sq.shape[-1])) if use_parts else 16,
-        ysq_ptr=y_sq, WRITE_SQ=y_sq is not None, num_warps=warps, num_stages=stages,
-        **({"launch_pdl": True} if use_pdl else {}),
-    )
-    return grid
-
-
 SKINNY_DEFAULT = (32, 128, 4, 4)
 """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the skinny GEMM; a fifth entry k > 0 makes the
 grid balanced (k programs per SM, each owning N / (k * SMs) columns; BLOCK_N is then derived);
@@ -669,7 +546,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if res.stride(-1) != 1:
             res = res.contiguous()
     block_n, block_k, warps, stages, *extra = config or _skinny_config(n, k, m)
-    per_sm, tma, early, streamk = (list(extra) + [0, 0, 0, 0])[:4]
+    per_sm, tma, early = (list(extra) + [0, 0, 0])[:3]
     if per_sm and tma:
         raise ValueError(f"skinny_linear: config {config}: a balanced grid has no fixed weight box for TMA")
     grid = triton.cdiv(n, block_n) if block_n else 0
@@ -692,18 +569,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         from ..step_update.triton import rms_norm
 
         rows = rms_norm(rows.reshape(-1, group_size), None, eps).reshape(m, k)
+    y_sq = torch.empty(m, 1, grid, device=x.device, dtype=torch.float32) if return_sq else None
     w_desc = _weight_descriptor(weight, block_n, block_k) if tma else None
     use_pdl = bool(early) and pdl.enabled(x.device)
-    if streamk and w_desc is not None and activation is None and (not norm_groups or (use_parts and norm_groups == 1)):
-        # stream-K (an eighth config entry: programs per SM): weight boxes split evenly over the GPU
-        blocks, t = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-        programs = min(_sm_count(x.device) * streamk, blocks * t)
-        y_sq = torch.empty(m, 1, programs, device=x.device, dtype=torch.float32) if return_sq else None
-        _launch_streamk(rows, w_desc, bias, y, m, n, k, block_n, block_k, warps, stages, tma, streamk, use_pdl, res,
-                        x_sq, use_parts, group_size, eps, norm_groups, y_sq, x.device)
-        y = y.reshape(tuple(x.shape[:-1]) + (n,))
-        return (y, y_sq) if return_sq else y
-    y_sq = torch.empty(m, 1, grid, device=x.device, dtype=torch.float32) if return_sq else None
     # early 2 or 3: also the first 1 or 2 weight boxes before the wait (TMA 1, at most one norm
     # group, K covering them); else none
     pre = early - 1 if (early > 1 and w_desc is not None and tma == 1 and norm_groups <= 1
