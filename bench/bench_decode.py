@@ -24,7 +24,6 @@ from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch, pdl
 from ssmspec.ops.gemv import triton as gemv
-from ssmspec.ops.tree_conv import triton as tree_conv
 from ssmspec.trees.tree import Tree
 
 RESULTS: dict = {}
@@ -268,10 +267,6 @@ def main() -> int:
             if args.profile and name == "folded":
                 to_profile.append((info["iteration"], f"tree iteration [{tree.num_nodes} nodes, {name}] (+ cache restore copy)"))
             if name == "folded":
-                tree_conv.PREFETCH_L2 = False  # the scan reads the SSM state from HBM
-                record(f"  same, no L2 prefetch of the state [{tree.num_nodes} nodes, {name}]",
-                       time_tree_iteration(m, prompt, tree, vocab)["ms"])
-                tree_conv.PREFETCH_L2 = True
                 gemv.ENABLED = False
                 record(f"  same, cuBLAS projections [{tree.num_nodes} nodes, {name}]",
                        time_tree_iteration(m, prompt, tree, vocab)["ms"])

@@ -218,9 +218,7 @@ class Mamba2Mixer(nn.Module):
         c = self.cfg
         zxbcdt = dispatch.norm_linear(h, self.in_proj.weight, self.in_proj.bias, 1, pre_norm_eps, x_sq=h_sq)
         z, xBC, dt_raw = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
-        # the conv brings the SSM state, which the scan reads next, into L2 (ops/prefetch.py)
-        xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents,
-                                      l2_prefetch=cache.ssm_state)
+        xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
         x, B, C = self._split_conv_out(xBC_conv)
         norm_groups = c.d_inner // self.norm.group_size
         gated, dt, g_sq = dispatch.tree_scan_gated(x, dt_raw, self.dt_bias, c.dt_min, c.dt_max, self.A, B, C, self.D,

@@ -121,10 +121,8 @@ def tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, 
                                                 initial_state, return_sq=return_sq)
 
 
-def tree_conv(xBC, conv_state, weight, bias, parents, activation="silu", l2_prefetch=None):
-    """Path-aware causal conv of a packed tree; l2_prefetch: a tensor the next kernel reads,
-    which the kernel may bring into L2 (a hint: ops/prefetch.py)."""
-    return resolve("tree_conv", xBC.device)(xBC, conv_state, weight, bias, parents, activation, l2_prefetch)
+def tree_conv(xBC, conv_state, weight, bias, parents, activation="silu"):
+    return resolve("tree_conv", xBC.device)(xBC, conv_state, weight, bias, parents, activation)
 
 
 def replay_states(conv_state, ssm_state, xBC, x, dt, A, B, path, path_len):

@@ -81,8 +81,6 @@ def test_tree_conv_and_replay_gpu(tree_name):
     _poison(want.numel() * 2)
     got = tree_conv(xbc, cs, w, bias, parents)
     assert torch.isfinite(got).all() and _rel(got, want) < 4e-3  # bf16 output: rounding-level
-    state = torch.randn(2, H, P, S, device=DEV)  # the L2 prefetch of the next kernel's input changes nothing
-    assert torch.equal(tree_conv(xbc, cs, w, bias, parents, l2_prefetch=state), got)
     deepest = max(range(n), key=lambda i: len(tree.path(i)))
     path = torch.tensor([tree.path(deepest)] * 2, device=DEV)
     path_len = torch.tensor([path.shape[1], max(1, path.shape[1] // 2)], device=DEV)

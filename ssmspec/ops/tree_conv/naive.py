@@ -50,11 +50,8 @@ def naive_tree_conv(
     bias: torch.Tensor | None,
     parents: torch.Tensor,
     activation: str | None = "silu",
-    l2_prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv where each node convolves over its own path, then the activation.
-
-    l2_prefetch is a cache hint for the kernel (ops/prefetch.py); the reference ignores it.
 
     Args:
         xBC: (B, N, C) pre-conv inputs of the tree nodes.

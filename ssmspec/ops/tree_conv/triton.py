@@ -11,9 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import prefetch
 from ..pdl import gdc_launch_dependents, gdc_wait
-from ..prefetch import prefetch_share
 from ..step_update.triton import _pdl_args
 
 
@@ -21,11 +19,6 @@ CONV_TILE: tuple[int, int, int] | None = None
 """(nodes, channels, warps) per program; None: the best of the H100 sweep (bench_kernels.py
 --scan-sweep, 2.7b shape): (1, 256, 1) up to 32 nodes (16 nodes: 1.17 against 1.86 us for
 (2, 128, 1)), else (2, 256, 2) (64 nodes: 1.71 against 1.93 us)."""
-
-
-PREFETCH_L2 = True
-"""The conv prefetches the tensor it is given (`l2_prefetch`: the layer's SSM state) into L2;
-benchmarks turn it off."""
 
 
 @triton.jit
@@ -39,7 +32,6 @@ def _tree_conv_kernel(
     K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,
-    pf_ptr=None, pf_lines=0, PREFETCH: tl.constexpr = False,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
@@ -75,9 +67,6 @@ def _tree_conv_kernel(
                          mask=live & (slot >= 0)[:, :, None], other=0.0)
     # Round the cached inputs to the tree inputs' dtype first, as the reference does.
     window = from_state.to(x_ptr.dtype.element_ty).to(tl.float32)
-    if PREFETCH:  # ops/prefetch.py: the SSM state the tree scan reads next, into L2 while in_proj streams
-        part = (b * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
-        prefetch_share(pf_ptr, pf_lines, part, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2))
     if USE_PDL:  # wait for the previous kernel (in_proj) before reading its output or writing
         gdc_wait()
     window += tl.load(x_ptr + b * sxb + src[:, :, None] * sxn + offs_c[None, None, :] * sxc,
@@ -98,7 +87,6 @@ def tree_conv(
     bias: torch.Tensor | None,
     parents: torch.Tensor,
     activation: str | None = "silu",
-    l2_prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv where each node convolves over its own path, then the activation.
 
@@ -110,8 +98,6 @@ def tree_conv(
         weight: (C, K) depthwise kernel (weight[:, -1] multiplies the current token).
         bias: (C,) or None.
         parents: (N,) int, -1 for the root.
-        l2_prefetch: a contiguous tensor that the next kernel reads (the layer's SSM state, for
-            the tree scan), prefetched into L2 before the PDL wait where PREFETCH_L2 allows.
     Returns:
         (B, N, C) in xBC's dtype.
     """
@@ -139,7 +125,5 @@ def tree_conv(
         *xBC.stride(), *conv_state.stride(), *weight.stride(), *out.stride(),
         K=kernel_size, HAS_BIAS=bias is not None, SILU=activation == "silu",
         BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_K=triton.next_power_of_2(kernel_size), num_warps=warps, **_pdl_args(out.device),
-        **({"pf_ptr": l2_prefetch, "pf_lines": prefetch.lines(l2_prefetch), "PREFETCH": True}
-           if PREFETCH_L2 and prefetch.available(l2_prefetch) and l2_prefetch.is_contiguous() else {}),
     )
     return out
