@@ -30,7 +30,8 @@ RESULTS: dict = {}
 
 
 def median_ms(fn, iters: int = 50, warmup: int = 5) -> float:
-    """Median wall time of fn (synchronised, CUDA events), in ms."""
+    """Median GPU time of fn (CUDA events, synchronised, a spin before each; see
+    `restored_call_times`), in ms."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -132,13 +133,23 @@ def time_tree_iteration(model, prompt, tree: Tree, vocab: int) -> dict:
     return info
 
 
+SPIN_CYCLES = 200_000
+"""GPU cycles (~0.1 ms) of the spin queued before each timed call's start event: longer than the
+host takes to submit the call, so the interval holds GPU work only (run 79, bench/timing_probe.py:
+with an idle GPU before the start event the AR step read 15-50 us more than 100 back-to-back
+replays; with the spin, within 5 us of them)."""
+
+
 def restored_call_times(restore, call, iters: int) -> list[float]:
     """Sorted ms of call() by CUDA events around it alone, after restore() each time (in stream
     order the start event follows the restore): subtracting a separately measured median restore
-    time instead added up to ~10% of noise."""
+    time instead added up to ~10% of noise. A GPU spin between the restore and the start event
+    keeps the GPU busy while the host submits the call (see SPIN_CYCLES): the time measured is
+    the call's GPU time, as the copy that sets the weight-read floor is measured."""
     times = []
     for _ in range(iters):
         restore()
+        torch.cuda._sleep(SPIN_CYCLES)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         call()
