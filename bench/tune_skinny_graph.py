@@ -43,8 +43,10 @@ CONV_TILES = [(1, 128, 1), (2, 128, 1), (1, 256, 2), (2, 256, 2), (1, 512, 2), (
 # one-row GEMV (AR step) candidates, GemvConfig fields (block_n, block_k, warps, split, persistent,
 # unroll, preload); block_k 0 with preload: the whole K (ops/gemv/triton.preload_blocks)
 AR_OUT = [(1, 0, 4, 1, 0, False, True), (1, 0, 2, 1, 0, False, True), (2, 0, 4, 1, 0, False, True),
-          (2, 0, 8, 1, 0, False, True)]
-AR_IN = [(1, 0, 2, 1, 0, False, True), (2, 0, 4, 1, 0, False, True), (1, 0, 8, 1, 0, False, True)]
+          (2, 0, 8, 1, 0, False, True), (4, 0, 4, 1, 0, False, True), (4, 0, 8, 1, 0, False, True),
+          (8, 0, 8, 1, 0, False, True)]
+AR_IN = [(1, 0, 2, 1, 0, False, True), (2, 0, 4, 1, 0, False, True), (1, 0, 8, 1, 0, False, True),
+         (2, 0, 8, 1, 0, False, True), (4, 0, 8, 1, 0, False, True)]
 """Settings of ops/tree_scan/triton's knobs to time with the best projections ({}: the defaults)."""
 
 
