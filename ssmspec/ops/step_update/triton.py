@@ -94,10 +94,14 @@ def _step_ssm_kernel(
     WRITE_SQ: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
     PRELOAD_STATE: tl.constexpr = False,
+    POLL_INT: tl.constexpr = None,
 ):
+    # POLL_INT (the integer type of the activations' width): xBC, dt_raw and z are views of a
+    # polled in_proj buffer (`mamba_sublayer_step`): instead of waiting for all of in_proj, each
+    # program reads its inputs until none is the all-ones "not written yet" pattern.
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
-        if not PRELOAD_STATE:
+        if not PRELOAD_STATE and POLL_INT is None:
             gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -134,12 +138,41 @@ def _step_ssm_kernel(
     dt_b = tl.load(dtb_ptr + h).to(tl.float32)
     A = -tl.exp(tl.load(Alog_ptr + h).to(tl.float32))
     D = tl.load(D_ptr + h).to(tl.float32)
-    if USE_PDL and PRELOAD_STATE:
-        gdc_wait()
-
-    new_x = tl.load(xbc_ptr + b * sxb + cx * sxc, mask=mask_p, other=0.0)
-    new_B = tl.load(xbc_ptr + b * sxb + cB * sxc, mask=mask_s, other=0.0)
-    new_C = tl.load(xbc_ptr + b * sxb + cC * sxc, mask=mask_s, other=0.0)
+    if POLL_INT is None:
+        if USE_PDL and PRELOAD_STATE:
+            gdc_wait()
+        new_x = tl.load(xbc_ptr + b * sxb + cx * sxc, mask=mask_p, other=0.0)
+        new_B = tl.load(xbc_ptr + b * sxb + cB * sxc, mask=mask_s, other=0.0)
+        new_C = tl.load(xbc_ptr + b * sxb + cC * sxc, mask=mask_s, other=0.0)
+    else:
+        # Written by in_proj's programs with plain stores: each value is its own flag (a
+        # 16/32-bit store lands whole), and volatile loads go to L2, where they become visible.
+        # A program that sees its values passed in_proj's wait, so out_proj of the layer
+        # before (whose buffers this kernel may reuse) is done too.
+        xi = xbc_ptr.to(tl.pointer_type(POLL_INT))
+        di = dtr_ptr.to(tl.pointer_type(POLL_INT))
+        zi = z_ptr.to(tl.pointer_type(POLL_INT))
+        bx = tl.full([BLOCK_P], -1, POLL_INT)
+        bB = tl.full([BLOCK_S], -1, POLL_INT)
+        bC = tl.full([BLOCK_S], -1, POLL_INT)
+        bz = tl.full([BLOCK_P], -1, POLL_INT)
+        bd = tl.full([1], -1, POLL_INT)
+        missing = 1
+        while missing > 0:
+            bx = tl.load(xi + b * sxb + cx * sxc, mask=mask_p, other=0, volatile=True)
+            bB = tl.load(xi + b * sxb + cB * sxc, mask=mask_s, other=0, volatile=True)
+            bC = tl.load(xi + b * sxb + cC * sxc, mask=mask_s, other=0, volatile=True)
+            bz = tl.load(zi + b * szb + cx * szc, mask=mask_p, other=0, volatile=True)
+            bd = tl.load(di + b * sdb + h * sdh + tl.arange(0, 1), volatile=True)
+            missing = (tl.sum((bx == -1).to(tl.int32), axis=0) + tl.sum((bB == -1).to(tl.int32), axis=0)
+                       + tl.sum((bC == -1).to(tl.int32), axis=0) + tl.sum((bz == -1).to(tl.int32), axis=0)
+                       + tl.sum((bd == -1).to(tl.int32), axis=0))
+        in_dt: tl.constexpr = xbc_ptr.dtype.element_ty
+        new_x = bx.to(in_dt, bitcast=True)
+        new_B = bB.to(in_dt, bitcast=True)
+        new_C = bC.to(in_dt, bitcast=True)
+        z_raw = bz.to(z_ptr.dtype.element_ty, bitcast=True)
+        dt_raw = tl.sum(bd.to(dtr_ptr.dtype.element_ty, bitcast=True).to(tl.float32), axis=0)
     acc_x += new_x.to(tl.float32) * wx
     acc_B += new_B.to(tl.float32) * wB
     acc_C += new_C.to(tl.float32) * wC
@@ -148,11 +181,17 @@ def _step_ssm_kernel(
     Bv = (acc_B * tl.sigmoid(acc_B)).to(in_dtype).to(tl.float32)
     Cv = (acc_C * tl.sigmoid(acc_C)).to(in_dtype).to(tl.float32)
 
-    dt = _softplus(tl.load(dtr_ptr + b * sdb + h * sdh).to(tl.float32) + dt_b)
+    if POLL_INT is None:
+        dt = _softplus(tl.load(dtr_ptr + b * sdb + h * sdh).to(tl.float32) + dt_b)
+    else:
+        dt = _softplus(dt_raw + dt_b)
     dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
     state = state * tl.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
     y = tl.sum(state * Cv[None, :], axis=1) + x * D
-    zv = tl.load(z_ptr + b * szb + cx * szc, mask=mask_p, other=0.0).to(tl.float32)
+    if POLL_INT is None:
+        zv = tl.load(z_ptr + b * szb + cx * szc, mask=mask_p, other=0.0).to(tl.float32)
+    else:
+        zv = z_raw.to(tl.float32)
     out_dtype = z_ptr.dtype.element_ty
     gated = y.to(out_dtype).to(tl.float32) * (zv * tl.sigmoid(zv))
     tl.store(g_ptr + b * sgb + cx, gated, mask=mask_p)
@@ -489,12 +528,16 @@ def _step_out_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr, PRELOAD: tl.constexpr,
     K_CONV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_KC: tl.constexpr, USE_PDL: tl.constexpr,
     GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0,
+    rst_ptr=None, rst_n=0, rst_bc_lo=0, rst_bc_hi=0, RESET_INT: tl.constexpr = None, BLOCK_RST: tl.constexpr = 16,
 ):
     """out_proj of one row (batch 1) whose input is the gated value g of `_step_ssm_kernel`: the
     gated RMSNorm runs in the GEMV's prologue (its weight folded into out_proj's, see
     ops/gemv `norm_linear`) and the residual add in its epilogue. Program 0 also does the step's
     deferred conv-state shift of the B and C channels (see the module docstring): after the GEMV
-    tile's wait every step-kernel program that read the old window is done."""
+    tile's wait every step-kernel program that read the old window is done. RESET_INT: the
+    in_proj output at rst_ptr (rst_n values) is a polled buffer (`mamba_sublayer_step`), set back
+    to "not written" here, after the step kernel has read all of it: program 0 resets the B and C
+    rows [rst_bc_lo, rst_bc_hi) after its shift has read them, every program its share of the rest."""
     if USE_PDL:
         gdc_launch_dependents()
     _gemv_tile(g_ptr, w_ptr, bias_ptr, y_ptr, tl.program_id(0), 0, N, K, swn, HAS_BIAS, False, BLOCK_N, BLOCK_K,
@@ -508,6 +551,15 @@ def _step_out_kernel(
                 ch = d_inner + which * G * S + grp * S + offs_s
                 new = tl.load(xbc_ptr + ch * sxc, mask=mask_s, other=0.0)
                 _shift_in(cs_ptr, ch, mask_s, new, scc, sck, K_CONV, BLOCK_KC)
+        if RESET_INT is not None:
+            tl.debug_barrier()  # the shift's reads of B and C before their reset
+            offs_bc = rst_bc_lo + tl.arange(0, BLOCK_RST)
+            tl.store(rst_ptr + offs_bc, tl.full([BLOCK_RST], -1, RESET_INT), mask=offs_bc < rst_bc_hi)
+    if RESET_INT is not None:
+        share = tl.cdiv(rst_n, tl.num_programs(0))
+        offs_r = tl.program_id(0) * share + tl.arange(0, BLOCK_RST)
+        live = (offs_r < tl.minimum((tl.program_id(0) + 1) * share, rst_n)) & ((offs_r < rst_bc_lo) | (offs_r >= rst_bc_hi))
+        tl.store(rst_ptr + offs_r, tl.full([BLOCK_RST], -1, RESET_INT), mask=live)
 
 
 def mamba_step_out(
@@ -530,8 +582,13 @@ def mamba_step_out(
     out_weight: torch.Tensor,
     out_bias: torch.Tensor | None,
     residual: torch.Tensor | None = None,
+    polled: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`mamba_step`, out_proj and the residual add; same contract as `naive_mamba_step_out`.
+
+    polled: the in_proj output buffer that xBC, dt_raw and z are views of, written by
+    `mamba_sublayer_step`'s in_proj (fused path only): the step kernel polls it instead of
+    waiting for in_proj, and out_proj sets it back to "not written".
 
     With the gated norm's weight folded into out_weight (norm_weight None) at batch 1: two
     launches, the step kernel (writing the gated value in z's dtype) and an out_proj GEMV that
@@ -551,6 +608,8 @@ def mamba_step_out(
     if not fused:
         out = linear(mamba_step(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
                                 norm_weight, n_groups, norm_groups, dt_min, dt_max, eps), out_weight, out_bias)
+        if polled is not None:  # the waiting kernels read it; set it back to "not written" here
+            polled.view(_TORCH_INT[polled.element_size()]).fill_(-1)
         return out if residual is None else residual + out.to(residual.dtype)
     if kernel_size < 2 or ssm_state.dtype != torch.float32 or tuple(xBC.shape) != (batch, channels) \
             or channels != d_inner + 2 * n_groups * d_state or tuple(z.shape) != (batch, d_inner) \
@@ -572,13 +631,75 @@ def mamba_step_out(
         K=kernel_size, HAS_BIAS=conv_bias is not None,
         BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_K=block_k, WRITE_SQ=False,
         num_warps=4, **_pdl_args(z.device, preload_state=True),
+        **({} if polled is None else {"POLL_INT": _SENTINEL_INT[polled.element_size()]}),
     )
     return _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, norm_groups, eps, n_groups,
-                            d_state, kernel_size)
+                            d_state, kernel_size, polled)
+
+
+_SENTINEL_INT = {2: tl.int16, 4: tl.int32}
+"""The integer type of a polled buffer's element width; all ones (-1) means "not written yet"."""
+_TORCH_INT = {2: torch.int16, 4: torch.int32}
+
+POLLED_STEP = True
+"""`mamba_sublayer_step` runs the step kernel on a polled in_proj buffer where it can; benchmarks
+turn it off to time the kernel that waits for all of in_proj."""
+
+
+def polled_buffer(rows: int, device, dtype: torch.dtype) -> torch.Tensor:
+    """A (1, rows) buffer for `mamba_sublayer_step`, every element "not written yet"."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return torch.full((1, rows), -1, device=device, dtype=_TORCH_INT[size]).view(dtype)
+
+
+def mamba_sublayer_step(h, in_weight, in_bias, pre_norm_eps, conv_state, ssm_state, conv_weight, conv_bias, dt_bias,
+                        A_log, D, n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias, buffers=None):
+    """A whole folded Mamba sublayer for one token: h + out_proj(step(in_proj(RMSNorm(h)))) with
+    both norms' weights folded into the projections; same contract as `naive_mamba_sublayer_step`.
+
+    With `buffers` (a dict the layer keeps, where this keeps a `polled_buffer` of in_proj's rows)
+    at batch 1 on the GEMV path, three launches whose middle one does not wait for all of in_proj: in_proj computes its
+    rows in the order B, C, dt, then head by head x and z (`_mamba_in_row`) into `work`, each
+    step-kernel program (one head's block of channels) reads its inputs until they are all
+    written, and out_proj sets `work` back to "not written" after the step kernel is done. The
+    step of most heads then runs while in_proj still streams the remaining heads' weights.
+    Otherwise `norm_linear` and `mamba_step_out` (the step kernel waits for in_proj)."""
+    from ..gemv.triton import GemvConfig, _as_vector, _config, _launch_gemv, norm_linear
+
+    batch = h.shape[0]
+    heads, head_dim, d_state = ssm_state.shape[1:]
+    d_inner = heads * head_dim
+    rows, k = in_weight.shape
+    cfg = GemvConfig(*_config(rows, k, h.device))
+    polled = (POLLED_STEP and buffers is not None and batch == 1 and h.numel() == k and cfg[0] == 1 and cfg[3] == 1
+              and not cfg[4] and in_weight.stride(-1) == 1 and h.element_size() in _SENTINEL_INT
+              and rows == 2 * d_inner + 2 * n_groups * d_state + heads
+              and (h.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
+    if polled:
+        key = ("polled in_proj", str(h.device), h.dtype)
+        work = buffers.get(key)
+        if work is None or tuple(work.shape) != (1, rows):
+            work = buffers[key] = polled_buffer(rows, h.device, h.dtype)
+        elif buffers.get((key, "dirty")):  # a call stopped between in_proj and out_proj: start clean
+            work.view(_TORCH_INT[work.element_size()]).fill_(-1)
+        buffers[(key, "dirty")] = True
+        _launch_gemv(_as_vector(h, k), in_weight, in_bias, work.view(-1), cfg, partial=False, norm_groups=1,
+                     eps=pre_norm_eps, row_map=(d_inner, 2 * n_groups * d_state + heads, head_dim),
+                     sentinel_int=_SENTINEL_INT[work.element_size()])
+        zxbcdt = work
+    else:
+        zxbcdt = norm_linear(h, in_weight, in_bias, 1, pre_norm_eps)
+    z, xBC, dt_raw = zxbcdt.reshape(batch, rows).split([d_inner, rows - d_inner - heads, heads], dim=-1)
+    out = mamba_step_out(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, None,
+                         n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias, residual=h,
+                         polled=work if polled else None)
+    if polled:
+        buffers[(key, "dirty")] = False
+    return out
 
 
 def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, norm_groups, eps, n_groups, d_state,
-                     kernel_size):
+                     kernel_size, polled=None):
     """`_step_out_kernel` for one row: out_proj of the gated value with the gated norm and the
     residual add inside, and the deferred B/C conv-state shift."""
     from ..gemv.triton import GemvConfig, _config, grouped_epilogue, preload_blocks
@@ -606,6 +727,18 @@ def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, nor
         BLOCK_KC=max(2, triton.next_power_of_2(kernel_size - 1)),
         USE_PDL=use_pdl, GROUPED=bool(preload) and grouped_epilogue(d_inner, cfg_k, norm_groups), BLOCK_K2=cfg_k2,
         num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
+        **({} if polled is None else _reset_args(polled, d_inner, n_groups * d_state, triton.cdiv(n_out, block_n))),
     )
     return y
+
+
+def _reset_args(polled: torch.Tensor, d_inner: int, group_states: int, programs: int) -> dict:
+    """`_step_out_kernel`'s arguments that set the polled in_proj buffer back to "not written"."""
+    n = polled.numel()
+    bc_lo = 2 * d_inner  # z (d_inner), x (d_inner), then B and C
+    bc_hi = bc_lo + 2 * group_states
+    int_t = _TORCH_INT[polled.element_size()]
+    return dict(rst_ptr=polled.view(int_t), rst_n=n, rst_bc_lo=bc_lo, rst_bc_hi=bc_hi,
+                RESET_INT=_SENTINEL_INT[polled.element_size()],
+                BLOCK_RST=triton.next_power_of_2(max(triton.cdiv(n, programs), bc_hi - bc_lo, 16)))
 
