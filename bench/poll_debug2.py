@@ -1,0 +1,28 @@
+"""Debug: the polled step inside a whole model (eager), layer counts 2, 8, 64, with a watchdog."""
+import sys
+import torch
+from ssmspec.models.presets import build_model
+from ssmspec.ops import dispatch
+from ssmspec.ops.step_update import triton as SU
+
+n_layers = int(sys.argv[1])
+torch.manual_seed(0)
+model = build_model("mamba2-2.7b", dtype=torch.bfloat16, device="cuda").fold_norm_weights_()
+model.layers = model.layers[:n_layers]
+dispatch.set_backend("triton")
+prompt = torch.randint(0, 1000, (1, 8), device="cuda")
+res = {}
+for polled in (False, True):
+    SU.POLLED_STEP = polled
+    cache = model.new_cache(1, 64)
+    with torch.inference_mode():
+        model(prompt, cache)
+        tok = prompt[:, -1:]
+        outs = []
+        for i in range(3):
+            logits = model.step(tok, cache)
+            torch.cuda.synchronize()
+            print(f"layers {n_layers} polled {polled} step {i} ok", flush=True)
+            outs.append(logits.clone())
+    res[polled] = outs
+print("equal", [torch.equal(a, b) for a, b in zip(res[True], res[False])], flush=True)
