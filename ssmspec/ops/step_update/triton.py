@@ -549,7 +549,9 @@ def _step_out_kernel(
         for grp in range(0, G):
             for which in tl.static_range(2):
                 ch = d_inner + which * G * S + grp * S + offs_s
-                new = tl.load(xbc_ptr + ch * sxc, mask=mask_s, other=0.0)
+                # volatile for a polled buffer: it lives at the same address every step, and a
+                # plain load may hit this SM's L1 copy of an earlier step's values
+                new = tl.load(xbc_ptr + ch * sxc, mask=mask_s, other=0.0, volatile=RESET_INT is not None)
                 _shift_in(cs_ptr, ch, mask_s, new, scc, sck, K_CONV, BLOCK_KC)
         if RESET_INT is not None:
             tl.debug_barrier()  # the shift's reads of B and C before their reset
