@@ -296,9 +296,10 @@ def test_norm_linear_gpu(rows, n, k, norm_groups):
 
 
 def test_polled_sublayer_step_gpu(monkeypatch):
-    """mamba2-2.7b layer sizes, bf16: the sublayer whose step kernel polls in_proj's buffer (no
-    wait for all of in_proj) gives the same output and states, bit for bit, as the kernels that
-    wait, over 5 steps in a row, eagerly and replayed from a CUDA graph."""
+    """mamba2-2.7b layer sizes, bf16: the sublayer whose step programs run in in_proj's launch and
+    poll its buffer gives the output and states of the kernels that wait, over 5 steps in a row,
+    eagerly and replayed from a CUDA graph (the two compile the state update's multiply-adds
+    differently: fp32 states agree to ~1e-7, so bf16 outputs may differ in a last bit)."""
     from ssmspec.ops.step_update import triton as SU
 
     bf = torch.bfloat16
@@ -343,5 +344,6 @@ def test_polled_sublayer_step_gpu(monkeypatch):
         want, wc, ws = run(False, graph)
         got, gc_, gs = run(True, graph)
         for i, (a, b) in enumerate(zip(got, want)):
-            assert torch.isfinite(a).all() and torch.equal(a, b), f"step {i} (graph {graph})"
-        assert torch.equal(gc_, wc) and torch.equal(gs, ws), f"states (graph {graph})"
+            assert torch.isfinite(a).all() and _rel(a, b) < 1e-3, f"step {i} (graph {graph}): {_rel(a, b):.2e}"
+        assert_close(gs, ws, atol=1e-4, rtol=1e-4, name=f"ssm state (graph {graph})")
+        assert _rel(gc_, wc) < 1e-3, f"conv state (graph {graph})"

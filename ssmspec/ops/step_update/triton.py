@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .. import pdl
-from ..gemv.triton import _gemv_tile
+from ..gemv.triton import _gemv_tile, _mamba_in_row
 from ..pdl import gdc_launch_dependents, gdc_wait
 
 
@@ -81,7 +81,8 @@ def _shift_in(state_row, ch, mask_c, new, scc, sck, K: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
-def _step_ssm_kernel(
+def _step_ssm_program(
+    b, h, pb, npb,
     xbc_ptr, dtr_ptr, z_ptr, cs_ptr, h_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr, sq_ptr,
     H, P, S, G, heads_per_group, dt_min, dt_max,
     sxb, sxc, sdb, sdh, szb, szc,
@@ -96,17 +97,13 @@ def _step_ssm_kernel(
     PRELOAD_STATE: tl.constexpr = False,
     POLL_INT: tl.constexpr = None,
 ):
-    # POLL_INT (the integer type of the activations' width): xBC, dt_raw and z are views of a
-    # polled in_proj buffer (`mamba_sublayer_step`): instead of waiting for all of in_proj, each
-    # program reads its inputs until none is the all-ones "not written yet" pattern.
-    if USE_PDL:  # ops/pdl.py: the next kernel may launch now
-        gdc_launch_dependents()
-        if not PRELOAD_STATE and POLL_INT is None:
-            gdc_wait()
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    """Program (row b, head h, P block pb of npb) of the step kernel (`_step_ssm_kernel`), or of
+    `_in_proj_step_kernel`'s step part. POLL_INT (the integer type of the activations' width):
+    xBC, dt_raw and z are views of a polled in_proj buffer (`mamba_sublayer_step`): instead of
+    waiting for in_proj, the program reads its inputs until none is the all-ones "not written
+    yet" pattern."""
     grp = h // heads_per_group
-    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_s = tl.arange(0, BLOCK_S)
     mask_p = offs_p < P
     mask_s = offs_s < S
@@ -145,10 +142,10 @@ def _step_ssm_kernel(
         new_B = tl.load(xbc_ptr + b * sxb + cB * sxc, mask=mask_s, other=0.0)
         new_C = tl.load(xbc_ptr + b * sxb + cC * sxc, mask=mask_s, other=0.0)
     else:
-        # Written by in_proj's programs with plain stores: each value is its own flag (a
-        # 16/32-bit store lands whole), and volatile loads go to L2, where they become visible.
-        # A program that sees its values passed in_proj's wait, so out_proj of the layer
-        # before (whose buffers this kernel may reuse) is done too.
+        # Written by in_proj's programs of the same launch with plain stores: each value is its
+        # own flag (a 16/32-bit store lands whole), and volatile loads go to L2, where they
+        # become visible. A program that sees its values knows in_proj passed its PDL wait, so
+        # out_proj of the layer before (whose buffers this one may reuse) is done too.
         xi = xbc_ptr.to(tl.pointer_type(POLL_INT))
         di = dtr_ptr.to(tl.pointer_type(POLL_INT))
         zi = z_ptr.to(tl.pointer_type(POLL_INT))
@@ -196,12 +193,81 @@ def _step_ssm_kernel(
     gated = y.to(out_dtype).to(tl.float32) * (zv * tl.sigmoid(zv))
     tl.store(g_ptr + b * sgb + cx, gated, mask=mask_p)
     if WRITE_SQ:  # this block's sum of squares, for the gated norm kernel
-        tl.store(sq_ptr + (b * H + h) * tl.num_programs(2) + tl.program_id(2),
+        tl.store(sq_ptr + (b * H + h) * npb + pb,
                  tl.sum(tl.where(mask_p, gated * gated, 0.0), axis=0))
     # In-place writes last; the barrier in _shift_in also orders every replicated copy of the
     # state tile's loads before these stores.
     _shift_in(state_row, cx, mask_p, new_x, scc, sck, K, BLOCK_K)  # this program owns these x channels
     tl.store(h_ptrs, state, mask=mask_ps)
+
+
+@triton.jit
+def _step_ssm_kernel(
+    xbc_ptr, dtr_ptr, z_ptr, cs_ptr, h_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr, sq_ptr,
+    H, P, S, G, heads_per_group, dt_min, dt_max,
+    sxb, sxc, sdb, sdh, szb, szc,
+    scb, scc, sck,
+    shb, shh, shp, shs,
+    swc, swk,
+    sgb,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+    WRITE_SQ: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
+    PRELOAD_STATE: tl.constexpr = False,
+):
+    if USE_PDL:  # ops/pdl.py: the next kernel may launch now
+        gdc_launch_dependents()
+        if not PRELOAD_STATE:
+            gdc_wait()
+    _step_ssm_program(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2),
+        xbc_ptr, dtr_ptr, z_ptr, cs_ptr, h_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr, sq_ptr,
+        H, P, S, G, heads_per_group, dt_min, dt_max, sxb, sxc, sdb, sdh, szb, szc, scb, scc, sck,
+        shb, shh, shp, shs, swc, swk, sgb, K, HAS_BIAS, BLOCK_P, BLOCK_S, BLOCK_K, WRITE_SQ, USE_PDL,
+        PRELOAD_STATE,
+    )
+
+
+@triton.jit
+def _in_proj_step_kernel(
+    x_ptr, w_ptr, wb_ptr, y_ptr, N, KI, swn, eps, map_d_inner, map_first,
+    xbc_ptr, dtr_ptr, z_ptr, cs_ptr, h_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr,
+    H, P, S, G, heads_per_group, dt_min, dt_max,
+    sxb, sxc, sdb, sdh, szb, szc,
+    scb, scc, sck,
+    shb, shh, shp, shs,
+    swc, swk,
+    sgb,
+    HAS_WBIAS: tl.constexpr, BLOCK_KI: tl.constexpr, BLOCK_KI2: tl.constexpr, POLL_INT: tl.constexpr,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    """in_proj (batch 1, the pre-norm inside, one row per program) and the step in one launch.
+    Programs [0, N) compute in_proj's rows in `_mamba_in_row`'s order (B, C, dt, then each head's
+    x and z) into the polled buffer at y_ptr; programs from N on are the step kernel's (head, P
+    block) programs, which poll that buffer for their rows instead of waiting. Blocks are
+    dispatched in index order, so a step program runs only once every in_proj program has been
+    placed on an SM: its wait cannot keep them from running (a separate, early-launched step
+    kernel could, and under CUDA graphs did)."""
+    if USE_PDL:
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    if pid < N:
+        _gemv_tile(x_ptr, w_ptr, wb_ptr, y_ptr, _mamba_in_row(pid, map_d_inner, map_first, P), 0, N, KI, swn,
+                   HAS_WBIAS, False, 1, BLOCK_KI, BLOCK_KI + BLOCK_KI2, False, True, USE_PDL, None, KI, eps, 1,
+                   False, 1, False, BLOCK_KI2, POLL_INT)
+    else:
+        npb = tl.cdiv(P, BLOCK_P)
+        q = pid - N
+        _step_ssm_program(
+            0, q // npb, q % npb, npb,
+            xbc_ptr, dtr_ptr, z_ptr, cs_ptr, h_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr, g_ptr,
+            H, P, S, G, heads_per_group, dt_min, dt_max, sxb, sxc, sdb, sdh, szb, szc, scb, scc, sck,
+            shb, shh, shp, shs, swc, swk, sgb, K, HAS_BIAS, BLOCK_P, BLOCK_S, BLOCK_K, False, USE_PDL, True,
+            POLL_INT,
+        )
 
 
 @triton.jit
@@ -584,13 +650,8 @@ def mamba_step_out(
     out_weight: torch.Tensor,
     out_bias: torch.Tensor | None,
     residual: torch.Tensor | None = None,
-    polled: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`mamba_step`, out_proj and the residual add; same contract as `naive_mamba_step_out`.
-
-    polled: the in_proj output buffer that xBC, dt_raw and z are views of, written by
-    `mamba_sublayer_step`'s in_proj (fused path only): the step kernel polls it instead of
-    waiting for in_proj, and out_proj sets it back to "not written".
 
     With the gated norm's weight folded into out_weight (norm_weight None) at batch 1: two
     launches, the step kernel (writing the gated value in z's dtype) and an out_proj GEMV that
@@ -610,8 +671,6 @@ def mamba_step_out(
     if not fused:
         out = linear(mamba_step(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
                                 norm_weight, n_groups, norm_groups, dt_min, dt_max, eps), out_weight, out_bias)
-        if polled is not None:  # the waiting kernels read it; set it back to "not written" here
-            polled.view(_TORCH_INT[polled.element_size()]).fill_(-1)
         return out if residual is None else residual + out.to(residual.dtype)
     if kernel_size < 2 or ssm_state.dtype != torch.float32 or tuple(xBC.shape) != (batch, channels) \
             or channels != d_inner + 2 * n_groups * d_state or tuple(z.shape) != (batch, d_inner) \
@@ -633,10 +692,9 @@ def mamba_step_out(
         K=kernel_size, HAS_BIAS=conv_bias is not None,
         BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_K=block_k, WRITE_SQ=False,
         num_warps=4, **_pdl_args(z.device, preload_state=True),
-        **({} if polled is None else {"POLL_INT": _SENTINEL_INT[polled.element_size()]}),
     )
     return _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, norm_groups, eps, n_groups,
-                            d_state, kernel_size, polled)
+                            d_state, kernel_size)
 
 
 _SENTINEL_INT = {2: tl.int16, 4: tl.int32}
@@ -660,43 +718,59 @@ def mamba_sublayer_step(h, in_weight, in_bias, pre_norm_eps, conv_state, ssm_sta
     both norms' weights folded into the projections; same contract as `naive_mamba_sublayer_step`.
 
     With `buffers` (a dict the layer keeps, where this keeps a `polled_buffer` of in_proj's rows)
-    at batch 1 on the GEMV path, three launches whose middle one does not wait for all of in_proj: in_proj computes its
-    rows in the order B, C, dt, then head by head x and z (`_mamba_in_row`) into `work`, each
-    step-kernel program (one head's block of channels) reads its inputs until they are all
-    written, and out_proj sets `work` back to "not written" after the step kernel is done. The
-    step of most heads then runs while in_proj still streams the remaining heads' weights.
-    Otherwise `norm_linear` and `mamba_step_out` (the step kernel waits for in_proj)."""
-    from ..gemv.triton import GemvConfig, _as_vector, _config, _launch_gemv, norm_linear
+    at batch 1 on the one-row GEMV path: two launches. `_in_proj_step_kernel` computes in_proj's
+    rows in the order B, C, dt, then head by head x and z, and its last programs run the step of
+    one head's block of channels each as soon as that head's rows are written (they poll the
+    buffer), so the step overlaps in_proj's last wave instead of following it; out_proj then sets
+    the buffer back to "not written". Otherwise `norm_linear` and `mamba_step_out` (three launches)."""
+    from ..gemv.triton import GemvConfig, _as_vector, _config, norm_linear, preload_blocks
 
     batch = h.shape[0]
     heads, head_dim, d_state = ssm_state.shape[1:]
+    channels, kernel_size = conv_weight.shape
     d_inner = heads * head_dim
     rows, k = in_weight.shape
     cfg = GemvConfig(*_config(rows, k, h.device))
+    fused_out = (out_weight.stride(-1) == 1 and d_inner % norm_groups == 0 and tuple(out_weight.shape[1:]) == (d_inner,)
+                 and kernel_size >= 2 and ssm_state.dtype == torch.float32 and tuple(conv_state.shape) == (1, channels, kernel_size - 1))
     polled = (POLLED_STEP and buffers is not None and batch == 1 and h.numel() == k and cfg[0] == 1 and cfg[3] == 1
-              and not cfg[4] and in_weight.stride(-1) == 1 and h.element_size() in _SENTINEL_INT
-              and rows == 2 * d_inner + 2 * n_groups * d_state + heads
-              and (h.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
-    if polled:
-        key = ("polled in_proj", str(h.device), h.dtype)
-        work = buffers.get(key)
-        if work is None or tuple(work.shape) != (1, rows):
-            work = buffers[key] = polled_buffer(rows, h.device, h.dtype)
-        elif buffers.get((key, "dirty")):  # a call stopped between in_proj and out_proj: start clean
-            work.view(_TORCH_INT[work.element_size()]).fill_(-1)
-        buffers[(key, "dirty")] = True
-        _launch_gemv(_as_vector(h, k), in_weight, in_bias, work.view(-1), cfg, partial=False, norm_groups=1,
-                     eps=pre_norm_eps, row_map=(d_inner, 2 * n_groups * d_state + heads, head_dim),
-                     sentinel_int=_SENTINEL_INT[work.element_size()])
-        zxbcdt = work
-    else:
-        zxbcdt = norm_linear(h, in_weight, in_bias, 1, pre_norm_eps)
-    z, xBC, dt_raw = zxbcdt.reshape(batch, rows).split([d_inner, rows - d_inner - heads, heads], dim=-1)
-    out = mamba_step_out(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, None,
-                         n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias, residual=h,
-                         polled=work if polled else None)
-    if polled:
-        buffers[(key, "dirty")] = False
+              and not cfg[4] and cfg[6] and in_weight.stride(-1) == 1 and h.element_size() in _SENTINEL_INT
+              and rows == 2 * d_inner + 2 * n_groups * d_state + heads and channels == d_inner + 2 * n_groups * d_state
+              and fused_out and (h.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
+    if not polled:
+        z, xBC, dt_raw = norm_linear(h, in_weight, in_bias, 1, pre_norm_eps).reshape(batch, rows).split(
+            [d_inner, channels, heads], dim=-1)
+        return mamba_step_out(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, None,
+                              n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias, residual=h)
+    key = ("polled in_proj", str(h.device), h.dtype)
+    work = buffers.get(key)
+    if work is None or tuple(work.shape) != (1, rows):
+        work = buffers[key] = polled_buffer(rows, h.device, h.dtype)
+    elif buffers.get((key, "dirty")):  # a call stopped between its two launches: start clean
+        work.view(_TORCH_INT[work.element_size()]).fill_(-1)
+    buffers[(key, "dirty")] = True
+    z, xBC, dt_raw = work.split([d_inner, channels, heads], dim=-1)
+    gated = torch.empty(1, d_inner, device=h.device, dtype=h.dtype)
+    block_k, block_k2 = preload_blocks(k, 1, 1)
+    block_p = 16
+    use_pdl = pdl.enabled(h.device)
+    _in_proj_step_kernel[(rows + heads * triton.cdiv(head_dim, block_p),)](
+        _as_vector(h, k), in_weight, in_bias if in_bias is not None else in_weight, work.view(-1), rows, k,
+        in_weight.stride(0), float(pre_norm_eps), d_inner, 2 * n_groups * d_state + heads,
+        xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias if conv_bias is not None else conv_weight,
+        dt_bias, A_log, D, gated,
+        heads, head_dim, d_state, n_groups, heads // n_groups, float(dt_min), float(dt_max),
+        *xBC.stride(), *dt_raw.stride(), *z.stride(), *conv_state.stride(), *ssm_state.stride(),
+        *conv_weight.stride(), gated.stride(0),
+        HAS_WBIAS=in_bias is not None, BLOCK_KI=block_k, BLOCK_KI2=block_k2,
+        POLL_INT=_SENTINEL_INT[work.element_size()], K=kernel_size, HAS_BIAS=conv_bias is not None,
+        BLOCK_P=block_p, BLOCK_S=max(16, triton.next_power_of_2(d_state)),
+        BLOCK_K=max(2, triton.next_power_of_2(kernel_size - 1)), USE_PDL=use_pdl, num_warps=cfg[2],
+        **({"launch_pdl": True} if use_pdl else {}),
+    )
+    out = _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, h, norm_groups, eps, n_groups, d_state,
+                           kernel_size, work)
+    buffers[(key, "dirty")] = False
     return out
 
 
