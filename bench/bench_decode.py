@@ -24,7 +24,6 @@ from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch, pdl
 from ssmspec.ops.gemv import triton as gemv
-from ssmspec.ops.step_update import triton as step_update
 from ssmspec.trees.tree import Tree
 
 RESULTS: dict = {}
@@ -239,9 +238,6 @@ def main() -> int:
             to_profile.append((lambda graph=graph: graph(ids), f"AR step graph [{name}]"))
         graph = None  # free its buffers before the next capture (a profiled one is kept until the end)
         if name == "folded":
-            step_update.POLLED_STEP = False  # the step kernel waits for all of in_proj
-            record("AR step CUDA graph [folded, step kernel not polling]", step_graph_ms(m)[0])
-            step_update.POLLED_STEP = True
             gemv.ENABLED = False  # the same step with cuBLAS projections
             record("AR step CUDA graph [folded, cuBLAS projections]", step_graph_ms(m)[0])
             gemv.ENABLED = True
@@ -263,9 +259,6 @@ def main() -> int:
                     gemv.TUNED.clear()
                     gemv.TUNED.update(saved)
             record("AR step CUDA graph [folded, timed again after the variants]", step_graph_ms(m)[0])
-            step_update.POLLED_STEP = False
-            record("AR step CUDA graph [folded, step kernel not polling, again]", step_graph_ms(m)[0])
-            step_update.POLLED_STEP = True
     base = step_logits.get("reference", step_logits.get("unfolded"))
     for name in variants:
         if base is not None and base is not step_logits[name]:

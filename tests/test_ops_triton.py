@@ -493,67 +493,6 @@ else:
             GV.skinny_linear(x, w, None, None, None, norm_groups, 1e-5, x_sq=x_sq[:, :, 0])
 
 
-    @pytest.mark.parametrize("shape", [(4, 16, 16, 1, 1, 4), (6, 16, 8, 2, 3, 3), (3, 8, 16, 1, 1, 4)],
-                             ids=["G1", "G2-norm3-K3", "P8"])
-    def test_polled_sublayer_step_matches_reference(shape, nan_outputs, monkeypatch):
-        """The whole folded sublayer with the step kernel polling in_proj's buffer (in_proj's rows
-        in the order B, C, dt, then x and z head by head; out_proj resets the buffer): the same
-        output and states as the waiting kernels (bit for bit) and as the reference; three steps
-        in a row, so each starts from a buffer out_proj has reset. Then a call interrupted
-        between in_proj and out_proj (marked dirty) is recovered by the next."""
-        from ssmspec.ops.step_update.naive import naive_mamba_sublayer_step
-
-        monkeypatch.setattr(GV, "_config", lambda n, k, device: GV.GemvConfig(1, 0, 1, preload=True))
-        heads, head_dim, d_state, groups, norm_groups, kernel_size = shape
-        d_inner, d_model = heads * head_dim, 40
-        channels = d_inner + 2 * groups * d_state
-        rows = d_inner + channels + heads
-        args = (torch.randn(rows, d_model) / 4, torch.randn(rows), 1e-5)
-        conv_state = torch.randn(1, channels, kernel_size - 1)
-        ssm_state = torch.randn(1, heads, head_dim, d_state)
-        layer = (torch.randn(channels, kernel_size), torch.randn(channels), torch.randn(heads), torch.randn(heads),
-                 torch.randn(heads), groups, norm_groups, 0.01, 5.0, 1e-5, torch.randn(d_model, d_inner) / 8,
-                 torch.randn(d_model))
-        states = {name: (conv_state.clone(), ssm_state.clone()) for name in ("ref", "wait", "poll")}
-        buffers = {}
-        for step in range(3):
-            h = torch.randn(1, d_model)
-            want = naive_mamba_sublayer_step(h, *args, *states["ref"], *layer)
-            monkeypatch.setattr(SU, "POLLED_STEP", False)
-            waited = SU.mamba_sublayer_step(h, *args, *states["wait"], *layer, buffers={})
-            monkeypatch.setattr(SU, "POLLED_STEP", True)
-            got = SU.mamba_sublayer_step(h, *args, *states["poll"], *layer, buffers=buffers)
-            assert torch.equal(got, waited), f"step {step}: polled and waiting kernels differ"
-            assert_close(got, want, atol=1e-4, rtol=1e-4, name=f"step {step}")
-            assert torch.equal(states["poll"][1], states["wait"][1]) and torch.equal(states["poll"][0], states["wait"][0])
-            (work,) = [t for t in buffers.values() if torch.is_tensor(t)]
-            assert work.view(torch.int32).eq(-1).all(), "out_proj left the buffer reset"
-        key = next(k for k in buffers if torch.is_tensor(buffers[k]))
-        work.normal_()  # as if in_proj had run and out_proj never did
-        buffers[(key, "dirty")] = True
-        h = torch.randn(1, d_model)
-        monkeypatch.setattr(SU, "POLLED_STEP", False)
-        waited = SU.mamba_sublayer_step(h, *args, *states["wait"], *layer, buffers={})
-        monkeypatch.setattr(SU, "POLLED_STEP", True)
-        assert torch.equal(SU.mamba_sublayer_step(h, *args, *states["poll"], *layer, buffers=buffers), waited)
-
-    def test_polled_gemv_never_stores_the_sentinel(nan_outputs):
-        """A polled in_proj row whose value is the all-ones NaN is stored as another NaN, so the
-        step kernel cannot take it for "not written"."""
-        import triton.language as tl
-
-        w, x = torch.randn(7, 32), torch.randn(32)
-        bias = torch.zeros(7)
-        bias.view(torch.int32)[3] = -1  # the all-ones NaN: dot + bias keeps its payload here
-        y = torch.full((7,), -1, dtype=torch.int32).view(torch.float32)
-        GV._launch_gemv(x, w, bias, y, GV.GemvConfig(1, 0, 1, preload=True), partial=False, sentinel_int=tl.int32)
-        bits = y.view(torch.int32)
-        assert not bits.eq(-1).any() and torch.isnan(y[3])
-        assert_close(y[[0, 1, 2, 4, 5, 6]], (w @ x)[[0, 1, 2, 4, 5, 6]], atol=1e-5, rtol=1e-5)
-        plain = torch.empty(7)  # without the sentinel: the all-ones NaN itself (the case above is real)
-        GV._launch_gemv(x, w, bias, plain, GV.GemvConfig(1, 0, 1, preload=True), partial=False)
-        assert plain.view(torch.int32)[3] == -1
-
     @pytest.mark.parametrize("shape", [(1, 4, 16, 16, 1, 1, 4), (1, 6, 16, 8, 2, 3, 3), (1, 3, 8, 16, 1, 1, 4),
                                        (2, 4, 16, 16, 2, 2, 4)],
                              ids=["G1", "G2-norm3-K3", "P8", "fallback-batch2"])

@@ -57,7 +57,6 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(cfg.n_heads))
         self.norm = GatedRMSNorm(cfg.d_inner, cfg.d_inner // cfg.n_groups, cfg.norm_eps)
         self.out_proj = nn.Linear(cfg.d_inner, d_model, bias=cfg.proj_bias)
-        self._kernel_buffers: dict = {}  # the decode kernels' scratch (ops/step_update mamba_sublayer_step)
 
     # -- shared pieces ----------------------------------------------------------------------
     def new_cache(self, batch: int, device, dtype) -> MambaLayerCache:
@@ -176,11 +175,13 @@ class Mamba2Mixer(nn.Module):
         step with the gated norm and the residual add inside out_proj (at batch 1 three launches
         for the whole sublayer). h (B, 1, D) -> (B, 1, D); cache updated in place."""
         c = self.cfg
-        out = dispatch.mamba_sublayer_step(
-            h[:, 0], self.in_proj.weight, self.in_proj.bias, pre_norm_eps, cache.conv_state, cache.ssm_state,
-            self.conv_weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D, c.n_groups,
+        zxbcdt = dispatch.norm_linear(h, self.in_proj.weight, self.in_proj.bias, 1, pre_norm_eps)
+        z, xBC, dt_raw = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
+        out = dispatch.mamba_step_out(
+            xBC[:, 0], dt_raw[:, 0], z[:, 0], cache.conv_state, cache.ssm_state, self.conv_weight,
+            self.conv1d.bias, self.dt_bias, self.A_log, self.D, None, c.n_groups,
             c.d_inner // self.norm.group_size, c.dt_min, c.dt_max, self.norm.eps, self.out_proj.weight,
-            self.out_proj.bias, buffers=self._kernel_buffers,
+            self.out_proj.bias, residual=h[:, 0],
         )
         return out[:, None]
 

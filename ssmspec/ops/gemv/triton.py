@@ -82,16 +82,13 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr,
                PRELOAD: tl.constexpr, USE_PDL: tl.constexpr,
                res_ptr=None, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0, HAS_RES: tl.constexpr = False,
-               BLOCK_G: tl.constexpr = 1, GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0,
-               SENTINEL_INT: tl.constexpr = None):
+               BLOCK_G: tl.constexpr = 1, GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0):
     """One tile of BLOCK_N output rows. NORM_GROUPS > 0: the input is RMS-normalised over that
     many groups (no norm weight: it is folded into w). A preloaded row with one group, or with
     power-of-two groups over a power-of-two K (GROUPED), scales its dot products by 1/rms at the
     end; otherwise x is normalised first and rounded to its dtype, as RMSNorm's output is.
     HAS_RES: the output, rounded to y's dtype, is added to the residual at res_ptr. BLOCK_K2:
-    a second preloaded piece of K (see `preload_blocks`). SENTINEL_INT (the integer type of y's
-    width): y is a polled buffer (ops/step_update `mamba_sublayer_step`) whose all-ones bit
-    pattern means "not written yet", so an output with that pattern (a NaN) is stored as another NaN."""
+    a second preloaded piece of K (see `preload_blocks`)."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     k_lo = split * K_SPLIT
@@ -181,25 +178,7 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.
         if HAS_RES:  # h + out in h's dtype, as torch adds the rounded output to the residual
             out_dtype = y_ptr.dtype.element_ty
             y = tl.load(res_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32) + y.to(out_dtype).to(tl.float32)
-        if SENTINEL_INT is None:
-            tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
-        else:
-            bits = y.to(y_ptr.dtype.element_ty).to(SENTINEL_INT, bitcast=True)
-            top = (bits * 0 - 1) << (SENTINEL_INT.primitive_bitwidth - 1)  # only the sign bit
-            bits = tl.where(bits == -1, bits ^ top, bits)  # all ones -> the sign bit cleared: still a NaN
-            tl.store(y_ptr.to(tl.pointer_type(SENTINEL_INT)) + offs_n, bits, mask=mask_n)
-
-
-@triton.jit
-def _mamba_in_row(tile, d_inner, n_first, P):
-    """The in_proj row that program `tile` computes in the polled step's order (ops/step_update
-    `mamba_sublayer_step`): first the B, C and dt rows (the last n_first rows), then head by head
-    the head's x rows and its z rows, so the step of head h can start once head h is done."""
-    q = tl.maximum(tile - n_first, 0)
-    head = q // (2 * P)
-    j = q % (2 * P)
-    row = tl.where(j < P, d_inner + head * P + j, head * P + (j - P))
-    return tl.where(tile < n_first, 2 * d_inner + tile, row)
+        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
@@ -207,17 +186,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, swn, tiles, HAS_BIAS: tl.cons
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr,
                  PERSISTENT: tl.constexpr, PRELOAD: tl.constexpr, USE_PDL: tl.constexpr,
                  res_ptr=None, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0, HAS_RES: tl.constexpr = False,
-                 BLOCK_G: tl.constexpr = 1, GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0,
-                 ROW_MAP: tl.constexpr = False, map_d_inner=0, map_first=0, map_p=1,
-                 SENTINEL_INT: tl.constexpr = None):
+                 BLOCK_G: tl.constexpr = 1, GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0):
     if USE_PDL:
         gdc_launch_dependents()  # see ops/pdl.py: nothing is written before gdc_wait
     split = tl.program_id(1)
-    if ROW_MAP:  # one row per program, in the polled step's order (`_mamba_in_row`)
-        _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, _mamba_in_row(tl.program_id(0), map_d_inner, map_first, map_p), split,
-                   N, K, swn, HAS_BIAS, PARTIAL, BLOCK_N, BLOCK_K, K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size,
-                   eps, NORM_GROUPS, HAS_RES, BLOCK_G, GROUPED, BLOCK_K2, SENTINEL_INT)
-    elif PERSISTENT:
+    if PERSISTENT:
         for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
             _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS, PARTIAL, BLOCK_N, BLOCK_K,
                        K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G,
@@ -225,7 +198,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, swn, tiles, HAS_BIAS: tl.cons
     else:
         _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tl.program_id(0), split, N, K, swn, HAS_BIAS, PARTIAL, BLOCK_N,
                    BLOCK_K, K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G,
-                   GROUPED, BLOCK_K2, SENTINEL_INT)
+                   GROUPED, BLOCK_K2)
 
 
 def grouped_epilogue(k: int, block_k: int, norm_groups: int) -> bool:
@@ -262,9 +235,7 @@ def _config(n: int, k: int, device: torch.device) -> GemvConfig:
 
 
 def _launch_gemv(xv, weight, bias, y, cfg: GemvConfig, partial: bool, residual=None, norm_groups: int = 0,
-                 eps: float = 0.0, row_map: tuple | None = None, sentinel_int=None):
-    """row_map = (d_inner, rows first, P): the polled step's row order (`_mamba_in_row`; one row
-    per program); sentinel_int: y is a polled buffer (see `_gemv_tile`)."""
+                 eps: float = 0.0):
     n, k = weight.shape
     block_n, block_k, warps, split, persistent, unroll, preload = cfg
     block_k2 = 0
@@ -285,9 +256,6 @@ def _launch_gemv(xv, weight, bias, y, cfg: GemvConfig, partial: bool, residual=N
         HAS_RES=residual is not None, BLOCK_G=triton.next_power_of_2(max(norm_groups, 1)),
         GROUPED=bool(preload) and grouped_epilogue(k, block_k, norm_groups), BLOCK_K2=block_k2,
         **({"launch_pdl": True} if use_pdl else {}),
-        **({} if row_map is None else dict(ROW_MAP=True, map_d_inner=row_map[0], map_first=row_map[1],
-                                           map_p=row_map[2])),
-        **({} if sentinel_int is None else {"SENTINEL_INT": sentinel_int}),
     )
 
 

@@ -131,20 +131,3 @@ def naive_mamba_step_out(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, con
                                     norm_weight, n_groups, norm_groups, dt_min, dt_max, eps), out_weight, out_bias)
     return out if residual is None else residual + out.to(residual.dtype)
 
-
-
-def naive_mamba_sublayer_step(h, in_weight, in_bias, pre_norm_eps, conv_state, ssm_state, conv_weight, conv_bias,
-                              dt_bias, A_log, D, n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias,
-                              buffers=None):
-    """A folded Mamba sublayer for one token (both norms' weights folded into the projections,
-    models/fold.py): h + out_proj(step(in_proj(RMSNorm(h)))). h (B, d_model) -> (B, d_model);
-    states updated in place. `buffers` is the kernels' scratch (ignored here)."""
-    from ..gemv.naive import naive_norm_linear
-
-    heads, head_dim = ssm_state.shape[1:3]
-    d_inner = heads * head_dim
-    rows = in_weight.shape[0]
-    z, xBC, dt_raw = naive_norm_linear(h, in_weight, in_bias, 1, pre_norm_eps).split(
-        [d_inner, rows - d_inner - heads, heads], dim=-1)
-    return naive_mamba_step_out(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, None,
-                                n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias, residual=h)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .. import pdl
-from ..gemv.triton import _gemv_tile, _mamba_in_row
+from ..gemv.triton import _gemv_tile
 from ..pdl import gdc_launch_dependents, gdc_wait
 
 
@@ -81,8 +81,7 @@ def _shift_in(state_row, ch, mask_c, new, scc, sck, K: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
-def _step_ssm_program(
-    b, h, pb, npb,
+def _step_ssm_kernel(
     xbc_ptr, dtr_ptr, z_ptr, cs_ptr, h_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr, sq_ptr,
     H, P, S, G, heads_per_group, dt_min, dt_max,
     sxb, sxc, sdb, sdh, szb, szc,
@@ -95,15 +94,15 @@ def _step_ssm_program(
     WRITE_SQ: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
     PRELOAD_STATE: tl.constexpr = False,
-    POLL_INT: tl.constexpr = None,
 ):
-    """Program (row b, head h, P block pb of npb) of the step kernel (`_step_ssm_kernel`), or of
-    `_in_proj_step_kernel`'s step part. POLL_INT (the integer type of the activations' width):
-    xBC, dt_raw and z are views of a polled in_proj buffer (`mamba_sublayer_step`): instead of
-    waiting for in_proj, the program reads its inputs until none is the all-ones "not written
-    yet" pattern."""
+    if USE_PDL:  # ops/pdl.py: the next kernel may launch now
+        gdc_launch_dependents()
+        if not PRELOAD_STATE:
+            gdc_wait()
+    b = tl.program_id(0)
+    h = tl.program_id(1)
     grp = h // heads_per_group
-    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_s = tl.arange(0, BLOCK_S)
     mask_p = offs_p < P
     mask_s = offs_s < S
@@ -135,41 +134,12 @@ def _step_ssm_program(
     dt_b = tl.load(dtb_ptr + h).to(tl.float32)
     A = -tl.exp(tl.load(Alog_ptr + h).to(tl.float32))
     D = tl.load(D_ptr + h).to(tl.float32)
-    if POLL_INT is None:
-        if USE_PDL and PRELOAD_STATE:
-            gdc_wait()
-        new_x = tl.load(xbc_ptr + b * sxb + cx * sxc, mask=mask_p, other=0.0)
-        new_B = tl.load(xbc_ptr + b * sxb + cB * sxc, mask=mask_s, other=0.0)
-        new_C = tl.load(xbc_ptr + b * sxb + cC * sxc, mask=mask_s, other=0.0)
-    else:
-        # Written by in_proj's programs of the same launch with plain stores: each value is its
-        # own flag (a 16/32-bit store lands whole), and volatile loads go to L2, where they
-        # become visible. A program that sees its values knows in_proj passed its PDL wait, so
-        # out_proj of the layer before (whose buffers this one may reuse) is done too.
-        xi = xbc_ptr.to(tl.pointer_type(POLL_INT))
-        di = dtr_ptr.to(tl.pointer_type(POLL_INT))
-        zi = z_ptr.to(tl.pointer_type(POLL_INT))
-        bx = tl.full([BLOCK_P], -1, POLL_INT)
-        bB = tl.full([BLOCK_S], -1, POLL_INT)
-        bC = tl.full([BLOCK_S], -1, POLL_INT)
-        bz = tl.full([BLOCK_P], -1, POLL_INT)
-        bd = tl.full([1], -1, POLL_INT)
-        missing = 1
-        while missing > 0:
-            bx = tl.load(xi + b * sxb + cx * sxc, mask=mask_p, other=0, volatile=True)
-            bB = tl.load(xi + b * sxb + cB * sxc, mask=mask_s, other=0, volatile=True)
-            bC = tl.load(xi + b * sxb + cC * sxc, mask=mask_s, other=0, volatile=True)
-            bz = tl.load(zi + b * szb + cx * szc, mask=mask_p, other=0, volatile=True)
-            bd = tl.load(di + b * sdb + h * sdh + tl.arange(0, 1), volatile=True)
-            missing = (tl.sum((bx == -1).to(tl.int32), axis=0) + tl.sum((bB == -1).to(tl.int32), axis=0)
-                       + tl.sum((bC == -1).to(tl.int32), axis=0) + tl.sum((bz == -1).to(tl.int32), axis=0)
-                       + tl.sum((bd == -1).to(tl.int32), axis=0))
-        in_dt: tl.constexpr = xbc_ptr.dtype.element_ty
-        new_x = bx.to(in_dt, bitcast=True)
-        new_B = bB.to(in_dt, bitcast=True)
-        new_C = bC.to(in_dt, bitcast=True)
-        z_raw = bz.to(z_ptr.dtype.element_ty, bitcast=True)
-        dt_raw = tl.sum(bd.to(dtr_ptr.dtype.element_ty, bitcast=True).to(tl.float32), axis=0)
+    if USE_PDL and PRELOAD_STATE:
+        gdc_wait()
+
+    new_x = tl.load(xbc_ptr + b * sxb + cx * sxc, mask=mask_p, other=0.0)
+    new_B = tl.load(xbc_ptr + b * sxb + cB * sxc, mask=mask_s, other=0.0)
+    new_C = tl.load(xbc_ptr + b * sxb + cC * sxc, mask=mask_s, other=0.0)
     acc_x += new_x.to(tl.float32) * wx
     acc_B += new_B.to(tl.float32) * wB
     acc_C += new_C.to(tl.float32) * wC
@@ -178,96 +148,21 @@ def _step_ssm_program(
     Bv = (acc_B * tl.sigmoid(acc_B)).to(in_dtype).to(tl.float32)
     Cv = (acc_C * tl.sigmoid(acc_C)).to(in_dtype).to(tl.float32)
 
-    if POLL_INT is None:
-        dt = _softplus(tl.load(dtr_ptr + b * sdb + h * sdh).to(tl.float32) + dt_b)
-    else:
-        dt = _softplus(dt_raw + dt_b)
+    dt = _softplus(tl.load(dtr_ptr + b * sdb + h * sdh).to(tl.float32) + dt_b)
     dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
     state = state * tl.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
     y = tl.sum(state * Cv[None, :], axis=1) + x * D
-    if POLL_INT is None:
-        zv = tl.load(z_ptr + b * szb + cx * szc, mask=mask_p, other=0.0).to(tl.float32)
-    else:
-        zv = z_raw.to(tl.float32)
+    zv = tl.load(z_ptr + b * szb + cx * szc, mask=mask_p, other=0.0).to(tl.float32)
     out_dtype = z_ptr.dtype.element_ty
     gated = y.to(out_dtype).to(tl.float32) * (zv * tl.sigmoid(zv))
     tl.store(g_ptr + b * sgb + cx, gated, mask=mask_p)
     if WRITE_SQ:  # this block's sum of squares, for the gated norm kernel
-        tl.store(sq_ptr + (b * H + h) * npb + pb,
+        tl.store(sq_ptr + (b * H + h) * tl.num_programs(2) + tl.program_id(2),
                  tl.sum(tl.where(mask_p, gated * gated, 0.0), axis=0))
     # In-place writes last; the barrier in _shift_in also orders every replicated copy of the
     # state tile's loads before these stores.
     _shift_in(state_row, cx, mask_p, new_x, scc, sck, K, BLOCK_K)  # this program owns these x channels
     tl.store(h_ptrs, state, mask=mask_ps)
-
-
-@triton.jit
-def _step_ssm_kernel(
-    xbc_ptr, dtr_ptr, z_ptr, cs_ptr, h_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr, sq_ptr,
-    H, P, S, G, heads_per_group, dt_min, dt_max,
-    sxb, sxc, sdb, sdh, szb, szc,
-    scb, scc, sck,
-    shb, shh, shp, shs,
-    swc, swk,
-    sgb,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
-    WRITE_SQ: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
-    PRELOAD_STATE: tl.constexpr = False,
-):
-    if USE_PDL:  # ops/pdl.py: the next kernel may launch now
-        gdc_launch_dependents()
-        if not PRELOAD_STATE:
-            gdc_wait()
-    _step_ssm_program(
-        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2),
-        xbc_ptr, dtr_ptr, z_ptr, cs_ptr, h_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr, sq_ptr,
-        H, P, S, G, heads_per_group, dt_min, dt_max, sxb, sxc, sdb, sdh, szb, szc, scb, scc, sck,
-        shb, shh, shp, shs, swc, swk, sgb, K, HAS_BIAS, BLOCK_P, BLOCK_S, BLOCK_K, WRITE_SQ, USE_PDL,
-        PRELOAD_STATE,
-    )
-
-
-@triton.jit
-def _in_proj_step_kernel(
-    x_ptr, w_ptr, wb_ptr, y_ptr, N, KI, swn, eps, map_d_inner, map_first,
-    xbc_ptr, dtr_ptr, z_ptr, cs_ptr, h_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr,
-    H, P, S, G, heads_per_group, dt_min, dt_max,
-    sxb, sxc, sdb, sdh, szb, szc,
-    scb, scc, sck,
-    shb, shh, shp, shs,
-    swc, swk,
-    sgb,
-    HAS_WBIAS: tl.constexpr, BLOCK_KI: tl.constexpr, BLOCK_KI2: tl.constexpr, POLL_INT: tl.constexpr,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):
-    """in_proj (batch 1, the pre-norm inside, one row per program) and the step in one launch.
-    Programs [0, N) compute in_proj's rows in `_mamba_in_row`'s order (B, C, dt, then each head's
-    x and z) into the polled buffer at y_ptr; programs from N on are the step kernel's (head, P
-    block) programs, which poll that buffer for their rows instead of waiting. Blocks are
-    dispatched in index order, so a step program runs only once every in_proj program has been
-    placed on an SM: its wait cannot keep them from running (a separate, early-launched step
-    kernel could, and under CUDA graphs did)."""
-    if USE_PDL:
-        gdc_launch_dependents()
-    pid = tl.program_id(0)
-    if pid < N:
-        _gemv_tile(x_ptr, w_ptr, wb_ptr, y_ptr, _mamba_in_row(pid, map_d_inner, map_first, P), 0, N, KI, swn,
-                   HAS_WBIAS, False, 1, BLOCK_KI, BLOCK_KI + BLOCK_KI2, False, True, USE_PDL, None, KI, eps, 1,
-                   False, 1, False, BLOCK_KI2, POLL_INT)
-    else:
-        npb = tl.cdiv(P, BLOCK_P)
-        q = pid - N
-        _step_ssm_program(
-            0, q // npb, q % npb, npb,
-            xbc_ptr, dtr_ptr, z_ptr, cs_ptr, h_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr, g_ptr,
-            H, P, S, G, heads_per_group, dt_min, dt_max, sxb, sxc, sdb, sdh, szb, szc, scb, scc, sck,
-            shb, shh, shp, shs, swc, swk, sgb, K, HAS_BIAS, BLOCK_P, BLOCK_S, BLOCK_K, False, USE_PDL, True,
-            POLL_INT,
-        )
 
 
 @triton.jit
@@ -594,16 +489,12 @@ def _step_out_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr, PRELOAD: tl.constexpr,
     K_CONV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_KC: tl.constexpr, USE_PDL: tl.constexpr,
     GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0,
-    rst_ptr=None, rst_n=0, rst_bc_lo=0, rst_bc_hi=0, RESET_INT: tl.constexpr = None, BLOCK_RST: tl.constexpr = 16,
 ):
     """out_proj of one row (batch 1) whose input is the gated value g of `_step_ssm_kernel`: the
     gated RMSNorm runs in the GEMV's prologue (its weight folded into out_proj's, see
     ops/gemv `norm_linear`) and the residual add in its epilogue. Program 0 also does the step's
     deferred conv-state shift of the B and C channels (see the module docstring): after the GEMV
-    tile's wait every step-kernel program that read the old window is done. RESET_INT: the
-    in_proj output at rst_ptr (rst_n values) is a polled buffer (`mamba_sublayer_step`), set back
-    to "not written" here, after the step kernel has read all of it: program 0 resets the B and C
-    rows [rst_bc_lo, rst_bc_hi) after its shift has read them, every program its share of the rest."""
+    tile's wait every step-kernel program that read the old window is done."""
     if USE_PDL:
         gdc_launch_dependents()
     _gemv_tile(g_ptr, w_ptr, bias_ptr, y_ptr, tl.program_id(0), 0, N, K, swn, HAS_BIAS, False, BLOCK_N, BLOCK_K,
@@ -615,19 +506,8 @@ def _step_out_kernel(
         for grp in range(0, G):
             for which in tl.static_range(2):
                 ch = d_inner + which * G * S + grp * S + offs_s
-                # volatile for a polled buffer: it lives at the same address every step, and a
-                # plain load may hit this SM's L1 copy of an earlier step's values
-                new = tl.load(xbc_ptr + ch * sxc, mask=mask_s, other=0.0, volatile=RESET_INT is not None)
+                new = tl.load(xbc_ptr + ch * sxc, mask=mask_s, other=0.0)
                 _shift_in(cs_ptr, ch, mask_s, new, scc, sck, K_CONV, BLOCK_KC)
-        if RESET_INT is not None:
-            tl.debug_barrier()  # the shift's reads of B and C before their reset
-            offs_bc = rst_bc_lo + tl.arange(0, BLOCK_RST)
-            tl.store(rst_ptr + offs_bc, tl.full([BLOCK_RST], -1, RESET_INT), mask=offs_bc < rst_bc_hi)
-    if RESET_INT is not None:
-        share = tl.cdiv(rst_n, tl.num_programs(0))
-        offs_r = tl.program_id(0) * share + tl.arange(0, BLOCK_RST)
-        live = (offs_r < tl.minimum((tl.program_id(0) + 1) * share, rst_n)) & ((offs_r < rst_bc_lo) | (offs_r >= rst_bc_hi))
-        tl.store(rst_ptr + offs_r, tl.full([BLOCK_RST], -1, RESET_INT), mask=live)
 
 
 def mamba_step_out(
@@ -697,85 +577,8 @@ def mamba_step_out(
                             d_state, kernel_size)
 
 
-_SENTINEL_INT = {2: tl.int16, 4: tl.int32}
-"""The integer type of a polled buffer's element width; all ones (-1) means "not written yet"."""
-_TORCH_INT = {2: torch.int16, 4: torch.int32}
-
-POLLED_STEP = True
-"""`mamba_sublayer_step` runs the step kernel on a polled in_proj buffer where it can; benchmarks
-turn it off to time the kernel that waits for all of in_proj."""
-
-
-def polled_buffer(rows: int, device, dtype: torch.dtype) -> torch.Tensor:
-    """A (1, rows) buffer for `mamba_sublayer_step`, every element "not written yet"."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return torch.full((1, rows), -1, device=device, dtype=_TORCH_INT[size]).view(dtype)
-
-
-def mamba_sublayer_step(h, in_weight, in_bias, pre_norm_eps, conv_state, ssm_state, conv_weight, conv_bias, dt_bias,
-                        A_log, D, n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias, buffers=None):
-    """A whole folded Mamba sublayer for one token: h + out_proj(step(in_proj(RMSNorm(h)))) with
-    both norms' weights folded into the projections; same contract as `naive_mamba_sublayer_step`.
-
-    With `buffers` (a dict the layer keeps, where this keeps a `polled_buffer` of in_proj's rows)
-    at batch 1 on the one-row GEMV path: two launches. `_in_proj_step_kernel` computes in_proj's
-    rows in the order B, C, dt, then head by head x and z, and its last programs run the step of
-    one head's block of channels each as soon as that head's rows are written (they poll the
-    buffer), so the step overlaps in_proj's last wave instead of following it; out_proj then sets
-    the buffer back to "not written". Otherwise `norm_linear` and `mamba_step_out` (three launches)."""
-    from ..gemv.triton import GemvConfig, _as_vector, _config, norm_linear, preload_blocks
-
-    batch = h.shape[0]
-    heads, head_dim, d_state = ssm_state.shape[1:]
-    channels, kernel_size = conv_weight.shape
-    d_inner = heads * head_dim
-    rows, k = in_weight.shape
-    cfg = GemvConfig(*_config(rows, k, h.device))
-    fused_out = (out_weight.stride(-1) == 1 and d_inner % norm_groups == 0 and tuple(out_weight.shape[1:]) == (d_inner,)
-                 and kernel_size >= 2 and ssm_state.dtype == torch.float32 and tuple(conv_state.shape) == (1, channels, kernel_size - 1))
-    polled = (POLLED_STEP and buffers is not None and batch == 1 and h.numel() == k and cfg[0] == 1 and cfg[3] == 1
-              and not cfg[4] and cfg[6] and in_weight.stride(-1) == 1 and h.element_size() in _SENTINEL_INT
-              and rows == 2 * d_inner + 2 * n_groups * d_state + heads and channels == d_inner + 2 * n_groups * d_state
-              and fused_out and (h.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
-    if not polled:
-        z, xBC, dt_raw = norm_linear(h, in_weight, in_bias, 1, pre_norm_eps).reshape(batch, rows).split(
-            [d_inner, channels, heads], dim=-1)
-        return mamba_step_out(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, None,
-                              n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias, residual=h)
-    key = ("polled in_proj", str(h.device), h.dtype)
-    work = buffers.get(key)
-    if work is None or tuple(work.shape) != (1, rows):
-        work = buffers[key] = polled_buffer(rows, h.device, h.dtype)
-    elif buffers.get((key, "dirty")):  # a call stopped between its two launches: start clean
-        work.view(_TORCH_INT[work.element_size()]).fill_(-1)
-    buffers[(key, "dirty")] = True
-    z, xBC, dt_raw = work.split([d_inner, channels, heads], dim=-1)
-    gated = torch.empty(1, d_inner, device=h.device, dtype=h.dtype)
-    block_k, block_k2 = preload_blocks(k, 1, 1)
-    block_p = 16
-    use_pdl = pdl.enabled(h.device)
-    _in_proj_step_kernel[(rows + heads * triton.cdiv(head_dim, block_p),)](
-        _as_vector(h, k), in_weight, in_bias if in_bias is not None else in_weight, work.view(-1), rows, k,
-        in_weight.stride(0), float(pre_norm_eps), d_inner, 2 * n_groups * d_state + heads,
-        xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias if conv_bias is not None else conv_weight,
-        dt_bias, A_log, D, gated,
-        heads, head_dim, d_state, n_groups, heads // n_groups, float(dt_min), float(dt_max),
-        *xBC.stride(), *dt_raw.stride(), *z.stride(), *conv_state.stride(), *ssm_state.stride(),
-        *conv_weight.stride(), gated.stride(0),
-        HAS_WBIAS=in_bias is not None, BLOCK_KI=block_k, BLOCK_KI2=block_k2,
-        POLL_INT=_SENTINEL_INT[work.element_size()], K=kernel_size, HAS_BIAS=conv_bias is not None,
-        BLOCK_P=block_p, BLOCK_S=max(16, triton.next_power_of_2(d_state)),
-        BLOCK_K=max(2, triton.next_power_of_2(kernel_size - 1)), USE_PDL=use_pdl, num_warps=cfg[2],
-        **({"launch_pdl": True} if use_pdl else {}),
-    )
-    out = _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, h, norm_groups, eps, n_groups, d_state,
-                           kernel_size, work)
-    buffers[(key, "dirty")] = False
-    return out
-
-
 def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, norm_groups, eps, n_groups, d_state,
-                     kernel_size, polled=None):
+                     kernel_size):
     """`_step_out_kernel` for one row: out_proj of the gated value with the gated norm and the
     residual add inside, and the deferred B/C conv-state shift."""
     from ..gemv.triton import GemvConfig, _config, grouped_epilogue, preload_blocks
@@ -803,18 +606,6 @@ def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, nor
         BLOCK_KC=max(2, triton.next_power_of_2(kernel_size - 1)),
         USE_PDL=use_pdl, GROUPED=bool(preload) and grouped_epilogue(d_inner, cfg_k, norm_groups), BLOCK_K2=cfg_k2,
         num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
-        **({} if polled is None else _reset_args(polled, d_inner, n_groups * d_state, triton.cdiv(n_out, block_n))),
     )
     return y
-
-
-def _reset_args(polled: torch.Tensor, d_inner: int, group_states: int, programs: int) -> dict:
-    """`_step_out_kernel`'s arguments that set the polled in_proj buffer back to "not written"."""
-    n = polled.numel()
-    bc_lo = 2 * d_inner  # z (d_inner), x (d_inner), then B and C
-    bc_hi = bc_lo + 2 * group_states
-    int_t = _TORCH_INT[polled.element_size()]
-    return dict(rst_ptr=polled.view(int_t), rst_n=n, rst_bc_lo=bc_lo, rst_bc_hi=bc_hi,
-                RESET_INT=_SENTINEL_INT[polled.element_size()],
-                BLOCK_RST=triton.next_power_of_2(max(triton.cdiv(n, programs), bc_hi - bc_lo, 16)))
 
