@@ -1,15 +1,16 @@
 """How bench_decode.py's per-call event timing treats the host's submission of a graph.
 
-bench_decode.py times one graph replay between two CUDA events after a synchronize. For the tree
-iteration a cache-restore copy (~0.1 ms of GPU work) is queued just before the start event, so
-the GPU is busy while the host submits the graph; the AR step has nothing queued before its start
-event, so the time the host takes to submit `ids.copy_` and the graph replay may fall inside its
-measured interval. This times, in one process, on the folded model:
+Before run 80, bench_decode.py timed one graph replay between two CUDA events after a synchronize.
+For the tree iteration a cache restore (~130 copies) was queued just before the start event; the
+AR step had nothing queued before its start event, so the time the host takes to submit
+`ids.copy_` and the graph replay could fall inside its measured interval. This times, in one
+process, on the folded model, with its own event timer (`event_times`: bench_decode.py's timer
+now always spins first):
 
-- AR step as bench_decode.py does (idle GPU before the start event);
+- AR step as bench_decode.py did (idle GPU before the start event);
 - AR step with a GPU-side spin (torch.cuda._sleep) queued before the start event;
 - AR step as 100 back-to-back replays between two events, divided by 100;
-- the tree iterations as bench_decode.py does (restore before the start event), and with a spin
+- the tree iterations as bench_decode.py did (restore before the start event), and with a spin
   queued after the restore.
 
 Run on the GPU from the repository root (after `pip install --no-deps -e .`):
@@ -26,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import prefilled_cache, restored_call_times, tree_tokens_following  # noqa: E402
+from bench_decode import prefilled_cache, tree_tokens_following  # noqa: E402
 from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph  # noqa: E402
 from ssmspec.models.presets import build_model  # noqa: E402
 from ssmspec.ops import dispatch  # noqa: E402
@@ -37,6 +38,21 @@ SPIN_CYCLES = 200_000  # ~0.1 ms at the H100's clock: longer than the host needs
 
 def spin():
     torch.cuda._sleep(SPIN_CYCLES)
+
+
+def event_times(before, call, iters: int) -> list[float]:
+    """Sorted ms of call() between two CUDA events, before() queued ahead of the start event
+    each time (bench_decode.py's timer before run 80, with `before` in place of its restore)."""
+    times = []
+    for _ in range(iters):
+        before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)
 
 
 def main() -> int:
@@ -79,11 +95,11 @@ def main() -> int:
 
     rows = []
     for r in range(args.rounds):
-        plain = restored_call_times(lambda: None, lambda: graph(ids), 100)[50]
-        spun = restored_call_times(spin, lambda: graph(ids), 100)[50]
+        plain = event_times(lambda: None, lambda: graph(ids), 100)[50]
+        spun = event_times(spin, lambda: graph(ids), 100)[50]
         b2b = back_to_back()
         cache.copy_(snapshot)
-        rows += [(f"AR step, idle GPU before the start event (bench_decode) #{r}", plain),
+        rows += [(f"AR step, idle GPU before the start event (bench_decode before run 80) #{r}", plain),
                  (f"AR step, GPU spin before the start event #{r}", spun),
                  (f"AR step, 100 back-to-back replays / 100 #{r}", b2b)]
         for label, ms in rows[-3:]:
@@ -100,9 +116,9 @@ def main() -> int:
             tcache.copy_(tsnap)
             g(tokens)
         for r in range(2):
-            plain = restored_call_times(lambda: tcache.copy_(tsnap), lambda: g(tokens), 50)[25]
-            spun = restored_call_times(lambda: (tcache.copy_(tsnap), spin()), lambda: g(tokens), 50)[25]
-            rows += [(f"{tree.num_nodes}-node iteration, restore before the start event (bench_decode) #{r}", plain),
+            plain = event_times(lambda: tcache.copy_(tsnap), lambda: g(tokens), 50)[25]
+            spun = event_times(lambda: (tcache.copy_(tsnap), spin()), lambda: g(tokens), 50)[25]
+            rows += [(f"{tree.num_nodes}-node iteration, restore before the start event (before run 80) #{r}", plain),
                      (f"{tree.num_nodes}-node iteration, restore + spin before the start event #{r}", spun)]
             for label, ms in rows[-2:]:
                 print(f"  {label:<60} {ms:7.3f} ms", flush=True)
