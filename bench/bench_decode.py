@@ -140,16 +140,18 @@ with an idle GPU before the start event the AR step read 15-50 us more than 100 
 replays; with the spin, within 5 us of them)."""
 
 
-def restored_call_times(restore, call, iters: int) -> list[float]:
+def restored_call_times(restore, call, iters: int, spin: bool = True) -> list[float]:
     """Sorted ms of call() by CUDA events around it alone, after restore() each time (in stream
     order the start event follows the restore): subtracting a separately measured median restore
     time instead added up to ~10% of noise. A GPU spin between the restore and the start event
     keeps the GPU busy while the host submits the call (see SPIN_CYCLES): the time measured is
-    the call's GPU time, as the copy that sets the weight-read floor is measured."""
+    the call's GPU time, as the copy that sets the weight-read floor is measured (spin=False:
+    the timer before run 80, for bench/timing_probe.py)."""
     times = []
     for _ in range(iters):
         restore()
-        torch.cuda._sleep(SPIN_CYCLES)
+        if spin:
+            torch.cuda._sleep(SPIN_CYCLES)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         call()

@@ -4,8 +4,7 @@ Before run 80, bench_decode.py timed one graph replay between two CUDA events af
 For the tree iteration a cache restore (~130 copies) was queued just before the start event; the
 AR step had nothing queued before its start event, so the time the host takes to submit
 `ids.copy_` and the graph replay could fall inside its measured interval. This times, in one
-process, on the folded model, with its own event timer (`event_times`: bench_decode.py's timer
-now always spins first):
+process, on the folded model, with bench_decode.py's timer with and without its spin:
 
 - AR step as bench_decode.py did (idle GPU before the start event);
 - AR step with a GPU-side spin (torch.cuda._sleep) queued before the start event;
@@ -27,33 +26,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import prefilled_cache, tree_tokens_following  # noqa: E402
+from bench_decode import SPIN_CYCLES, prefilled_cache, restored_call_times, tree_tokens_following  # noqa: E402
 from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph  # noqa: E402
 from ssmspec.models.presets import build_model  # noqa: E402
 from ssmspec.ops import dispatch  # noqa: E402
 from ssmspec.trees.tree import Tree  # noqa: E402
-
-SPIN_CYCLES = 200_000  # ~0.1 ms at the H100's clock: longer than the host needs to submit a graph
-
-
-def spin():
-    torch.cuda._sleep(SPIN_CYCLES)
-
-
-def event_times(before, call, iters: int) -> list[float]:
-    """Sorted ms of call() between two CUDA events, before() queued ahead of the start event
-    each time (bench_decode.py's timer before run 80, with `before` in place of its restore)."""
-    times = []
-    for _ in range(iters):
-        before()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -83,7 +60,7 @@ def main() -> int:
         times = []
         for _ in range(10):
             cache.copy_(snapshot)
-            spin()
+            torch.cuda._sleep(SPIN_CYCLES)
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
             for _ in range(n):
@@ -95,8 +72,8 @@ def main() -> int:
 
     rows = []
     for r in range(args.rounds):
-        plain = event_times(lambda: None, lambda: graph(ids), 100)[50]
-        spun = event_times(spin, lambda: graph(ids), 100)[50]
+        plain = restored_call_times(lambda: None, lambda: graph(ids), 100, spin=False)[50]
+        spun = restored_call_times(lambda: None, lambda: graph(ids), 100)[50]
         b2b = back_to_back()
         cache.copy_(snapshot)
         rows += [(f"AR step, idle GPU before the start event (bench_decode before run 80) #{r}", plain),
@@ -116,8 +93,8 @@ def main() -> int:
             tcache.copy_(tsnap)
             g(tokens)
         for r in range(2):
-            plain = event_times(lambda: tcache.copy_(tsnap), lambda: g(tokens), 50)[25]
-            spun = event_times(lambda: (tcache.copy_(tsnap), spin()), lambda: g(tokens), 50)[25]
+            plain = restored_call_times(lambda: tcache.copy_(tsnap), lambda: g(tokens), 50, spin=False)[25]
+            spun = restored_call_times(lambda: tcache.copy_(tsnap), lambda: g(tokens), 50)[25]
             rows += [(f"{tree.num_nodes}-node iteration, restore before the start event (before run 80) #{r}", plain),
                      (f"{tree.num_nodes}-node iteration, restore + spin before the start event #{r}", spun)]
             for label, ms in rows[-2:]:
