@@ -92,14 +92,19 @@ def main() -> int:
         for _ in range(5):
             tcache.copy_(tsnap)
             g(tokens)
+        def restore(c=tcache, snap=tsnap):
+            c.copy_(snap)
+
+        def call(graph=g, t=tokens):
+            graph(t)
+
         for r in range(2):
-            plain = restored_call_times(lambda: tcache.copy_(tsnap), lambda: g(tokens), 50, spin=False)[25]
-            spun = restored_call_times(lambda: tcache.copy_(tsnap), lambda: g(tokens), 50)[25]
+            plain = restored_call_times(restore, call, 50, spin=False)[25]
+            spun = restored_call_times(restore, call, 50)[25]
             rows += [(f"{tree.num_nodes}-node iteration, restore before the start event (before run 80) #{r}", plain),
                      (f"{tree.num_nodes}-node iteration, restore + spin before the start event #{r}", spun)]
             for label, ms in rows[-2:]:
                 print(f"  {label:<60} {ms:7.3f} ms", flush=True)
-        del g, tcache, tsnap
     print(f"\n{'what':<76} {'ms':>8}")
     for label, ms in rows:
         print(f"{label:<76} {ms:8.3f}")
