@@ -92,11 +92,12 @@ def main() -> int:
         for _ in range(5):
             tcache.copy_(tsnap)
             g(tokens)
+
         def restore(c=tcache, snap=tsnap):
             c.copy_(snap)
 
-        def call(graph=g, t=tokens):
-            graph(t)
+        def call(tree_graph=g, t=tokens):
+            tree_graph(t)
 
         for r in range(2):
             plain = restored_call_times(restore, call, 50, spin=False)[25]
