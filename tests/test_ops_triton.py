@@ -106,6 +106,7 @@ else:
     from ssmspec.ops.tree_scan import triton as TS
     from ssmspec.ops.tree_scan.naive import naive_tree_scan
     from ssmspec.ops.gemv import triton as GV
+    from ssmspec.ops.layer_step import triton as LS
     from ssmspec.trees import Tree
 
     TREES = {
@@ -258,7 +259,7 @@ else:
                    "gated_rms_norm": SU.gated_rms_norm, "time_step": SU.time_step, "linear": GV.linear,
                    "add_rms_norm": SU.add_rms_norm, "mamba_step_out": SU.mamba_step_out,
                    "norm_linear": GV.norm_linear, "tree_scan_gated": TS.tree_scan_gated, "replay_states": SR.replay_states,
-                   "replay_states_layers": SR.replay_states_layers}
+                   "replay_states_layers": SR.replay_states_layers, "mamba_layer_step": LS.mamba_layer_step}
         model = _tiny_model_with_head_dim(layers, head_dim)
         prompt = torch.randint(0, 64, (batch, 5))
         tree = Tree.from_config((2, 2))
@@ -528,3 +529,39 @@ else:
             assert_close(ss_got, ss_want, atol=1e-5, rtol=1e-5, name="ssm_state")
             assert torch.equal(cs_got, cs_want), f"conv state shift differs ({label})"
 
+
+
+    @pytest.mark.parametrize("shape", [(4, 16, 16, 1, 1, 4, 40, False, 16, 512), (6, 16, 8, 2, 3, 3, 100, True, 8, 512),
+                                       (3, 8, 16, 1, 1, 4, 70, False, 16, 32), (5, 12, 10, 1, 1, 2, 24, True, 8, 16)],
+                             ids=["G1", "G2-norm3-K3-bias", "P8-chunked", "P12-S10-K2"])
+    def test_mamba_layer_step_matches_reference(shape, nan_outputs, monkeypatch):
+        """The whole folded sublayer at batch 1 (in_proj with the step inside it, then out_proj)
+        over three consecutive tokens: head programs and B/C programs, channel blocks that do not
+        divide the head (P12 in blocks of 8), d_model in one chunk or several, and the layer's
+        ticket/flag counters carried from one call to the next."""
+        from ssmspec.ops.layer_step.naive import naive_mamba_layer_step
+
+        heads, head_dim, d_state, groups, norm_groups, kernel_size, d_model, bias, block_p, block_d = shape
+        monkeypatch.setattr(LS, "BLOCK_P", block_p)
+        monkeypatch.setattr(LS, "BLOCK_D", block_d)
+        d_inner = heads * head_dim
+        channels = d_inner + 2 * groups * d_state
+        n_in = 2 * d_inner + 2 * groups * d_state + heads
+        h = torch.randn(1, d_model)
+        in_w, in_b = torch.randn(n_in, d_model) / 8, torch.randn(n_in) if bias else None
+        conv_state, ssm_state = torch.randn(1, channels, kernel_size - 1), torch.randn(1, heads, head_dim, d_state)
+        args = (torch.randn(channels, kernel_size), torch.randn(channels) if bias else None, torch.randn(heads),
+                torch.randn(heads) * 0.5, torch.randn(heads), groups, norm_groups, 0.01, 5.0, 1e-5,
+                torch.randn(d_model, d_inner) / 8, torch.randn(d_model) if bias else None)
+        cs_want, ss_want, cs_got, ss_got = conv_state.clone(), ssm_state.clone(), conv_state.clone(), ssm_state.clone()
+        for token in range(3):
+            want = naive_mamba_layer_step(h, in_w, in_b, 1e-5, cs_want, ss_want, *args)
+            got = LS.mamba_layer_step(h, in_w, in_b, 1e-5, cs_got, ss_got, *args)
+            assert got.shape == (1, d_model)
+            assert_close(got, want, atol=1e-4, rtol=1e-4, name=f"out, token {token}")
+            assert_close(ss_got, ss_want, atol=1e-4, rtol=1e-4, name=f"ssm_state, token {token}")
+            assert_close(cs_got, cs_want, atol=1e-5, rtol=1e-5, name=f"conv_state, token {token}")
+            h = want
+        n_bc = -(-2 * groups * d_state // (2 * block_p))
+        n_prog = n_bc + heads * -(-head_dim // block_p)
+        assert LS._counters(in_w, n_prog).tolist() == [3 * n_prog, 3 * n_bc], "one ticket per program and launch"
