@@ -45,15 +45,18 @@ BLOCK_D = 512
 NUM_WARPS = 8
 
 def _counters(in_weight: torch.Tensor, n_prog: int) -> torch.Tensor:
-    """The (ticket, flag) int64 counters of the layer whose in_proj weight this is, kept on the
-    weight tensor itself so that they live and die with it. Created zero for a new grid size
-    (the first call runs outside CUDA-graph capture, as the warm-up does): tickets must start
-    at a multiple of the grid size for the launch epochs to line up."""
+    """The (ticket, flag) int64 counters of the layer whose in_proj weight this is, for a grid
+    of n_prog programs. They are kept on the weight tensor, one pair per grid size, for as long
+    as the weight lives: a CUDA graph captured with one pair keeps using it after a call with
+    another grid size, and a pair must never be freed and reused under a captured graph. Created
+    zero (the first call runs outside graph capture, as the warm-up does): tickets must start at
+    a multiple of the grid size for the launch epochs to line up."""
     kept = getattr(in_weight, "_layer_step_counters", None)
-    if kept is None or kept[0] != n_prog:
-        kept = (n_prog, torch.zeros(2, device=in_weight.device, dtype=torch.int64))
-        in_weight._layer_step_counters = kept
-    return kept[1]
+    if kept is None:
+        kept = in_weight._layer_step_counters = {}
+    if n_prog not in kept:
+        kept[n_prog] = torch.zeros(2, device=in_weight.device, dtype=torch.int64)
+    return kept[n_prog]
 
 
 @triton.jit
@@ -123,9 +126,11 @@ def _in_proj_step_kernel(
         gdc_wait()
 
     # The GEMV: h's RMSNorm scales the dot products at the end (its weight is folded into w).
-    acc = tl.zeros([R, BLOCK_D], dtype=tl.float32)
-    acc_dt = tl.zeros([BLOCK_D], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_D], dtype=tl.float32)
+    # Each chunk is reduced as it arrives: a (R, BLOCK_D) fp32 accumulator would hold 64 more
+    # registers per thread and keep the grid from fitting on the GPU in one wave.
+    acc = tl.zeros([R], dtype=tl.float32)
+    acc_dt = 0.0
+    sq = 0.0
     for c in tl.static_range(N_CHUNKS):
         if c + 1 < N_CHUNKS:  # the next chunk's loads go out before this chunk's multiply-adds
             offs_n = (c + 1) * BLOCK_D + offs_d
@@ -135,15 +140,15 @@ def _in_proj_step_kernel(
                               eviction_policy="evict_first")
         offs_c = c * BLOCK_D + offs_d
         hv = tl.load(h_ptr + offs_c, mask=offs_c < DM, other=0.0).to(tl.float32)
-        acc += wt.to(tl.float32) * hv[None, :]
-        acc_dt += wd.to(tl.float32) * hv
-        sq += hv * hv
+        acc += tl.sum(wt.to(tl.float32) * hv[None, :], axis=1)
+        acc_dt += tl.sum(wd.to(tl.float32) * hv, axis=0)
+        sq += tl.sum(hv * hv, axis=0)
         if c + 1 < N_CHUNKS:
             wt = wt_next
             wd = wd_next
-    rstd = tl.rsqrt(tl.sum(sq, axis=0) / DM + pre_eps)
-    raw = tl.sum(acc, axis=1) * rstd
-    dt_raw = tl.sum(acc_dt, axis=0) * rstd
+    rstd = tl.rsqrt(sq / DM + pre_eps)
+    raw = acc * rstd
+    dt_raw = acc_dt * rstd
     if HAS_BIAS:
         raw += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         dt_raw += tl.load(b_ptr + dt_row).to(tl.float32)
@@ -209,7 +214,19 @@ def mamba_layer_step(h, in_weight, in_bias, pre_eps, conv_state, ssm_state, conv
         z, xBC, dt_raw = proj.split([d_inner, conv_weight.shape[0], heads], dim=-1)
         return mamba_step_out(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, None,
                               n_groups, norm_groups, dt_min, dt_max, eps, out_weight, out_bias, residual=h2)
-    hv = h2.reshape(-1)
+    gated = in_proj_step(h2, in_weight, in_bias, pre_eps, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log,
+                         D, n_groups, dt_min, dt_max)
+    return _launch_out_proj(gated, None, conv_state, out_weight, out_bias, h2, norm_groups, eps, n_groups, d_state,
+                            conv_weight.shape[1], shift_bc=False)
+
+
+def in_proj_step(h, in_weight, in_bias, pre_eps, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
+                 n_groups, dt_min, dt_max):
+    """The first launch of `mamba_layer_step`: h (1, D) -> the gated value y * silu(z), (1, H*P) in
+    h's dtype, before the gated norm; conv and SSM states updated in place."""
+    batch, heads, head_dim, d_state = ssm_state.shape
+    d_inner = heads * head_dim
+    hv = h.reshape(-1)
     if hv.stride(0) != 1:
         hv = hv.contiguous()
     d_model = hv.numel()
@@ -231,5 +248,4 @@ def mamba_layer_step(h, in_weight, in_bias, pre_eps, conv_state, ssm_state, conv
         N_CHUNKS=triton.cdiv(d_model, block_d), N_BC=n_bc, USE_PDL=use_pdl, num_warps=NUM_WARPS,
         **({"launch_pdl": True} if use_pdl else {}),
     )
-    return _launch_out_proj(gated, None, conv_state, out_weight, out_bias, h2, norm_groups, eps, n_groups, d_state,
-                            kernel_size, shift_bc=False)
+    return gated
