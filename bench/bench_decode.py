@@ -250,10 +250,11 @@ def main() -> int:
             layer_step.FUSED = False  # in_proj GEMV, step kernel, out_proj: three launches per layer
             record("AR step CUDA graph [folded, in_proj and step unfused]", step_graph_ms(m)[0])
             layer_step.FUSED = True
-            for bp, bd, warps in ((8, 512, 4), (16, 256, 8), (16, 1024, 8), (16, 512, 4), (32, 256, 8)):
-                layer_step.BLOCK_P, layer_step.BLOCK_D, layer_step.NUM_WARPS = bp, bd, warps
-                record(f"AR step CUDA graph [folded, layer step P{bp} D{bd} w{warps}]", step_graph_ms(m)[0])
-            layer_step.BLOCK_P, layer_step.BLOCK_D, layer_step.NUM_WARPS = 16, 512, 8
+            saved = layer_step.BLOCK_P, layer_step.NUM_WARPS
+            for bp, warps in ((2, 4), (8, 8)):
+                layer_step.BLOCK_P, layer_step.NUM_WARPS = bp, warps
+                record(f"AR step CUDA graph [folded, layer step P{bp} w{warps}]", step_graph_ms(m)[0])
+            layer_step.BLOCK_P, layer_step.NUM_WARPS = saved
             out_shape = tuple(m.layers[0].mixer.out_proj.weight.shape) if m.layers[0].kind == "mamba" else None
             if out_shape:
                 saved = dict(gemv.TUNED)

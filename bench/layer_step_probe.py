@@ -6,8 +6,9 @@ each graph is timed as bench_decode.py times a step (median of CUDA-event interv
 spin before each) and divided by 64. Variants:
 
 - unfused layer: in_proj GEMV (norm_linear), the step kernel, out_proj (ops/step_update);
-- fused layer, per (BLOCK_P, BLOCK_D, warps): in_proj with the step inside, out_proj (ops/layer_step);
-- the first launches alone: the in_proj GEMV, and the fused in_proj + step kernel.
+- fused layer, per (BLOCK_P, warps): in_proj with the step inside, out_proj (ops/layer_step);
+- the first launches alone: the in_proj GEMV, and the fused in_proj + step kernel, also with
+  its head programs not waiting for the B/C/dt programs (WAIT False: wrong values, timing only).
 
 Run on the device from the repository root: python3 bench/layer_step_probe.py
 """
@@ -80,8 +81,8 @@ def graph_us(layer_fn, layers, h) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", default="16,512,8;16,256,4;16,256,8;8,512,4;8,256,4;16,512,4",
-                    help="fused kernel configs BLOCK_P,BLOCK_D,warps separated by ';'")
+    ap.add_argument("--configs", default="4,4;2,4;4,8;8,8;2,2;1,2",
+                    help="fused kernel configs BLOCK_P,warps separated by ';'")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev, bf = "cuda", torch.bfloat16
@@ -98,13 +99,19 @@ def main() -> int:
             ("in_proj GEMV alone", graph_us(in_proj_only, layers, h))]
     for r in rows:
         print(f"  {r[0]:<48} {r[1]:7.2f} us", flush=True)
-    saved = LS.BLOCK_P, LS.BLOCK_D, LS.NUM_WARPS
+    saved = LS.BLOCK_P, LS.NUM_WARPS
     for spec in args.configs.split(";"):
-        LS.BLOCK_P, LS.BLOCK_D, LS.NUM_WARPS = (int(v) for v in spec.split(","))
+        LS.BLOCK_P, LS.NUM_WARPS = (int(v) for v in spec.split(","))
         for what, fn in (("fused layer", fused), ("fused in_proj+step alone", in_proj_step_only)):
-            rows.append((f"{what} P{LS.BLOCK_P} D{LS.BLOCK_D} w{LS.NUM_WARPS}", graph_us(fn, layers, h)))
+            rows.append((f"{what} P{LS.BLOCK_P} w{LS.NUM_WARPS}", graph_us(fn, layers, h)))
             print(f"  {rows[-1][0]:<48} {rows[-1][1]:7.2f} us", flush=True)
-    LS.BLOCK_P, LS.BLOCK_D, LS.NUM_WARPS = saved
+        if spec == args.configs.split(";")[0]:
+            LS.WAIT = False
+            rows.append((f"  same, not waiting (wrong values) P{LS.BLOCK_P} w{LS.NUM_WARPS}",
+                         graph_us(in_proj_step_only, layers, h)))
+            print(f"  {rows[-1][0]:<48} {rows[-1][1]:7.2f} us", flush=True)
+            LS.WAIT = True
+    LS.BLOCK_P, LS.NUM_WARPS = saved
     rows.append(("unfused layer, again", graph_us(unfused, layers, h)))
     print(f"\n{'per layer (64 layers per graph)':<50} {'us':>7} {'x unfused':>9}")
     for what, us in rows:

@@ -531,19 +531,18 @@ else:
 
 
 
-    @pytest.mark.parametrize("shape", [(4, 16, 16, 1, 1, 4, 40, False, 16, 512), (6, 16, 8, 2, 3, 3, 100, True, 8, 512),
-                                       (3, 8, 16, 1, 1, 4, 70, False, 16, 32), (5, 12, 10, 1, 1, 2, 24, True, 8, 16)],
-                             ids=["G1", "G2-norm3-K3-bias", "P8-chunked", "P12-S10-K2"])
+    @pytest.mark.parametrize("shape", [(4, 16, 16, 1, 1, 4, 40, False, 4), (6, 16, 8, 2, 3, 3, 100, True, 8),
+                                       (3, 8, 16, 1, 1, 4, 64, False, 16), (5, 12, 10, 1, 1, 2, 24, True, 8)],
+                             ids=["G1", "G2-norm3-K3-bias", "P8-one-piece", "P12-S10-K2"])
     def test_mamba_layer_step_matches_reference(shape, nan_outputs, monkeypatch):
         """The whole folded sublayer at batch 1 (in_proj with the step inside it, then out_proj)
-        over three consecutive tokens: head programs and B/C programs, channel blocks that do not
-        divide the head (P12 in blocks of 8), d_model in one chunk or several, and the layer's
-        ticket/flag counters carried from one call to the next."""
+        over three consecutive tokens: head programs and B/C/dt programs, channel blocks that do
+        not divide the head (P12 in blocks of 8), rows in one power-of-two piece or two, and the
+        layer's ticket/flag counters carried from one call to the next."""
         from ssmspec.ops.layer_step.naive import naive_mamba_layer_step
 
-        heads, head_dim, d_state, groups, norm_groups, kernel_size, d_model, bias, block_p, block_d = shape
+        heads, head_dim, d_state, groups, norm_groups, kernel_size, d_model, bias, block_p = shape
         monkeypatch.setattr(LS, "BLOCK_P", block_p)
-        monkeypatch.setattr(LS, "BLOCK_D", block_d)
         d_inner = heads * head_dim
         channels = d_inner + 2 * groups * d_state
         n_in = 2 * d_inner + 2 * groups * d_state + heads
@@ -562,6 +561,6 @@ else:
             assert_close(ss_got, ss_want, atol=1e-4, rtol=1e-4, name=f"ssm_state, token {token}")
             assert_close(cs_got, cs_want, atol=1e-5, rtol=1e-5, name=f"conv_state, token {token}")
             h = want
-        n_bc = -(-2 * groups * d_state // (2 * block_p))
-        n_prog = n_bc + heads * -(-head_dim // block_p)
-        assert LS._counters(in_w, n_prog).tolist() == [3 * n_prog, 3 * n_bc], "one ticket per program and launch"
+        n_shared = -(-(2 * groups * d_state + heads) // (2 * block_p))
+        n_prog = n_shared + heads * -(-head_dim // block_p)
+        assert LS._counters(in_w, n_prog).tolist() == [3 * n_prog, 3 * n_shared], "one ticket per program and launch"

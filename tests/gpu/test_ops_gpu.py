@@ -294,9 +294,9 @@ def test_mamba_layer_step_gpu(heads, groups, norm_groups, d_model):
         assert _rel(ss2, ss) < 5e-3  # in_proj's bf16 outputs round differently (the norm scales the dots)
         assert (cs2.float() - cs.float()).abs().max().item() <= 0.02 * cs.float().abs().max().item()
         h = want
-    n_bc = 2 * groups * S // (2 * LS.BLOCK_P)
-    n_prog = n_bc + heads * P // LS.BLOCK_P
-    assert LS._counters(in_w, n_prog).tolist() == [3 * n_prog, 3 * n_bc]
+    n_shared = -(-(2 * groups * S + heads) // (2 * LS.BLOCK_P))
+    n_prog = n_shared + heads * P // LS.BLOCK_P
+    assert LS._counters(in_w, n_prog).tolist() == [3 * n_prog, 3 * n_shared]
 
     graph = torch.cuda.CUDAGraph()
     static_h = h.clone()

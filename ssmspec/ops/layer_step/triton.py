@@ -7,19 +7,19 @@ every head shares, so it could only start once all of in_proj had finished; on t
 left the weight stream idle for ~5.5 us per layer (BENCHMARKS.md, round 3's timeline).
 
 Here in_proj's rows are dealt out by head. A head program owns BLOCK_P channels of one head:
-their z and x rows and the head's dt row (so the x channels' conv and the whole state update
-of its (BLOCK_P, S) slice need nothing from other programs) and streams those rows' weights
-like a GEMV. The 2*G*S rows of B and C go to N_BC programs of their own, which convolve them,
-publish them to a small buffer and count themselves done on a flag. A head program waits on
-that flag only after its own weight stream, by which time the B/C programs, which started
-first, are long finished. So the step's latency moves under the stream, apart from the last
-head programs' tails.
+their z and x rows, whose weights it loads whole before the PDL wait, as the GEMV preloads a
+row, so the x channels' conv and the state update of its (BLOCK_P, S) slice need nothing from
+other programs but B, C and the head's dt. Those rows (2*G*S + H, the last rows of in_proj) go to
+N_SHARED programs of their own, which convolve B and C, publish them and dt to a small buffer
+and count themselves done on a flag. A head program waits on that flag only after its own dot
+products, and the shared programs take the first tickets (below), so the step's latency moves
+under the weight stream, apart from the last programs' tails.
 
 Roles come from a ticket (an atomic counter) rather than the program id: the programs that
 take the first tickets of a launch are running, so the B/C work a head program waits for
 always belongs to a program that has started, whatever order the hardware dispatches them in.
 Both counters only grow (int64): launch e of a layer hands out tickets e*n .. e*n + n - 1 and
-its head programs wait for the flag to reach (e + 1) * N_BC. Nothing has to reset them, so an
+its head programs wait for the flag to reach (e + 1) * N_SHARED. Nothing has to reset them, so an
 interrupted sequence of launches cannot leave a layer's counters in a state that hangs the next.
 The ticket is the only global access before the PDL wait (ops/pdl.py): no other kernel
 touches these counters.
@@ -38,11 +38,21 @@ from ..step_update.triton import _conv_history, _launch_out_proj, _shift_in, _so
 
 FUSED = True
 """Benchmarks set this False to time the unfused route (in_proj GEMV, step, out_proj)."""
-BLOCK_P = 16
-"""x channels (and z rows) per head program: 2 * BLOCK_P weight rows plus the head's dt row."""
-BLOCK_D = 512
-"""Columns of d_model per weight chunk; the next chunk is loaded while this one is reduced."""
-NUM_WARPS = 8
+BLOCK_P = 4
+"""x channels (and z rows) per head program: 2 * BLOCK_P weight rows, whole rows loaded at once."""
+NUM_WARPS = 4
+WAIT = True
+"""False only for bench/layer_step_probe.py, to time what waiting on the B/C/dt programs costs."""
+
+
+def _row_pieces(d_model: int) -> tuple[int, int]:
+    """A row of d_model columns as two power-of-two pieces (2560 = 2048 + 512), so that a
+    preloaded row wastes few registers on padding (as ops/gemv's preload)."""
+    first = triton.next_power_of_2(d_model)
+    if first == d_model:
+        return first, 0
+    first //= 2
+    return first, triton.next_power_of_2(d_model - first)
 
 def _counters(in_weight: torch.Tensor, n_prog: int) -> torch.Tensor:
     """The (ticket, flag) int64 counters of the layer whose in_proj weight this is, for a grid
@@ -62,12 +72,12 @@ def _counters(in_weight: torch.Tensor, n_prog: int) -> torch.Tensor:
 @triton.jit
 def _in_proj_step_kernel(
     h_ptr, w_ptr, b_ptr, cs_ptr, ss_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr,
-    g_ptr, bc_ptr, sync_ptr,
+    g_ptr, shared_ptr, sync_ptr,
     DM, pre_eps, H, P, S, G, heads_per_group, dt_min, dt_max,
     swn, scc, sck, shh, shp, shs, swc, swk,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_KC: tl.constexpr, BLOCK_D: tl.constexpr,
-    N_CHUNKS: tl.constexpr, N_BC: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_KC: tl.constexpr, BLOCK_D1: tl.constexpr,
+    BLOCK_D2: tl.constexpr, N_SHARED: tl.constexpr, USE_PDL: tl.constexpr, WAIT: tl.constexpr = True,
 ):
     R: tl.constexpr = 2 * BLOCK_P
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
@@ -76,43 +86,45 @@ def _in_proj_step_kernel(
     n_prog = tl.num_programs(0)
     epoch = ticket // n_prog
     role = (ticket % n_prog).to(tl.int32)
-    is_bc = role < N_BC
     d_inner = H * P
     GS = G * S
+    n_shared_rows = 2 * GS + H
     in_dtype = h_ptr.dtype.element_ty
 
     # Lane i of the R rows. A head program interleaves its z rows (even lanes) and x rows (odd
-    # lanes), channel p = i // 2 of its block; a B/C program takes R consecutive B/C rows.
+    # lanes), channel p = i // 2 of its block. A shared program takes R consecutive rows of the
+    # B, C and dt rows, which are the last rows of in_proj.
     i = tl.arange(0, R)
     pblocks = tl.cdiv(P, BLOCK_P)
-    u = tl.maximum(role - N_BC, 0)
+    u = tl.maximum(role - N_SHARED, 0)
     head = u // pblocks
     p0 = (u % pblocks) * BLOCK_P
     is_x = (i % 2) == 1
     head_ch = head * P + p0 + i // 2
     head_ok = p0 + i // 2 < P
-    bc = role * R + i
-    bc_ok = bc < 2 * GS
-    bc_lanes = (i * 0 + role) < N_BC  # is_bc as a block (the interpreter masks with blocks only)
-    rows = tl.where(bc_lanes, 2 * d_inner + bc, tl.where(is_x, d_inner + head_ch, head_ch))
-    rmask = tl.where(bc_lanes, bc_ok, head_ok)
-    cc = tl.where(bc_lanes, d_inner + bc, head_ch)  # conv channels (xBC index) of the lanes
-    cmask = tl.where(bc_lanes, bc_ok, head_ok & is_x)
-    dt_row = 2 * d_inner + 2 * GS + head
+    j = role * R + i  # shared row index: B and C at [0, 2GS), dt at [2GS, 2GS + H)
+    shared_lanes = (i * 0 + role) < N_SHARED  # role < N_SHARED as a block (the interpreter masks with blocks)
+    rows = tl.where(shared_lanes, 2 * d_inner + j, tl.where(is_x, d_inner + head_ch, head_ch))
+    rmask = tl.where(shared_lanes, j < n_shared_rows, head_ok)
+    cc = tl.where(shared_lanes, d_inner + j, head_ch)  # conv channels (xBC index) of the lanes
+    cmask = tl.where(shared_lanes, j < 2 * GS, head_ok & is_x)
 
-    # Everything that no kernel of this step writes before us, read before the PDL wait: the
-    # first weight chunk, the head's (BLOCK_P, S) state slice, the conv history and taps, the
-    # per-head constants. States were last written by this layer's previous step or by replay;
-    # every step starts with the embedding lookup, a plain launch that waits for all earlier work.
-    offs_d = tl.arange(0, BLOCK_D)
+    # Read before the PDL wait, as nothing of this step writes them: the rows' whole weights (in
+    # two power-of-two pieces, as ops/gemv preloads a row), the head's (BLOCK_P, S) state slice,
+    # the conv history and taps, the head's constants. States were last written by this layer's
+    # previous step or by replay; every step starts with the embedding lookup, a plain launch
+    # that waits for all earlier work.
     w_rows = w_ptr + rows[:, None] * swn
-    dt_lanes = (offs_d * 0 + role) >= N_BC
-    wt = tl.load(w_rows + offs_d[None, :], mask=rmask[:, None] & (offs_d < DM)[None, :], other=0.0,
-                 eviction_policy="evict_first")
-    wd = tl.load(w_ptr + dt_row * swn + offs_d, mask=dt_lanes & (offs_d < DM), other=0.0, eviction_policy="evict_first")
+    offs_d1 = tl.arange(0, BLOCK_D1)
+    wt1 = tl.load(w_rows + offs_d1[None, :], mask=rmask[:, None] & (offs_d1 < DM)[None, :], other=0.0,
+                  eviction_policy="evict_first")
+    if BLOCK_D2 > 0:
+        offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
+        wt2 = tl.load(w_rows + offs_d2[None, :], mask=rmask[:, None] & (offs_d2 < DM)[None, :], other=0.0,
+                      eviction_policy="evict_first")
     offs_pp = p0 + tl.arange(0, BLOCK_P)
     offs_s = tl.arange(0, BLOCK_S)
-    head_pp = (offs_pp < P) & ((offs_pp * 0 + role) >= N_BC)
+    head_pp = (offs_pp < P) & ((offs_pp * 0 + role) >= N_SHARED)
     s_ptrs = ss_ptr + head * shh + offs_pp[:, None] * shp + offs_s[None, :] * shs
     s_mask = head_pp[:, None] & (offs_s < S)[None, :]
     state = tl.load(s_ptrs, mask=s_mask, other=0.0)
@@ -126,56 +138,42 @@ def _in_proj_step_kernel(
         gdc_wait()
 
     # The GEMV: h's RMSNorm scales the dot products at the end (its weight is folded into w).
-    # Each chunk is reduced as it arrives: a (R, BLOCK_D) fp32 accumulator would hold 64 more
-    # registers per thread and keep the grid from fitting on the GPU in one wave.
-    acc = tl.zeros([R], dtype=tl.float32)
-    acc_dt = 0.0
-    sq = 0.0
-    for c in tl.static_range(N_CHUNKS):
-        if c + 1 < N_CHUNKS:  # the next chunk's loads go out before this chunk's multiply-adds
-            offs_n = (c + 1) * BLOCK_D + offs_d
-            wt_next = tl.load(w_rows + offs_n[None, :], mask=rmask[:, None] & (offs_n < DM)[None, :], other=0.0,
-                              eviction_policy="evict_first")
-            wd_next = tl.load(w_ptr + dt_row * swn + offs_n, mask=dt_lanes & (offs_n < DM), other=0.0,
-                              eviction_policy="evict_first")
-        offs_c = c * BLOCK_D + offs_d
-        hv = tl.load(h_ptr + offs_c, mask=offs_c < DM, other=0.0).to(tl.float32)
-        acc += tl.sum(wt.to(tl.float32) * hv[None, :], axis=1)
-        acc_dt += tl.sum(wd.to(tl.float32) * hv, axis=0)
-        sq += tl.sum(hv * hv, axis=0)
-        if c + 1 < N_CHUNKS:
-            wt = wt_next
-            wd = wd_next
-    rstd = tl.rsqrt(sq / DM + pre_eps)
-    raw = acc * rstd
-    dt_raw = acc_dt * rstd
+    hv = tl.load(h_ptr + offs_d1, mask=offs_d1 < DM, other=0.0).to(tl.float32)
+    acc = tl.sum(wt1.to(tl.float32) * hv[None, :], axis=1)
+    sq = tl.sum(hv * hv, axis=0)
+    if BLOCK_D2 > 0:
+        hv2 = tl.load(h_ptr + offs_d2, mask=offs_d2 < DM, other=0.0).to(tl.float32)
+        acc += tl.sum(wt2.to(tl.float32) * hv2[None, :], axis=1)
+        sq += tl.sum(hv2 * hv2, axis=0)
+    raw = acc * tl.rsqrt(sq / DM + pre_eps)
     if HAS_BIAS:
         raw += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-        dt_raw += tl.load(b_ptr + dt_row).to(tl.float32)
     raw = raw.to(in_dtype).to(tl.float32)  # in_proj's output is rounded, as the reference's is
-    dt_raw = dt_raw.to(in_dtype).to(tl.float32)
     conv = hist + raw * w_last
     post = (conv * tl.sigmoid(conv)).to(in_dtype).to(tl.float32)  # silu, rounded as the conv output
 
-    if role < N_BC:
-        # Publish the convolved B/C values, shift their conv state (no head program reads it),
-        # then count this program done. The barrier orders every thread's stores before the
-        # releasing atomic.
-        tl.store(bc_ptr + bc, post, mask=cmask)
+    if role < N_SHARED:
+        # Publish B and C convolved and dt raw, shift B/C's conv state (no head program reads
+        # it), then count this program done. The barrier orders every thread's stores before
+        # the releasing atomic.
+        tl.store(shared_ptr + j, tl.where(cmask, post, raw), mask=j < n_shared_rows)
         _shift_in(cs_ptr, cc, cmask, raw, scc, sck, K, BLOCK_KC)
         tl.debug_barrier()
         tl.atomic_add(sync_ptr + 1, 1, sem="release")
     else:
         z, x_in = tl.split(tl.reshape(raw, [BLOCK_P, 2]))
         z_conv, x = tl.split(tl.reshape(post, [BLOCK_P, 2]))
-        dt = tl.minimum(tl.maximum(_softplus(dt_raw + dt_b), dt_min), dt_max)
-        target = (epoch + 1) * N_BC
-        done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
-        while done < target:
-            done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+        if WAIT:  # False only to time what the wait costs (bench/layer_step_probe.py): wrong results
+            target = (epoch + 1) * N_SHARED
+            done = tl.load(sync_ptr + 1, volatile=True)  # poll with plain loads, then one acquiring atomic
+            while done < target:
+                done = tl.load(sync_ptr + 1, volatile=True)
+            tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
         grp = head // heads_per_group
-        Bv = tl.load(bc_ptr + grp * S + offs_s, mask=offs_s < S, other=0.0, cache_modifier=".cg")
-        Cv = tl.load(bc_ptr + GS + grp * S + offs_s, mask=offs_s < S, other=0.0, cache_modifier=".cg")
+        Bv = tl.load(shared_ptr + grp * S + offs_s, mask=offs_s < S, other=0.0, cache_modifier=".cg")
+        Cv = tl.load(shared_ptr + GS + grp * S + offs_s, mask=offs_s < S, other=0.0, cache_modifier=".cg")
+        dt = _softplus(tl.load(shared_ptr + 2 * GS + head, cache_modifier=".cg") + dt_b)
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
         state = state * tl.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
         y = tl.sum(state * Cv[None, :], axis=1) + x * Dh
         gated = y.to(in_dtype).to(tl.float32) * (z * tl.sigmoid(z))
@@ -231,21 +229,23 @@ def in_proj_step(h, in_weight, in_bias, pre_eps, conv_state, ssm_state, conv_wei
         hv = hv.contiguous()
     d_model = hv.numel()
     kernel_size = conv_weight.shape[1]
-    n_bc = triton.cdiv(2 * n_groups * d_state, 2 * BLOCK_P)
-    n_prog = n_bc + heads * triton.cdiv(head_dim, BLOCK_P)
+    rows = 2 * BLOCK_P
+    n_shared = triton.cdiv(2 * n_groups * d_state + heads, rows)
+    n_prog = n_shared + heads * triton.cdiv(head_dim, BLOCK_P)
     gated = torch.empty(1, d_inner, device=h.device, dtype=h.dtype)
-    bc = torch.empty(2 * n_groups * d_state, device=h.device, dtype=torch.float32)
-    block_d = min(BLOCK_D, triton.next_power_of_2(d_model))
+    shared = torch.empty(2 * n_groups * d_state + heads, device=h.device, dtype=torch.float32)
+    block_d1, block_d2 = _row_pieces(d_model)
     use_pdl = pdl.enabled(h.device)
     _in_proj_step_kernel[(n_prog,)](
         hv, in_weight, in_bias if in_bias is not None else in_weight, conv_state, ssm_state, conv_weight,
-        conv_bias if conv_bias is not None else conv_weight, dt_bias, A_log, D, gated, bc, _counters(in_weight, n_prog),
+        conv_bias if conv_bias is not None else conv_weight, dt_bias, A_log, D, gated, shared,
+        _counters(in_weight, n_prog),
         d_model, float(pre_eps), heads, head_dim, d_state, n_groups, heads // n_groups, float(dt_min), float(dt_max),
         in_weight.stride(0), conv_state.stride(1), conv_state.stride(2), *ssm_state.stride()[1:], *conv_weight.stride(),
         K=kernel_size, HAS_BIAS=in_bias is not None, HAS_CONV_BIAS=conv_bias is not None,
         BLOCK_P=BLOCK_P, BLOCK_S=max(16, triton.next_power_of_2(d_state)),
-        BLOCK_KC=max(2, triton.next_power_of_2(kernel_size - 1)), BLOCK_D=block_d,
-        N_CHUNKS=triton.cdiv(d_model, block_d), N_BC=n_bc, USE_PDL=use_pdl, num_warps=NUM_WARPS,
+        BLOCK_KC=max(2, triton.next_power_of_2(kernel_size - 1)), BLOCK_D1=block_d1, BLOCK_D2=block_d2,
+        N_SHARED=n_shared, USE_PDL=use_pdl, WAIT=WAIT, num_warps=NUM_WARPS,
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return gated
