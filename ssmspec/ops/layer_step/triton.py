@@ -41,6 +41,9 @@ FUSED = True
 BLOCK_P = 4
 """x channels (and z rows) per head program: 2 * BLOCK_P weight rows, whole rows loaded at once."""
 NUM_WARPS = 4
+TICKET = True
+"""Roles by ticket (see the module docstring). False: by program id, the flag reset by out_proj's
+kernel, and the B/C/dt programs relying on the hardware dispatching low program ids first."""
 WAIT = True
 """False only for bench/layer_step_probe.py, to time what waiting on the B/C/dt programs costs."""
 
@@ -53,6 +56,11 @@ def _row_pieces(d_model: int) -> tuple[int, int]:
         return first, 0
     first //= 2
     return first, triton.next_power_of_2(d_model - first)
+
+def _flag(in_weight: torch.Tensor) -> torch.Tensor:
+    """The flag of the layer's ticket-free launches (TICKET False), reset by out_proj's kernel."""
+    return _counters(in_weight, 0)[1:]
+
 
 def _counters(in_weight: torch.Tensor, n_prog: int) -> torch.Tensor:
     """The (ticket, flag) int64 counters of the layer whose in_proj weight this is, for a grid
@@ -78,14 +86,19 @@ def _in_proj_step_kernel(
     K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_KC: tl.constexpr, BLOCK_D1: tl.constexpr,
     BLOCK_D2: tl.constexpr, N_SHARED: tl.constexpr, USE_PDL: tl.constexpr, WAIT: tl.constexpr = True,
+    TICKET: tl.constexpr = True,
 ):
     R: tl.constexpr = 2 * BLOCK_P
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
-    ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")  # see the module docstring
-    n_prog = tl.num_programs(0)
-    epoch = ticket // n_prog
-    role = (ticket % n_prog).to(tl.int32)
+    if TICKET:
+        ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")  # see the module docstring
+        n_prog = tl.num_programs(0)
+        epoch = ticket // n_prog
+        role = (ticket % n_prog).to(tl.int32)
+    else:  # roles by program id; out_proj's kernel resets the flag (see TICKET)
+        epoch = 0
+        role = tl.program_id(0)
     d_inner = H * P
     GS = G * S
     n_shared_rows = 2 * GS + H
@@ -215,7 +228,7 @@ def mamba_layer_step(h, in_weight, in_bias, pre_eps, conv_state, ssm_state, conv
     gated = in_proj_step(h2, in_weight, in_bias, pre_eps, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log,
                          D, n_groups, dt_min, dt_max)
     return _launch_out_proj(gated, None, conv_state, out_weight, out_bias, h2, norm_groups, eps, n_groups, d_state,
-                            conv_weight.shape[1], shift_bc=False)
+                            conv_weight.shape[1], shift_bc=False, reset=None if TICKET else _flag(in_weight))
 
 
 def in_proj_step(h, in_weight, in_bias, pre_eps, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
@@ -239,13 +252,13 @@ def in_proj_step(h, in_weight, in_bias, pre_eps, conv_state, ssm_state, conv_wei
     _in_proj_step_kernel[(n_prog,)](
         hv, in_weight, in_bias if in_bias is not None else in_weight, conv_state, ssm_state, conv_weight,
         conv_bias if conv_bias is not None else conv_weight, dt_bias, A_log, D, gated, shared,
-        _counters(in_weight, n_prog),
+        _counters(in_weight, n_prog) if TICKET else _counters(in_weight, 0),
         d_model, float(pre_eps), heads, head_dim, d_state, n_groups, heads // n_groups, float(dt_min), float(dt_max),
         in_weight.stride(0), conv_state.stride(1), conv_state.stride(2), *ssm_state.stride()[1:], *conv_weight.stride(),
         K=kernel_size, HAS_BIAS=in_bias is not None, HAS_CONV_BIAS=conv_bias is not None,
         BLOCK_P=BLOCK_P, BLOCK_S=max(16, triton.next_power_of_2(d_state)),
         BLOCK_KC=max(2, triton.next_power_of_2(kernel_size - 1)), BLOCK_D1=block_d1, BLOCK_D2=block_d2,
-        N_SHARED=n_shared, USE_PDL=use_pdl, WAIT=WAIT, num_warps=NUM_WARPS,
+        N_SHARED=n_shared, USE_PDL=use_pdl, WAIT=WAIT, TICKET=TICKET, num_warps=NUM_WARPS,
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return gated

@@ -489,18 +489,23 @@ def _step_out_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr, PRELOAD: tl.constexpr,
     K_CONV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_KC: tl.constexpr, USE_PDL: tl.constexpr,
     GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0, SHIFT_BC: tl.constexpr = True,
+    reset_ptr=None, RESET: tl.constexpr = False,
 ):
     """out_proj of one row (batch 1) whose input is the gated value g of `_step_ssm_kernel`: the
     gated RMSNorm runs in the GEMV's prologue (its weight folded into out_proj's, see
     ops/gemv `norm_linear`) and the residual add in its epilogue. Program 0 also does the step's
     deferred conv-state shift of the B and C channels (see the module docstring): after the GEMV
     tile's wait every step-kernel program that read the old window is done. SHIFT_BC False: the
-    step's producer shifted them itself (ops/layer_step)."""
+    step's producer shifted them itself (ops/layer_step). RESET: program 0 zeroes the int64 at
+    reset_ptr, the producer's flag (ops/layer_step, TICKET False)."""
     if USE_PDL:
         gdc_launch_dependents()
     _gemv_tile(g_ptr, w_ptr, bias_ptr, y_ptr, tl.program_id(0), 0, N, K, swn, HAS_BIAS, False, BLOCK_N, BLOCK_K,
                K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G, GROUPED,
                BLOCK_K2)
+    if RESET:
+        if tl.program_id(0) == 0:
+            tl.store(reset_ptr, 0)
     if SHIFT_BC:
         if tl.program_id(0) == 0:
             offs_s = tl.arange(0, BLOCK_S)
@@ -580,7 +585,7 @@ def mamba_step_out(
 
 
 def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, norm_groups, eps, n_groups, d_state,
-                     kernel_size, shift_bc=True):
+                     kernel_size, shift_bc=True, reset=None):
     """`_step_out_kernel` for one row: out_proj of the gated value with the gated norm and the
     residual add inside, and (shift_bc) the deferred B/C conv-state shift; xBC may be None
     without it."""
@@ -608,7 +613,7 @@ def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, nor
         UNROLL=bool(unroll), PRELOAD=bool(preload), K_CONV=kernel_size, BLOCK_S=max(16, triton.next_power_of_2(d_state)),
         BLOCK_KC=max(2, triton.next_power_of_2(kernel_size - 1)),
         USE_PDL=use_pdl, GROUPED=bool(preload) and grouped_epilogue(d_inner, cfg_k, norm_groups), BLOCK_K2=cfg_k2,
-        SHIFT_BC=shift_bc, num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
+        SHIFT_BC=shift_bc, reset_ptr=reset, RESET=reset is not None, num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
     )
     return y
 
