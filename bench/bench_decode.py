@@ -250,11 +250,11 @@ def main() -> int:
             layer_step.FUSED = False  # in_proj GEMV, step kernel, out_proj: three launches per layer
             record("AR step CUDA graph [folded, in_proj and step unfused]", step_graph_ms(m)[0])
             layer_step.FUSED = True
-            saved = layer_step.BLOCK_P, layer_step.NUM_WARPS
-            for bp, warps in ((2, 4), (8, 8)):
-                layer_step.BLOCK_P, layer_step.NUM_WARPS = bp, warps
-                record(f"AR step CUDA graph [folded, layer step P{bp} w{warps}]", step_graph_ms(m)[0])
-            layer_step.BLOCK_P, layer_step.NUM_WARPS = saved
+            saved = layer_step.BLOCK_P, layer_step.NUM_WARPS, layer_step.PROGRAMS_PER_SM
+            for bp, warps, pps in ((2, 4, 8), (4, 8, 2)):
+                layer_step.BLOCK_P, layer_step.NUM_WARPS, layer_step.PROGRAMS_PER_SM = bp, warps, pps
+                record(f"AR step CUDA graph [folded, layer step P{bp} w{warps} x{pps}]", step_graph_ms(m)[0])
+            layer_step.BLOCK_P, layer_step.NUM_WARPS, layer_step.PROGRAMS_PER_SM = saved
             out_shape = tuple(m.layers[0].mixer.out_proj.weight.shape) if m.layers[0].kind == "mamba" else None
             if out_shape:
                 saved = dict(gemv.TUNED)

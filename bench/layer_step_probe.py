@@ -6,7 +6,7 @@ each graph is timed as bench_decode.py times a step (median of CUDA-event interv
 spin before each) and divided by 64. Variants:
 
 - unfused layer: in_proj GEMV (norm_linear), the step kernel, out_proj (ops/step_update);
-- fused layer, per (BLOCK_P, warps): in_proj with the step inside, out_proj (ops/layer_step);
+- fused layer, per (BLOCK_P, warps, programs per SM): in_proj with the step inside, out_proj (ops/layer_step);
 - the first launches alone: the in_proj GEMV, and the fused in_proj + step kernel, also with
   its head programs not waiting for the B/C/dt programs (WAIT False: wrong values, timing only).
 
@@ -81,8 +81,8 @@ def graph_us(layer_fn, layers, h) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", default="4,4;2,2;2,4",
-                    help="fused kernel configs BLOCK_P,warps separated by ';'")
+    ap.add_argument("--configs", default="2,4,4;2,4,2;2,4,8;4,8,2;4,8,4;4,4,2;2,2,8;1,2,8",
+                    help="fused kernel configs BLOCK_P,warps,programs per SM separated by ';'")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev, bf = "cuda", torch.bfloat16
@@ -99,11 +99,11 @@ def main() -> int:
             ("in_proj GEMV alone", graph_us(in_proj_only, layers, h))]
     for r in rows:
         print(f"  {r[0]:<48} {r[1]:7.2f} us", flush=True)
-    saved = LS.BLOCK_P, LS.NUM_WARPS
+    saved = LS.BLOCK_P, LS.NUM_WARPS, LS.PROGRAMS_PER_SM
     for spec in args.configs.split(";"):
-        LS.BLOCK_P, LS.NUM_WARPS = (int(v) for v in spec.split(","))
+        LS.BLOCK_P, LS.NUM_WARPS, LS.PROGRAMS_PER_SM = (int(v) for v in spec.split(","))
         for what, fn in (("fused layer", fused), ("fused in_proj+step alone", in_proj_step_only)):
-            rows.append((f"{what} P{LS.BLOCK_P} w{LS.NUM_WARPS}", graph_us(fn, layers, h)))
+            rows.append((f"{what} P{LS.BLOCK_P} w{LS.NUM_WARPS} x{LS.PROGRAMS_PER_SM}", graph_us(fn, layers, h)))
             print(f"  {rows[-1][0]:<48} {rows[-1][1]:7.2f} us", flush=True)
         if spec == args.configs.split(";")[0]:
             LS.WAIT = False
@@ -115,7 +115,7 @@ def main() -> int:
             rows.append((f"  same, roles by program id P{LS.BLOCK_P} w{LS.NUM_WARPS}", graph_us(fused, layers, h)))
             print(f"  {rows[-1][0]:<48} {rows[-1][1]:7.2f} us", flush=True)
             LS.TICKET = True
-    LS.BLOCK_P, LS.NUM_WARPS = saved
+    LS.BLOCK_P, LS.NUM_WARPS, LS.PROGRAMS_PER_SM = saved
     rows.append(("unfused layer, again", graph_us(unfused, layers, h)))
     print(f"\n{'per layer (64 layers per graph)':<50} {'us':>7} {'x unfused':>9}")
     for what, us in rows:

@@ -531,18 +531,24 @@ else:
 
 
 
-    @pytest.mark.parametrize("shape", [(4, 16, 16, 1, 1, 4, 40, False, 4), (6, 16, 8, 2, 3, 3, 100, True, 8),
-                                       (3, 8, 16, 1, 1, 4, 64, False, 16), (5, 12, 10, 1, 1, 2, 24, True, 8)],
-                             ids=["G1", "G2-norm3-K3-bias", "P8-one-piece", "P12-S10-K2"])
-    def test_mamba_layer_step_matches_reference(shape, nan_outputs, monkeypatch):
+    # grid: programs of the persistent launch (None: one per item). The interpreter runs programs
+    # one after another, so a head item may only wait on shared items of its own or earlier
+    # programs: the shapes with fewer programs than items have a single shared item.
+    @pytest.mark.parametrize("shape", [(4, 16, 16, 1, 1, 4, 40, False, 4, None), (6, 16, 8, 2, 3, 3, 100, True, 8, None),
+                                       (2, 16, 4, 1, 1, 4, 64, False, 8, 2), (3, 12, 4, 1, 1, 2, 24, True, 8, 1)],
+                             ids=["G1", "G2-norm3-K3-bias", "pow2-grid2", "P12-K2-grid1"])
+    @pytest.mark.parametrize("ticket", [True, False], ids=["ticket", "program-id"])
+    def test_mamba_layer_step_matches_reference(shape, ticket, nan_outputs, monkeypatch):
         """The whole folded sublayer at batch 1 (in_proj with the step inside it, then out_proj)
-        over three consecutive tokens: head programs and B/C/dt programs, channel blocks that do
-        not divide the head (P12 in blocks of 8), rows in one power-of-two piece or two, and the
-        layer's ticket/flag counters carried from one call to the next."""
+        over three consecutive tokens: head items and B/C/dt items, one item per program or
+        several (grid), channel blocks that do not divide the head (P12 in blocks of 8), and the
+        layer's counters carried from one call to the next (or the flag reset by out_proj)."""
         from ssmspec.ops.layer_step.naive import naive_mamba_layer_step
 
-        heads, head_dim, d_state, groups, norm_groups, kernel_size, d_model, bias, block_p = shape
+        heads, head_dim, d_state, groups, norm_groups, kernel_size, d_model, bias, block_p, grid = shape
         monkeypatch.setattr(LS, "BLOCK_P", block_p)
+        monkeypatch.setattr(LS, "GRID", grid)
+        monkeypatch.setattr(LS, "TICKET", ticket)
         d_inner = heads * head_dim
         channels = d_inner + 2 * groups * d_state
         n_in = 2 * d_inner + 2 * groups * d_state + heads
@@ -562,5 +568,8 @@ else:
             assert_close(cs_got, cs_want, atol=1e-5, rtol=1e-5, name=f"conv_state, token {token}")
             h = want
         n_shared = -(-(2 * groups * d_state + heads) // (2 * block_p))
-        n_prog = n_shared + heads * -(-head_dim // block_p)
-        assert LS._counters(in_w, n_prog).tolist() == [3 * n_prog, 3 * n_shared], "one ticket per program and launch"
+        n_prog = min(n_shared + heads * -(-head_dim // block_p), grid or 1 << 30)
+        if ticket:
+            assert LS._counters(in_w, n_prog).tolist() == [3 * n_prog, 3 * n_shared], "one ticket per program and launch"
+        else:
+            assert LS._flag(in_w).tolist() == [0], "out_proj resets the flag"

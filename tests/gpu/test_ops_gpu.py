@@ -295,7 +295,7 @@ def test_mamba_layer_step_gpu(heads, groups, norm_groups, d_model):
         assert (cs2.float() - cs.float()).abs().max().item() <= 0.02 * cs.float().abs().max().item()
         h = want
     n_shared = -(-(2 * groups * S + heads) // (2 * LS.BLOCK_P))
-    n_prog = n_shared + heads * P // LS.BLOCK_P
+    n_prog = LS._grid(n_shared + heads * P // LS.BLOCK_P, torch.device(DEV))
     assert LS._counters(in_w, n_prog).tolist() == [3 * n_prog, 3 * n_shared]
 
     graph = torch.cuda.CUDAGraph()

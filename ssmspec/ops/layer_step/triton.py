@@ -41,6 +41,9 @@ FUSED = True
 BLOCK_P = 4
 """x channels (and z rows) per head program: 2 * BLOCK_P weight rows, whole rows loaded at once."""
 NUM_WARPS = 4
+PROGRAMS_PER_SM = 4
+GRID: int | None = None
+"""Set to fix the number of programs (tests run several items per program with it)."""
 TICKET = True
 """Roles by ticket (see the module docstring). False: by program id, the flag reset by out_proj's
 kernel, and the B/C/dt programs relying on the hardware dispatching low program ids first."""
@@ -49,13 +52,19 @@ WAIT = True
 
 
 def _row_pieces(d_model: int) -> tuple[int, int]:
-    """A row of d_model columns as two power-of-two pieces (2560 = 2048 + 512), so that a
-    preloaded row wastes few registers on padding (as ops/gemv's preload)."""
-    first = triton.next_power_of_2(d_model)
-    if first == d_model:
-        return first, 0
-    first //= 2
+    """A row of d_model columns as two power-of-two pieces (2560 = 2048 + 512, 4096 = 2048 +
+    2048), so that a preloaded row wastes few registers on padding (as ops/gemv's preload)."""
+    first = triton.next_power_of_2(d_model) // 2
     return first, triton.next_power_of_2(d_model - first)
+
+
+def _grid(n_items: int, device: torch.device) -> int:
+    """Programs of the persistent launch: PROGRAMS_PER_SM per SM (GRID overrides), at most one per item."""
+    if GRID is not None:
+        return max(1, min(n_items, GRID))
+    if device.type != "cuda":
+        return n_items
+    return min(n_items, PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
 
 def _flag(in_weight: torch.Tensor) -> torch.Tensor:
     """The flag of the layer's ticket-free launches (TICKET False), reset by out_proj's kernel."""
@@ -78,6 +87,57 @@ def _counters(in_weight: torch.Tensor, n_prog: int) -> torch.Tensor:
 
 
 @triton.jit
+def _item_rows(item, n_items, d_inner, GS, H, P, N_SHARED: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Which rows work item `item` covers, as R = 2 * BLOCK_P lanes. A head item interleaves the
+    z rows (even lanes) and x rows (odd lanes) of channels p0 + i // 2 of one head; a shared item
+    takes R consecutive rows of B, C and dt, the last rows of in_proj (shared index j: B and C
+    at [0, 2GS), dt at [2GS, 2GS + H)). Items at or past n_items have every lane masked."""
+    R: tl.constexpr = 2 * BLOCK_P
+    i = tl.arange(0, R)
+    pblocks = tl.cdiv(P, BLOCK_P)
+    u = tl.maximum(item - N_SHARED, 0)
+    head = u // pblocks
+    p0 = (u % pblocks) * BLOCK_P
+    is_x = (i % 2) == 1
+    head_ch = head * P + p0 + i // 2
+    head_ok = (p0 + i // 2 < P) & ((i * 0 + item) < n_items)
+    j = item * R + i
+    shared_lanes = (i * 0 + item) < N_SHARED  # item < N_SHARED as a block (the interpreter masks with blocks)
+    rows = tl.where(shared_lanes, 2 * d_inner + j, tl.where(is_x, d_inner + head_ch, head_ch))
+    rmask = tl.where(shared_lanes, j < 2 * GS + H, head_ok)
+    cc = tl.where(shared_lanes, d_inner + j, head_ch)  # conv channels (xBC index) of the lanes
+    cmask = tl.where(shared_lanes, j < 2 * GS, head_ok & is_x)
+    return head, p0, j, rows, rmask, cc, cmask
+
+
+@triton.jit
+def _item_loads(w_ptr, ss_ptr, cs_ptr, cw_ptr, cb_ptr, item, n_items, rows, rmask, cc, cmask, head, p0, DM, P, S, swn,
+                shh, shp, shs, scc, sck, swc, swk, in_dtype, N_SHARED: tl.constexpr, K: tl.constexpr,
+                HAS_CONV_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_KC: tl.constexpr,
+                BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr):
+    """What an item needs that no kernel of this step writes: its rows' whole weights (two
+    power-of-two pieces, as ops/gemv preloads a row), a head item's (BLOCK_P, S) state slice, the
+    conv history and taps. States were last written by this layer's previous step or by replay;
+    every step starts with the embedding lookup, a plain launch that waits for all earlier work."""
+    w_rows = w_ptr + rows[:, None] * swn
+    offs_d1 = tl.arange(0, BLOCK_D1)
+    offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
+    wt1 = tl.load(w_rows + offs_d1[None, :], mask=rmask[:, None] & (offs_d1 < DM)[None, :], other=0.0,
+                  eviction_policy="evict_first")
+    wt2 = tl.load(w_rows + offs_d2[None, :], mask=rmask[:, None] & (offs_d2 < DM)[None, :], other=0.0,
+                  eviction_policy="evict_first")
+    offs_pp = p0 + tl.arange(0, BLOCK_P)
+    offs_s = tl.arange(0, BLOCK_S)
+    head_pp = (offs_pp < P) & ((offs_pp * 0 + item) >= N_SHARED) & ((offs_pp * 0 + item) < n_items)
+    state = tl.load(ss_ptr + head * shh + offs_pp[:, None] * shp + offs_s[None, :] * shs,
+                    mask=head_pp[:, None] & (offs_s < S)[None, :], other=0.0)
+    hist, w_last = _conv_history(cs_ptr, cw_ptr, cc, cmask, in_dtype, scc, sck, swc, swk, K, BLOCK_KC)
+    if HAS_CONV_BIAS:
+        hist += tl.load(cb_ptr + cc, mask=cmask, other=0.0).to(tl.float32)
+    return wt1, wt2, state, hist, w_last
+
+
+@triton.jit
 def _in_proj_step_kernel(
     h_ptr, w_ptr, b_ptr, cs_ptr, ss_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr,
     g_ptr, shared_ptr, sync_ptr,
@@ -88,111 +148,90 @@ def _in_proj_step_kernel(
     BLOCK_D2: tl.constexpr, N_SHARED: tl.constexpr, USE_PDL: tl.constexpr, WAIT: tl.constexpr = True,
     TICKET: tl.constexpr = True,
 ):
-    R: tl.constexpr = 2 * BLOCK_P
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
+    n_prog = tl.num_programs(0)
     if TICKET:
         ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")  # see the module docstring
-        n_prog = tl.num_programs(0)
         epoch = ticket // n_prog
-        role = (ticket % n_prog).to(tl.int32)
-    else:  # roles by program id; out_proj's kernel resets the flag (see TICKET)
+        vpid = (ticket % n_prog).to(tl.int32)
+    else:  # by program id; out_proj's kernel resets the flag (see TICKET)
         epoch = 0
-        role = tl.program_id(0)
+        vpid = tl.program_id(0)
     d_inner = H * P
     GS = G * S
-    n_shared_rows = 2 * GS + H
+    n_items = N_SHARED + H * tl.cdiv(P, BLOCK_P)
     in_dtype = h_ptr.dtype.element_ty
-
-    # Lane i of the R rows. A head program interleaves its z rows (even lanes) and x rows (odd
-    # lanes), channel p = i // 2 of its block. A shared program takes R consecutive rows of the
-    # B, C and dt rows, which are the last rows of in_proj.
-    i = tl.arange(0, R)
-    pblocks = tl.cdiv(P, BLOCK_P)
-    u = tl.maximum(role - N_SHARED, 0)
-    head = u // pblocks
-    p0 = (u % pblocks) * BLOCK_P
-    is_x = (i % 2) == 1
-    head_ch = head * P + p0 + i // 2
-    head_ok = p0 + i // 2 < P
-    j = role * R + i  # shared row index: B and C at [0, 2GS), dt at [2GS, 2GS + H)
-    shared_lanes = (i * 0 + role) < N_SHARED  # role < N_SHARED as a block (the interpreter masks with blocks)
-    rows = tl.where(shared_lanes, 2 * d_inner + j, tl.where(is_x, d_inner + head_ch, head_ch))
-    rmask = tl.where(shared_lanes, j < n_shared_rows, head_ok)
-    cc = tl.where(shared_lanes, d_inner + j, head_ch)  # conv channels (xBC index) of the lanes
-    cmask = tl.where(shared_lanes, j < 2 * GS, head_ok & is_x)
-
-    # Read before the PDL wait, as nothing of this step writes them: the rows' whole weights (in
-    # two power-of-two pieces, as ops/gemv preloads a row), the head's (BLOCK_P, S) state slice,
-    # the conv history and taps, the head's constants. States were last written by this layer's
-    # previous step or by replay; every step starts with the embedding lookup, a plain launch
-    # that waits for all earlier work.
-    w_rows = w_ptr + rows[:, None] * swn
-    offs_d1 = tl.arange(0, BLOCK_D1)
-    wt1 = tl.load(w_rows + offs_d1[None, :], mask=rmask[:, None] & (offs_d1 < DM)[None, :], other=0.0,
-                  eviction_policy="evict_first")
-    if BLOCK_D2 > 0:
-        offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
-        wt2 = tl.load(w_rows + offs_d2[None, :], mask=rmask[:, None] & (offs_d2 < DM)[None, :], other=0.0,
-                      eviction_policy="evict_first")
-    offs_pp = p0 + tl.arange(0, BLOCK_P)
     offs_s = tl.arange(0, BLOCK_S)
-    head_pp = (offs_pp < P) & ((offs_pp * 0 + role) >= N_SHARED)
-    s_ptrs = ss_ptr + head * shh + offs_pp[:, None] * shp + offs_s[None, :] * shs
-    s_mask = head_pp[:, None] & (offs_s < S)[None, :]
-    state = tl.load(s_ptrs, mask=s_mask, other=0.0)
-    hist, w_last = _conv_history(cs_ptr, cw_ptr, cc, cmask, in_dtype, scc, sck, swc, swk, K, BLOCK_KC)
-    if HAS_CONV_BIAS:
-        hist += tl.load(cb_ptr + cc, mask=cmask, other=0.0).to(tl.float32)
-    dt_b = tl.load(dtb_ptr + head).to(tl.float32)
-    A = -tl.exp(tl.load(Alog_ptr + head).to(tl.float32))
-    Dh = tl.load(D_ptr + head).to(tl.float32)
+
+    # The program's first item is loaded before the PDL wait; inside the loop each item's loads
+    # go out before the previous item's dot products and step, so a program keeps weights in
+    # flight through its items' tails (items vpid, vpid + n_prog, ...).
+    head, p0, j, rows, rmask, cc, cmask = _item_rows(vpid, n_items, d_inner, GS, H, P, N_SHARED, BLOCK_P)
+    wt1, wt2, state, hist, w_last = _item_loads(
+        w_ptr, ss_ptr, cs_ptr, cw_ptr, cb_ptr, vpid, n_items, rows, rmask, cc, cmask, head, p0, DM, P, S, swn,
+        shh, shp, shs, scc, sck, swc, swk, in_dtype, N_SHARED, K, HAS_CONV_BIAS, BLOCK_P, BLOCK_S, BLOCK_KC,
+        BLOCK_D1, BLOCK_D2)
     if USE_PDL:
         gdc_wait()
+    # h's RMSNorm scales the dot products at the end (its weight is folded into in_proj's).
+    offs_d1 = tl.arange(0, BLOCK_D1)
+    offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
+    hv1 = tl.load(h_ptr + offs_d1, mask=offs_d1 < DM, other=0.0).to(tl.float32)
+    hv2 = tl.load(h_ptr + offs_d2, mask=offs_d2 < DM, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt((tl.sum(hv1 * hv1, axis=0) + tl.sum(hv2 * hv2, axis=0)) / DM + pre_eps)
 
-    # The GEMV: h's RMSNorm scales the dot products at the end (its weight is folded into w).
-    hv = tl.load(h_ptr + offs_d1, mask=offs_d1 < DM, other=0.0).to(tl.float32)
-    acc = tl.sum(wt1.to(tl.float32) * hv[None, :], axis=1)
-    sq = tl.sum(hv * hv, axis=0)
-    if BLOCK_D2 > 0:
-        hv2 = tl.load(h_ptr + offs_d2, mask=offs_d2 < DM, other=0.0).to(tl.float32)
-        acc += tl.sum(wt2.to(tl.float32) * hv2[None, :], axis=1)
-        sq += tl.sum(hv2 * hv2, axis=0)
-    raw = acc * tl.rsqrt(sq / DM + pre_eps)
-    if HAS_BIAS:
-        raw += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-    raw = raw.to(in_dtype).to(tl.float32)  # in_proj's output is rounded, as the reference's is
-    conv = hist + raw * w_last
-    post = (conv * tl.sigmoid(conv)).to(in_dtype).to(tl.float32)  # silu, rounded as the conv output
+    for item in range(vpid, n_items, n_prog):
+        nxt = item + n_prog
+        n_head, n_p0, n_j, n_rows, n_rmask, n_cc, n_cmask = _item_rows(nxt, n_items, d_inner, GS, H, P, N_SHARED,
+                                                                        BLOCK_P)
+        n_wt1, n_wt2, n_state, n_hist, n_w_last = _item_loads(
+            w_ptr, ss_ptr, cs_ptr, cw_ptr, cb_ptr, nxt, n_items, n_rows, n_rmask, n_cc, n_cmask, n_head, n_p0, DM, P,
+            S, swn, shh, shp, shs, scc, sck, swc, swk, in_dtype, N_SHARED, K, HAS_CONV_BIAS, BLOCK_P, BLOCK_S,
+            BLOCK_KC, BLOCK_D1, BLOCK_D2)
 
-    if role < N_SHARED:
-        # Publish B and C convolved and dt raw, shift B/C's conv state (no head program reads
-        # it), then count this program done. The barrier orders every thread's stores before
-        # the releasing atomic.
-        tl.store(shared_ptr + j, tl.where(cmask, post, raw), mask=j < n_shared_rows)
-        _shift_in(cs_ptr, cc, cmask, raw, scc, sck, K, BLOCK_KC)
-        tl.debug_barrier()
-        tl.atomic_add(sync_ptr + 1, 1, sem="release")
-    else:
-        z, x_in = tl.split(tl.reshape(raw, [BLOCK_P, 2]))
-        z_conv, x = tl.split(tl.reshape(post, [BLOCK_P, 2]))
-        if WAIT:  # False only to time what the wait costs (bench/layer_step_probe.py): wrong results
-            target = (epoch + 1) * N_SHARED
-            done = tl.load(sync_ptr + 1, volatile=True)  # poll with plain loads, then one acquiring atomic
-            while done < target:
-                done = tl.load(sync_ptr + 1, volatile=True)
-            tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
-        grp = head // heads_per_group
-        Bv = tl.load(shared_ptr + grp * S + offs_s, mask=offs_s < S, other=0.0, cache_modifier=".cg")
-        Cv = tl.load(shared_ptr + GS + grp * S + offs_s, mask=offs_s < S, other=0.0, cache_modifier=".cg")
-        dt = _softplus(tl.load(shared_ptr + 2 * GS + head, cache_modifier=".cg") + dt_b)
-        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-        state = state * tl.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
-        y = tl.sum(state * Cv[None, :], axis=1) + x * Dh
-        gated = y.to(in_dtype).to(tl.float32) * (z * tl.sigmoid(z))
-        tl.store(g_ptr + head * P + offs_pp, gated, mask=head_pp)
-        _shift_in(cs_ptr, cc, cmask, raw, scc, sck, K, BLOCK_KC)  # this program owns its x channels
-        tl.store(s_ptrs, state, mask=s_mask)
+        head, p0, j, rows, rmask, cc, cmask = _item_rows(item, n_items, d_inner, GS, H, P, N_SHARED, BLOCK_P)
+        raw = (tl.sum(wt1.to(tl.float32) * hv1[None, :], axis=1) + tl.sum(wt2.to(tl.float32) * hv2[None, :], axis=1))
+        raw = raw * rstd
+        if HAS_BIAS:
+            raw += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        raw = raw.to(in_dtype).to(tl.float32)  # in_proj's output is rounded, as the reference's is
+        conv = hist + raw * w_last
+        post = (conv * tl.sigmoid(conv)).to(in_dtype).to(tl.float32)  # silu, rounded as the conv output
+        if item < N_SHARED:
+            # Publish B and C convolved and dt raw, shift B/C's conv state (no head item reads
+            # it), then count this item done. The barrier orders every thread's stores before
+            # the releasing atomic.
+            tl.store(shared_ptr + j, tl.where(cmask, post, raw), mask=j < 2 * GS + H)
+            _shift_in(cs_ptr, cc, cmask, raw, scc, sck, K, BLOCK_KC)
+            tl.debug_barrier()
+            tl.atomic_add(sync_ptr + 1, 1, sem="release")
+        else:
+            z, x_in = tl.split(tl.reshape(raw, [BLOCK_P, 2]))
+            z_conv, x = tl.split(tl.reshape(post, [BLOCK_P, 2]))
+            if WAIT:  # False only to time what the wait costs (bench/layer_step_probe.py): wrong results
+                target = (epoch + 1) * N_SHARED
+                done = tl.load(sync_ptr + 1, volatile=True)  # poll with plain loads, then one acquiring atomic
+                while done < target:
+                    done = tl.load(sync_ptr + 1, volatile=True)
+                tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+            grp = head // heads_per_group
+            Bv = tl.load(shared_ptr + grp * S + offs_s, mask=offs_s < S, other=0.0, cache_modifier=".cg")
+            Cv = tl.load(shared_ptr + GS + grp * S + offs_s, mask=offs_s < S, other=0.0, cache_modifier=".cg")
+            dt_raw = tl.load(shared_ptr + 2 * GS + head, cache_modifier=".cg")
+            dt_b = tl.load(dtb_ptr + head).to(tl.float32)
+            A = -tl.exp(tl.load(Alog_ptr + head).to(tl.float32))
+            Dh = tl.load(D_ptr + head).to(tl.float32)
+            dt = tl.minimum(tl.maximum(_softplus(dt_raw + dt_b), dt_min), dt_max)
+            new_state = state * tl.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
+            y = tl.sum(new_state * Cv[None, :], axis=1) + x * Dh
+            gated = y.to(in_dtype).to(tl.float32) * (z * tl.sigmoid(z))
+            offs_pp = p0 + tl.arange(0, BLOCK_P)
+            tl.store(g_ptr + head * P + offs_pp, gated, mask=offs_pp < P)
+            _shift_in(cs_ptr, cc, cmask, raw, scc, sck, K, BLOCK_KC)  # this item owns its x channels
+            tl.store(ss_ptr + head * shh + offs_pp[:, None] * shp + offs_s[None, :] * shs, new_state,
+                     mask=(offs_pp < P)[:, None] & (offs_s < S)[None, :])
+        wt1, wt2, state, hist, w_last = n_wt1, n_wt2, n_state, n_hist, n_w_last
 
 
 def _fusable(h, in_weight, conv_state, ssm_state, conv_weight, n_groups) -> bool:
@@ -244,7 +283,7 @@ def in_proj_step(h, in_weight, in_bias, pre_eps, conv_state, ssm_state, conv_wei
     kernel_size = conv_weight.shape[1]
     rows = 2 * BLOCK_P
     n_shared = triton.cdiv(2 * n_groups * d_state + heads, rows)
-    n_prog = n_shared + heads * triton.cdiv(head_dim, BLOCK_P)
+    n_prog = _grid(n_shared + heads * triton.cdiv(head_dim, BLOCK_P), h.device)
     gated = torch.empty(1, d_inner, device=h.device, dtype=h.dtype)
     shared = torch.empty(2 * n_groups * d_state + heads, device=h.device, dtype=torch.float32)
     block_d1, block_d2 = _row_pieces(d_model)
