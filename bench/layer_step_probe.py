@@ -81,7 +81,7 @@ def graph_us(layer_fn, layers, h) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", default="2,4,4;2,4,2;2,4,8;4,8,2;4,8,4;4,4,2;2,2,8;1,2,8",
+    ap.add_argument("--configs", default="2,2,20;1,2,40;1,4,40",
                     help="fused kernel configs BLOCK_P,warps,programs per SM separated by ';'")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -115,6 +115,15 @@ def main() -> int:
             rows.append((f"  same, roles by program id P{LS.BLOCK_P} w{LS.NUM_WARPS}", graph_us(fused, layers, h)))
             print(f"  {rows[-1][0]:<48} {rows[-1][1]:7.2f} us", flush=True)
             LS.TICKET = True
+            LS.TAIL = False
+            rows.append((f"  same, dot products only (wrong values) P{LS.BLOCK_P} w{LS.NUM_WARPS}",
+                         graph_us(in_proj_step_only, layers, h)))
+            print(f"  {rows[-1][0]:<48} {rows[-1][1]:7.2f} us", flush=True)
+            LS.TICKET = False
+            rows.append((f"  same, dot products only, no ticket P{LS.BLOCK_P} w{LS.NUM_WARPS}",
+                         graph_us(in_proj_step_only, layers, h)))
+            print(f"  {rows[-1][0]:<48} {rows[-1][1]:7.2f} us", flush=True)
+            LS.TICKET, LS.TAIL = True, True
     LS.BLOCK_P, LS.NUM_WARPS, LS.PROGRAMS_PER_SM = saved
     rows.append(("unfused layer, again", graph_us(unfused, layers, h)))
     print(f"\n{'per layer (64 layers per graph)':<50} {'us':>7} {'x unfused':>9}")

@@ -47,6 +47,8 @@ GRID: int | None = None
 TICKET = True
 """Roles by ticket (see the module docstring). False: by program id, the flag reset by out_proj's
 kernel, and the B/C/dt programs relying on the hardware dispatching low program ids first."""
+TAIL = True
+"""False only for bench/layer_step_probe.py: time the dot products without the step (wrong results)."""
 WAIT = True
 """False only for bench/layer_step_probe.py, to time what waiting on the B/C/dt programs costs."""
 
@@ -146,7 +148,7 @@ def _in_proj_step_kernel(
     K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_KC: tl.constexpr, BLOCK_D1: tl.constexpr,
     BLOCK_D2: tl.constexpr, N_SHARED: tl.constexpr, USE_PDL: tl.constexpr, WAIT: tl.constexpr = True,
-    TICKET: tl.constexpr = True,
+    TICKET: tl.constexpr = True, TAIL: tl.constexpr = True,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
@@ -198,7 +200,9 @@ def _in_proj_step_kernel(
         raw = raw.to(in_dtype).to(tl.float32)  # in_proj's output is rounded, as the reference's is
         conv = hist + raw * w_last
         post = (conv * tl.sigmoid(conv)).to(in_dtype).to(tl.float32)  # silu, rounded as the conv output
-        if item < N_SHARED:
+        if not TAIL:  # timing only (bench/layer_step_probe.py): the dot products without the step
+            tl.store(g_ptr + (cc % d_inner), (raw + post).to(in_dtype), mask=rmask & (cc < d_inner))
+        elif item < N_SHARED:
             # Publish B and C convolved and dt raw, shift B/C's conv state (no head item reads
             # it), then count this item done. The barrier orders every thread's stores before
             # the releasing atomic.
@@ -297,7 +301,7 @@ def in_proj_step(h, in_weight, in_bias, pre_eps, conv_state, ssm_state, conv_wei
         K=kernel_size, HAS_BIAS=in_bias is not None, HAS_CONV_BIAS=conv_bias is not None,
         BLOCK_P=BLOCK_P, BLOCK_S=max(16, triton.next_power_of_2(d_state)),
         BLOCK_KC=max(2, triton.next_power_of_2(kernel_size - 1)), BLOCK_D1=block_d1, BLOCK_D2=block_d2,
-        N_SHARED=n_shared, USE_PDL=use_pdl, WAIT=WAIT, TICKET=TICKET, num_warps=NUM_WARPS,
+        N_SHARED=n_shared, USE_PDL=use_pdl, WAIT=WAIT, TICKET=TICKET, TAIL=TAIL, num_warps=NUM_WARPS,
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return gated
