@@ -24,7 +24,6 @@ from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch, pdl
 from ssmspec.ops.gemv import triton as gemv
-from ssmspec.ops.layer_step import triton as layer_step
 from ssmspec.trees.tree import Tree
 
 RESULTS: dict = {}
@@ -247,21 +246,20 @@ def main() -> int:
             pdl.ENABLED = False  # the same kernels launched without programmatic dependent launch
             record("AR step CUDA graph [folded, no PDL]", step_graph_ms(m)[0])
             pdl.ENABLED = True
-            layer_step.FUSED = False  # in_proj GEMV, step kernel, out_proj: three launches per layer
-            record("AR step CUDA graph [folded, in_proj and step unfused]", step_graph_ms(m)[0])
-            layer_step.FUSED = True
-            saved = layer_step.BLOCK_P, layer_step.NUM_WARPS, layer_step.PROGRAMS_PER_SM
-            for bp, warps, pps in ((2, 4, 8), (4, 8, 2)):
-                layer_step.BLOCK_P, layer_step.NUM_WARPS, layer_step.PROGRAMS_PER_SM = bp, warps, pps
-                record(f"AR step CUDA graph [folded, layer step P{bp} w{warps} x{pps}]", step_graph_ms(m)[0])
-            layer_step.BLOCK_P, layer_step.NUM_WARPS, layer_step.PROGRAMS_PER_SM = saved
+            gemv.TWO_PIECE_PRELOAD = False  # preloaded GEMV rows as one padded power-of-two block
+            record("AR step CUDA graph [folded, one padded preload block]", step_graph_ms(m)[0])
+            gemv.TWO_PIECE_PRELOAD = True
             out_shape = tuple(m.layers[0].mixer.out_proj.weight.shape) if m.layers[0].kind == "mamba" else None
             if out_shape:
+                in_shape = tuple(m.layers[0].mixer.in_proj.weight.shape)
                 saved = dict(gemv.TUNED)
-                gemv.TUNED[out_shape] = gemv.GemvConfig(1, 0, 8, preload=True)  # another out_proj GEMV config
-                record("AR step CUDA graph [folded, out_proj 1 row x 8 warps]", step_graph_ms(m)[0])
-                gemv.TUNED.clear()
-                gemv.TUNED.update(saved)
+                for shape, cfg, what in ((out_shape, gemv.GemvConfig(1, 0, 8, preload=True), "out_proj 1 row x 8 warps"),
+                                         (in_shape, gemv.GemvConfig(1, 0, 2, preload=True), "in_proj 2 warps"),
+                                         (in_shape, gemv.GemvConfig(1, 0, 8, preload=True), "in_proj 8 warps")):
+                    gemv.TUNED[shape] = cfg  # other GEMV configs than the tuned / default ones
+                    record(f"AR step CUDA graph [folded, {what}]", step_graph_ms(m)[0])
+                    gemv.TUNED.clear()
+                    gemv.TUNED.update(saved)
             record("AR step CUDA graph [folded, timed again after the variants]", step_graph_ms(m)[0])
     base = step_logits.get("reference", step_logits.get("unfolded"))
     for name in variants:

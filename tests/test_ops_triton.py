@@ -106,7 +106,6 @@ else:
     from ssmspec.ops.tree_scan import triton as TS
     from ssmspec.ops.tree_scan.naive import naive_tree_scan
     from ssmspec.ops.gemv import triton as GV
-    from ssmspec.ops.layer_step import triton as LS
     from ssmspec.trees import Tree
 
     TREES = {
@@ -259,7 +258,7 @@ else:
                    "gated_rms_norm": SU.gated_rms_norm, "time_step": SU.time_step, "linear": GV.linear,
                    "add_rms_norm": SU.add_rms_norm, "mamba_step_out": SU.mamba_step_out,
                    "norm_linear": GV.norm_linear, "tree_scan_gated": TS.tree_scan_gated, "replay_states": SR.replay_states,
-                   "replay_states_layers": SR.replay_states_layers, "mamba_layer_step": LS.mamba_layer_step}
+                   "replay_states_layers": SR.replay_states_layers}
         model = _tiny_model_with_head_dim(layers, head_dim)
         prompt = torch.randint(0, 64, (batch, 5))
         tree = Tree.from_config((2, 2))
@@ -529,47 +528,3 @@ else:
             assert_close(ss_got, ss_want, atol=1e-5, rtol=1e-5, name="ssm_state")
             assert torch.equal(cs_got, cs_want), f"conv state shift differs ({label})"
 
-
-
-    # grid: programs of the persistent launch (None: one per item). The interpreter runs programs
-    # one after another, so a head item may only wait on shared items of its own or earlier
-    # programs: the shapes with fewer programs than items have a single shared item.
-    @pytest.mark.parametrize("shape", [(4, 16, 16, 1, 1, 4, 40, False, 4, None), (6, 16, 8, 2, 3, 3, 100, True, 8, None),
-                                       (2, 16, 4, 1, 1, 4, 64, False, 8, 2), (3, 12, 4, 1, 1, 2, 24, True, 8, 1)],
-                             ids=["G1", "G2-norm3-K3-bias", "pow2-grid2", "P12-K2-grid1"])
-    @pytest.mark.parametrize("ticket", [True, False], ids=["ticket", "program-id"])
-    def test_mamba_layer_step_matches_reference(shape, ticket, nan_outputs, monkeypatch):
-        """The whole folded sublayer at batch 1 (in_proj with the step inside it, then out_proj)
-        over three consecutive tokens: head items and B/C/dt items, one item per program or
-        several (grid), channel blocks that do not divide the head (P12 in blocks of 8), and the
-        layer's counters carried from one call to the next (or the flag reset by out_proj)."""
-        from ssmspec.ops.layer_step.naive import naive_mamba_layer_step
-
-        heads, head_dim, d_state, groups, norm_groups, kernel_size, d_model, bias, block_p, grid = shape
-        monkeypatch.setattr(LS, "BLOCK_P", block_p)
-        monkeypatch.setattr(LS, "GRID", grid)
-        monkeypatch.setattr(LS, "TICKET", ticket)
-        d_inner = heads * head_dim
-        channels = d_inner + 2 * groups * d_state
-        n_in = 2 * d_inner + 2 * groups * d_state + heads
-        h = torch.randn(1, d_model)
-        in_w, in_b = torch.randn(n_in, d_model) / 8, torch.randn(n_in) if bias else None
-        conv_state, ssm_state = torch.randn(1, channels, kernel_size - 1), torch.randn(1, heads, head_dim, d_state)
-        args = (torch.randn(channels, kernel_size), torch.randn(channels) if bias else None, torch.randn(heads),
-                torch.randn(heads) * 0.5, torch.randn(heads), groups, norm_groups, 0.01, 5.0, 1e-5,
-                torch.randn(d_model, d_inner) / 8, torch.randn(d_model) if bias else None)
-        cs_want, ss_want, cs_got, ss_got = conv_state.clone(), ssm_state.clone(), conv_state.clone(), ssm_state.clone()
-        for token in range(3):
-            want = naive_mamba_layer_step(h, in_w, in_b, 1e-5, cs_want, ss_want, *args)
-            got = LS.mamba_layer_step(h, in_w, in_b, 1e-5, cs_got, ss_got, *args)
-            assert got.shape == (1, d_model)
-            assert_close(got, want, atol=1e-4, rtol=1e-4, name=f"out, token {token}")
-            assert_close(ss_got, ss_want, atol=1e-4, rtol=1e-4, name=f"ssm_state, token {token}")
-            assert_close(cs_got, cs_want, atol=1e-5, rtol=1e-5, name=f"conv_state, token {token}")
-            h = want
-        n_shared = -(-(2 * groups * d_state + heads) // (2 * block_p))
-        n_prog = min(n_shared + heads * -(-head_dim // block_p), grid or 1 << 30)
-        if ticket:
-            assert LS._counters(in_w, n_prog).tolist() == [3 * n_prog, 3 * n_shared], "one ticket per program and launch"
-        else:
-            assert LS._flag(in_w).tolist() == [0], "out_proj resets the flag"

@@ -171,15 +171,17 @@ class Mamba2Mixer(nn.Module):
 
     def folded_residual_step(self, h: torch.Tensor, cache: MambaLayerCache, pre_norm_eps: float) -> torch.Tensor:
         """h + step(pre_norm(h)) with both norms' weights folded into in_proj and out_proj
-        (models/fold.py), on the kernels: at batch 1 two launches for the whole sublayer, in_proj
-        with the pre-norm and the step inside it, then out_proj with the gated norm and the
-        residual add inside it (ops/layer_step). h (B, 1, D) -> (B, 1, D); cache updated in place."""
+        (models/fold.py), on the kernels: in_proj with the pre-norm inside it, then the fused
+        step with the gated norm and the residual add inside out_proj (at batch 1 three launches
+        for the whole sublayer). h (B, 1, D) -> (B, 1, D); cache updated in place."""
         c = self.cfg
-        out = dispatch.mamba_layer_step(
-            h[:, 0], self.in_proj.weight, self.in_proj.bias, pre_norm_eps, cache.conv_state, cache.ssm_state,
-            self.conv_weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D, c.n_groups,
+        zxbcdt = dispatch.norm_linear(h, self.in_proj.weight, self.in_proj.bias, 1, pre_norm_eps)
+        z, xBC, dt_raw = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
+        out = dispatch.mamba_step_out(
+            xBC[:, 0], dt_raw[:, 0], z[:, 0], cache.conv_state, cache.ssm_state, self.conv_weight,
+            self.conv1d.bias, self.dt_bias, self.A_log, self.D, None, c.n_groups,
             c.d_inner // self.norm.group_size, c.dt_min, c.dt_max, self.norm.eps, self.out_proj.weight,
-            self.out_proj.bias,
+            self.out_proj.bias, residual=h[:, 0],
         )
         return out[:, None]
 

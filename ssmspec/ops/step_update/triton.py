@@ -488,33 +488,26 @@ def _step_out_kernel(
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr, PRELOAD: tl.constexpr,
     K_CONV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_KC: tl.constexpr, USE_PDL: tl.constexpr,
-    GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0, SHIFT_BC: tl.constexpr = True,
-    reset_ptr=None, RESET: tl.constexpr = False,
+    GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0,
 ):
     """out_proj of one row (batch 1) whose input is the gated value g of `_step_ssm_kernel`: the
     gated RMSNorm runs in the GEMV's prologue (its weight folded into out_proj's, see
     ops/gemv `norm_linear`) and the residual add in its epilogue. Program 0 also does the step's
     deferred conv-state shift of the B and C channels (see the module docstring): after the GEMV
-    tile's wait every step-kernel program that read the old window is done. SHIFT_BC False: the
-    step's producer shifted them itself (ops/layer_step). RESET: program 0 zeroes the int64 at
-    reset_ptr, the producer's flag (ops/layer_step, TICKET False)."""
+    tile's wait every step-kernel program that read the old window is done."""
     if USE_PDL:
         gdc_launch_dependents()
     _gemv_tile(g_ptr, w_ptr, bias_ptr, y_ptr, tl.program_id(0), 0, N, K, swn, HAS_BIAS, False, BLOCK_N, BLOCK_K,
                K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G, GROUPED,
                BLOCK_K2)
-    if RESET:
-        if tl.program_id(0) == 0:
-            tl.store(reset_ptr, 0)
-    if SHIFT_BC:
-        if tl.program_id(0) == 0:
-            offs_s = tl.arange(0, BLOCK_S)
-            mask_s = offs_s < S
-            for grp in range(0, G):
-                for which in tl.static_range(2):
-                    ch = d_inner + which * G * S + grp * S + offs_s
-                    new = tl.load(xbc_ptr + ch * sxc, mask=mask_s, other=0.0)
-                    _shift_in(cs_ptr, ch, mask_s, new, scc, sck, K_CONV, BLOCK_KC)
+    if tl.program_id(0) == 0:
+        offs_s = tl.arange(0, BLOCK_S)
+        mask_s = offs_s < S
+        for grp in range(0, G):
+            for which in tl.static_range(2):
+                ch = d_inner + which * G * S + grp * S + offs_s
+                new = tl.load(xbc_ptr + ch * sxc, mask=mask_s, other=0.0)
+                _shift_in(cs_ptr, ch, mask_s, new, scc, sck, K_CONV, BLOCK_KC)
 
 
 def mamba_step_out(
@@ -585,10 +578,9 @@ def mamba_step_out(
 
 
 def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, norm_groups, eps, n_groups, d_state,
-                     kernel_size, shift_bc=True, reset=None):
+                     kernel_size):
     """`_step_out_kernel` for one row: out_proj of the gated value with the gated norm and the
-    residual add inside, and (shift_bc) the deferred B/C conv-state shift; xBC may be None
-    without it."""
+    residual add inside, and the deferred B/C conv-state shift."""
     from ..gemv.triton import GemvConfig, _config, grouped_epilogue, preload_blocks
 
     n_out, d_inner = out_weight.shape
@@ -605,15 +597,15 @@ def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, nor
     use_pdl = pdl.enabled(gated.device)
     _step_out_kernel[(triton.cdiv(n_out, block_n),)](
         gated, out_weight, out_bias if out_bias is not None else out_weight,
-        residual.reshape(n_out) if residual is not None else None, y, xBC if shift_bc else gated, conv_state,
+        residual.reshape(n_out) if residual is not None else None, y, xBC, conv_state,
         n_out, d_inner, out_weight.stride(0), d_inner // norm_groups, float(eps), d_inner, d_state, n_groups,
-        xBC.stride(-1) if shift_bc else 1, conv_state.stride(1), conv_state.stride(2),
+        xBC.stride(-1), conv_state.stride(1), conv_state.stride(2),
         HAS_BIAS=out_bias is not None, HAS_RES=residual is not None, NORM_GROUPS=norm_groups,
         BLOCK_G=triton.next_power_of_2(norm_groups), BLOCK_N=block_n, BLOCK_K=cfg_k, K_SPLIT=k_split,
         UNROLL=bool(unroll), PRELOAD=bool(preload), K_CONV=kernel_size, BLOCK_S=max(16, triton.next_power_of_2(d_state)),
         BLOCK_KC=max(2, triton.next_power_of_2(kernel_size - 1)),
         USE_PDL=use_pdl, GROUPED=bool(preload) and grouped_epilogue(d_inner, cfg_k, norm_groups), BLOCK_K2=cfg_k2,
-        SHIFT_BC=shift_bc, reset_ptr=reset, RESET=reset is not None, num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
+        num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
     )
     return y
 
