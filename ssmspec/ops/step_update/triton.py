@@ -38,6 +38,8 @@ NORM_FROM_PARTS = True
 """The gated norm reads per-block sums of squares written by the step kernel (n_parts floats)
 instead of re-reducing the whole group, and normalises in NORM_CHUNK-wide programs."""
 NORM_CHUNK = 512
+STORE_STATE = True
+"""False only for bench/step_cost_probe.py: time the fused step without its SSM state store (wrong results)."""
 
 
 def _pdl_args(device: torch.device, preload_state: bool = False) -> dict:
@@ -94,6 +96,7 @@ def _step_ssm_kernel(
     WRITE_SQ: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
     PRELOAD_STATE: tl.constexpr = False,
+    STORE_STATE: tl.constexpr = True,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
@@ -162,7 +165,8 @@ def _step_ssm_kernel(
     # In-place writes last; the barrier in _shift_in also orders every replicated copy of the
     # state tile's loads before these stores.
     _shift_in(state_row, cx, mask_p, new_x, scc, sck, K, BLOCK_K)  # this program owns these x channels
-    tl.store(h_ptrs, state, mask=mask_ps)
+    if STORE_STATE:
+        tl.store(h_ptrs, state, mask=mask_ps)
 
 
 @triton.jit
@@ -570,7 +574,7 @@ def mamba_step_out(
         *xBC.stride(), *dt_raw.stride(), *z.stride(), *conv_state.stride(), *ssm_state.stride(),
         *conv_weight.stride(), gated.stride(0),
         K=kernel_size, HAS_BIAS=conv_bias is not None,
-        BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_K=block_k, WRITE_SQ=False,
+        BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_K=block_k, WRITE_SQ=False, STORE_STATE=STORE_STATE,
         num_warps=4, **_pdl_args(z.device, preload_state=True),
     )
     return _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, norm_groups, eps, n_groups,
