@@ -10,10 +10,15 @@ per variant, PDL on as in the decode step; each graph timed as bench_decode.py t
 - in_proj + out_proj only (out_proj reads a fixed gated vector: no step kernel);
 - each launch alone in a chain of 64: in_proj GEMV, out_proj GEMV, step kernel + out_proj.
 
-Run on the device from the repository root: python3 bench/step_cost_probe.py
+--tree 3,2,1: the same breakdown for the folded verify of a packed tree (Mamba2Mixer
+`folded_residual_verify`: skinny in_proj, tree conv, gated tree scan, skinny out_proj), from real
+mixer modules with random weights.
+
+Run on the device from the bench directory: python3 step_cost_probe.py [--tree 3,2,1]
 """
 from __future__ import annotations
 
+import argparse
 import math
 
 import torch
@@ -88,8 +93,88 @@ def graph_us(layer_fn, layers, h) -> float:
     return median_ms(graph.replay, iters=100) * 1000 / len(layers)
 
 
+def tree_rows(spec: str, bw: float) -> None:
+    """The per-layer breakdown of the folded verify of one packed tree."""
+    from ssmspec.models.config import MambaConfig
+    from ssmspec.models.mamba2 import Mamba2Mixer
+    from ssmspec.ops import dispatch
+    from ssmspec.trees import Tree
+
+    dispatch.set_backend("triton")
+    tree = Tree.from_config(tuple(int(v) for v in spec.split(",")))
+    n = tree.num_nodes
+    cfg = MambaConfig(n_heads=H, head_dim=P, d_state=S, n_groups=G, conv_kernel=K)
+    mixers, caches = [], []
+    with torch.no_grad():
+        for _ in range(LAYERS):
+            m = Mamba2Mixer(D_MODEL, cfg).to("cuda", torch.bfloat16)
+            m.A_log.data.uniform_(0, 2)
+            mixers.append(m)
+            caches.append(m.new_cache(1, "cuda", torch.bfloat16))
+    parents = tree.parents_tensor("cuda")
+    h = torch.randn(1, n, D_MODEL, device="cuda", dtype=torch.bfloat16)
+    gated = torch.randn(1, n, D_INNER, device="cuda", dtype=torch.bfloat16)
+    proj = torch.randn(1, n, 2 * D_INNER + 2 * G * S + H, device="cuda", dtype=torch.bfloat16)
+
+    def layer(x, i):
+        out, _, _ = mixers[i].folded_residual_verify(x, caches[i], parents, 1e-5)
+        return out
+
+    def projections(x, i):
+        m = mixers[i]
+        dispatch.norm_linear(x, m.in_proj.weight, None, 1, 1e-5)
+        return dispatch.norm_linear(gated, m.out_proj.weight, None, 1, 1e-5, residual=x)
+
+    def in_proj_alone(x, i):
+        return dispatch.norm_linear(x, mixers[i].in_proj.weight, None, 1, 1e-5)
+
+    def out_proj_alone(x, i):
+        return dispatch.norm_linear(gated, mixers[i].out_proj.weight, None, 1, 1e-5, residual=x)
+
+    def conv_and_scan(x, i):
+        m, c = mixers[i], caches[i]
+        z, xBC, dt_raw = proj.split([D_INNER, CONV_DIM, H], dim=-1)
+        conv = dispatch.tree_conv(xBC, c.conv_state, m.conv_weight, m.conv1d.bias, parents)
+        xs, Bs, Cs = m._split_conv_out(conv)
+        return dispatch.tree_scan_gated(xs, dt_raw, m.dt_bias, 0.0, math.inf, m.A, Bs, Cs, m.D, z, parents,
+                                        c.ssm_state)[0]
+
+    def graph_us_tree(fn):
+        def chain():
+            x = h
+            for i in range(LAYERS):
+                out = fn(x, i)
+                x = out if out.shape == h.shape else x
+        with torch.no_grad():
+            chain()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                chain()
+            for _ in range(20):
+                graph.replay()
+            return median_ms(graph.replay, iters=100) * 1000 / LAYERS
+
+    rows = []
+    for rep in range(2):
+        for what, fn in (("verify layer (in_proj, conv, scan, out_proj)", layer), ("in_proj + out_proj only", projections),
+                         ("in_proj alone", in_proj_alone), ("out_proj alone", out_proj_alone),
+                         ("tree conv + gated scan alone", conv_and_scan)):
+            rows.append((f"{what} [{rep}]", graph_us_tree(fn)))
+            print(f"  {rows[-1][0]:<52} {rows[-1][1]:7.2f} us", flush=True)
+    print(f"\n{n}-node tree {spec}: per layer (64 layers per graph)")
+    for what, us in rows:
+        print(f"{what:<56} {us:7.2f}")
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tree", default=None, help="breakdown of a packed tree's verify instead (e.g. 3,2,1)")
+    args = ap.parse_args()
     torch.manual_seed(0)
+    if args.tree:
+        tree_rows(args.tree, copy_bandwidth())
+        return 0
     dev, bf = "cuda", torch.bfloat16
     bw = copy_bandwidth()
     layers = [make_layer(dev, bf) for _ in range(LAYERS)]
