@@ -73,9 +73,10 @@ def step_and_out_proj(h, L):
     return step_out(L, L["proj"], h)
 
 
+@torch.no_grad()
 def graph_us(layer_fn, layers, h) -> float:
-    """us per layer of one CUDA graph of layer_fn over every layer (each output of the residual's
-    shape is the next layer's input)."""
+    """us per layer of one CUDA graph of layer_fn(x, layer) over every layer (each output of the
+    residual's shape is the next layer's input); layers may be layer dicts or indices."""
     def chain():
         x = h
         for L in layers:
@@ -139,28 +140,12 @@ def tree_rows(spec: str, bw: float) -> None:
         return dispatch.tree_scan_gated(xs, dt_raw, m.dt_bias, 0.0, math.inf, m.A, Bs, Cs, m.D, z, parents,
                                         c.ssm_state)[0]
 
-    def graph_us_tree(fn):
-        def chain():
-            x = h
-            for i in range(LAYERS):
-                out = fn(x, i)
-                x = out if out.shape == h.shape else x
-        with torch.no_grad():
-            chain()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                chain()
-            for _ in range(20):
-                graph.replay()
-            return median_ms(graph.replay, iters=100) * 1000 / LAYERS
-
     rows = []
     for rep in range(2):
         for what, fn in (("verify layer (in_proj, conv, scan, out_proj)", layer), ("in_proj + out_proj only", projections),
                          ("in_proj alone", in_proj_alone), ("out_proj alone", out_proj_alone),
                          ("tree conv + gated scan alone", conv_and_scan)):
-            rows.append((f"{what} [{rep}]", graph_us_tree(fn)))
+            rows.append((f"{what} [{rep}]", graph_us(fn, range(LAYERS), h)))
             print(f"  {rows[-1][0]:<52} {rows[-1][1]:7.2f} us", flush=True)
     print(f"\n{n}-node tree {spec}: per layer (64 layers per graph)")
     for what, us in rows:
