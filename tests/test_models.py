@@ -90,6 +90,81 @@ def test_replay_equals_stepping_the_accepted_tokens(arch):
         assert_close(out[row, 0], model(seq)[0, -1], atol=1e-5, name=f"row {row} after replay")
 
 
+def _iterations(model, cache, tree, steps, seed):
+    """`steps` verify + replay rounds on cache with random tokens and per-row paths (full depth,
+    partial, root only, rotating); returns every round's logits."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = cache.batch_size
+    candidates = [tree.path(tree.leaves()[-1]), tree.path(2), [0]]
+    width = tree.max_depth + 1
+    out = []
+    for k in range(steps):
+        tokens = torch.randint(0, 64, (batch, tree.num_nodes), generator=gen)
+        logits, acts = model.verify(tokens, tree, cache)
+        paths = [candidates[(row + k) % len(candidates)] for row in range(batch)]
+        path = torch.tensor([p + [0] * (width - len(p)) for p in paths])
+        model.replay(cache, acts, path, torch.tensor([len(p) for p in paths]))
+        out.append(logits)
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_deferred_replay_equals_replay(arch):
+    """A cache that defers its SSM replay into the next verify gives the same logits every round,
+    and after a flush the same states, as one that replays at once; clone, copy_ and select
+    carry the pending path, and step and forward flush it themselves."""
+    model = tiny_model(ARCHS[arch])
+    tree = Tree.from_config((3, 2, 2))
+    ids = torch.randint(0, 64, (3, 6))
+    plain = model.new_cache(3, 48)
+    model(ids, plain)
+    deferred = model.enable_deferred_replay(plain.clone(), tree.max_depth + 1)
+    plain = plain.clone()
+    with torch.no_grad():
+        want = _iterations(model, plain, tree, 3, seed=1)
+        got = _iterations(model, deferred, tree, 3, seed=1)
+        for k, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"round {k}"
+        assert deferred.pending_len.tolist() == [1, 4, 2]  # the last round's paths, still pending
+        snapshot = deferred.clone()
+        assert snapshot.pending_len is not deferred.pending_len
+        row = deferred.select(torch.tensor([2]))
+        assert row.pending_len.tolist() == [2]
+        nxt = torch.randint(0, 64, (3, 1))
+        assert torch.equal(model.step(nxt, deferred), model.step(nxt, plain))  # step flushes first
+        assert deferred.pending_len.tolist() == [0, 0, 0]
+        assert_caches_equal(deferred, plain)
+        deferred.copy_(snapshot)  # back to the pending path: forward flushes too
+        assert deferred.pending_len.tolist() == [1, 4, 2]
+        plain_again = snapshot.clone()
+        model.flush(plain_again)
+        assert plain_again.pending_len.tolist() == [0, 0, 0]
+        model.flush(row)
+        assert_caches_equal(row, plain_again.select(torch.tensor([2])))
+        longer = torch.randint(0, 64, (3, 4))
+        assert torch.equal(model(longer, deferred), model(longer, plain_again))
+        assert_caches_equal(deferred, plain_again)
+    with pytest.raises(ValueError, match="defers"):
+        plain.copy_(snapshot)
+    with pytest.raises(ValueError, match="cannot grow|make a new cache"):
+        model.enable_deferred_replay(snapshot, tree.max_depth + 5)
+
+
+def test_deferred_replay_of_a_long_path_replays_at_once():
+    """A path longer than the pending buffers (a prefill chunk) takes the ordinary replay."""
+    model = tiny_model(ARCHS["mamba2"])
+    chain = Tree.chain(9)
+    ids = torch.randint(0, 64, (1, 10))
+    plain = model.new_cache(1, 32)
+    deferred = model.enable_deferred_replay(model.new_cache(1, 32), 3)
+    with torch.no_grad():
+        for cache in (plain, deferred):
+            _, acts = model.verify(ids, chain, cache)
+            model.replay(cache, acts, torch.arange(10)[None], torch.tensor([10]))
+    assert deferred.pending_len.tolist() == [0]
+    assert_caches_equal(deferred, plain)
+
+
 def test_bf16_model_runs_with_fp32_state():
     model = tiny_model(ARCHS["hybrid"]).to(torch.bfloat16)
     cache = model.new_cache(1, 16)

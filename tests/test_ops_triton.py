@@ -48,9 +48,11 @@ if not INTERPRETED:
 
         assert isinstance(kernels._tree_scan_kernel, triton.runtime.JITFunction)
 
-    def test_greedy_tree_iteration_matches_step_decoding():
+    @pytest.mark.parametrize("defer", [False, True], ids=["replay", "deferred-replay"])
+    def test_greedy_tree_iteration_matches_step_decoding(defer):
         """GreedyTreeGraph's device-side acceptance, run eagerly on the CPU (capture=False):
-        full, partial and no acceptance, against greedy step-by-step decoding of a tiny model."""
+        full, partial and no acceptance, against greedy step-by-step decoding of a tiny model
+        (defer: the SSM replay left pending, flushed before the states are compared)."""
         from helpers import tiny_model
         from ssmspec.decoding.graphs import GreedyTreeGraph
         from ssmspec.trees import Tree
@@ -82,7 +84,10 @@ if not INTERPRETED:
                 if node not in first_path:
                     tokens[0, node] = (chain[tree.depths[node] - 1] + 2) % 64
             cache = fresh_cache()
-            out, n = GreedyTreeGraph(model, cache, tree, capture=False)(tokens)
+            out, n = GreedyTreeGraph(model, cache, tree, capture=False, defer_replay=defer)(tokens)
+            if defer:
+                assert int(cache.pending_len[0]) == accept + 1
+                model.flush(cache)
             assert int(n[0]) == accept + 1
             assert out[0, : accept + 1].tolist() == chain[: accept + 1]
             assert int(cache.seqlen[0]) == prompt.shape[1] + accept + 1
@@ -98,7 +103,12 @@ if not INTERPRETED:
 else:
     from helpers import assert_close
     from ssmspec.ops.state_replay import triton as SR
-    from ssmspec.ops.state_replay.naive import naive_replay_conv_state, naive_replay_ssm_state
+    from ssmspec.ops.state_replay.naive import (
+        naive_apply_pending,
+        naive_defer_states_layers,
+        naive_replay_conv_state,
+        naive_replay_ssm_state,
+    )
     from ssmspec.ops.step_update import triton as SU
     from ssmspec.ops.step_update.naive import naive_gated_rms_norm, naive_mamba_step, naive_rms_norm, naive_time_step
     from ssmspec.ops.tree_conv import triton as TC
@@ -203,6 +213,86 @@ else:
         assert torch.equal(got[1], h0[1]), "a row with path_len 0 must keep its state"
 
 
+    @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+    def test_apply_pending_matches_reference(shape):
+        batch, heads, head_dim, d_state, groups = shape
+        batch, steps = 3, 5
+        x, dt, A, B, _, _, h0 = _scan_inputs(batch, steps, heads, head_dim, d_state, groups)
+        length = torch.tensor([steps, 0, 2])
+        want, got = h0.clone(), h0.clone()
+        naive_apply_pending(want, x, dt, A, B, length)
+        SR.apply_pending(got, x, dt, A, B, length)
+        assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got[1], h0[1]), "a row with nothing pending must keep its state"
+        # the same as replaying those nodes through a path
+        via_path = h0.clone()
+        SR.replay_ssm_state(via_path, x, dt, A, B, torch.arange(steps).expand(batch, steps), length)
+        assert torch.equal(got, via_path)
+
+
+    def test_tree_conv_applies_pending_path():
+        """tree_conv with a deferred path: the conv's output unchanged, the SSM state advanced as
+        naive_apply_pending does (rows with and without pending entries)."""
+        batch, heads, head_dim, d_state, groups, steps = 2, 3, 8, 16, 1, 3
+        tree = TREES["uneven"]
+        channels, kernel_size = heads * head_dim + 2 * groups * d_state, 4
+        xbc = torch.randn(batch, tree.num_nodes, channels)
+        state = torch.randn(batch, channels, kernel_size - 1)
+        weight, bias = torch.randn(channels, kernel_size), torch.randn(channels)
+        x, dt, A, B, _, _, h0 = _scan_inputs(batch, steps, heads, head_dim, d_state, groups)
+        length = torch.tensor([steps, 0])
+        want_h, got_h = h0.clone(), h0.clone()
+        parents = tree.parents_tensor()
+        want = naive_tree_conv(xbc, state, weight, bias, parents, pending=(want_h, x, dt, A, B, length))
+        got = TC.tree_conv(xbc, state, weight, bias, parents, pending=(got_h, x, dt, A, B, length))
+        assert_close(got, want, atol=1e-5, rtol=1e-5, name="conv")
+        assert_close(got_h, want_h, atol=1e-5, rtol=1e-5, name="state")
+        assert torch.equal(got_h[1], h0[1])
+        plain = h0.clone()
+        naive_apply_pending(plain, x, dt, A, B, length)
+        assert torch.equal(want_h, plain)
+
+
+    @pytest.mark.parametrize("same_layout", [True, False], ids=["one-launch", "fallback"])
+    def test_defer_states_layers_matches_reference(same_layout):
+        from ssmspec.models.cache import PendingPath
+
+        batch, n, heads, head_dim, d_state, groups, history, steps, capacity = 2, 9, 3, 8, 16, 1, 3, 4, 6
+        channels = heads * head_dim + 2 * groups * d_state
+
+        def layer(seed):
+            g = torch.Generator().manual_seed(seed)
+            conv = torch.randn(batch, channels, history, generator=g)
+            xbc = torch.randn(batch, n, channels, generator=g)
+            x = torch.randn(batch, n, heads, head_dim, generator=g)
+            if not same_layout and seed == 1:
+                x = torch.randn(batch, heads, n, head_dim, generator=g).transpose(1, 2)  # other strides
+            return conv, xbc, x, torch.rand(batch, n, heads, generator=g), torch.randn(batch, n, groups, d_state, generator=g)
+
+        def pending():
+            return PendingPath(torch.zeros(batch, capacity, heads, head_dim), torch.zeros(batch, capacity, heads),
+                               torch.zeros(batch, capacity, groups, d_state))
+
+        layers = [layer(0), layer(1)]
+        path = torch.tensor([[0, 2, 5, 7], [0, 1, 0, 0]])
+        path_len = torch.tensor([4, 2])
+        results = []
+        for fn in (naive_defer_states_layers, SR.defer_states_layers):
+            convs = [lay[0].clone() for lay in layers]
+            pends = [pending(), pending()]
+            plen = torch.zeros(batch, dtype=torch.long)
+            fn(convs, [lay[1] for lay in layers], [lay[2] for lay in layers], [lay[3] for lay in layers],
+               [lay[4] for lay in layers], pends, path, path_len, plen)
+            results.append((convs, pends, plen))
+        (want_c, want_p, want_len), (got_c, got_p, got_len) = results
+        assert torch.equal(got_len, want_len) and want_len.tolist() == [4, 2]
+        for a, b in zip(got_c, want_c):
+            assert torch.equal(a, b)
+        for a, b in zip(got_p, want_p):
+            assert torch.equal(a.x, b.x) and torch.equal(a.dt, b.dt) and torch.equal(a.B, b.B)
+        assert torch.equal(want_p[0].x[1, :steps], layers[0][2][1, path[1]])
+
+
     @pytest.mark.parametrize("kernel_size", [2, 4, 5])
     def test_replay_conv_state_matches_reference(kernel_size):
         batch, n, channels, steps = 4, 9, 300, 6
@@ -290,6 +380,50 @@ else:
                 assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-4, name="keys")
                 assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-4, name="values")
         assert torch.equal(got[2].seqlen, ref[2].seqlen)
+
+    def test_deferred_replay_through_kernels_matches_reference(monkeypatch):
+        """Two verify + replay rounds on a cache that defers its SSM replay, through the kernels
+        (folded hybrid model): the second verify applies the pending path in its layer sweep;
+        logits and, after a flush, the states equal the reference's immediate replay."""
+        from ssmspec.ops import dispatch
+
+        layers = ("mamba", "mlp", "attention", "mlp", "mamba")
+        model = _tiny_model_with_head_dim(layers, 16)
+        prompt = torch.randint(0, 64, (1, 5))
+        tree = Tree.from_config((2, 2))
+        rounds = [(torch.randint(0, 64, (1, tree.num_nodes)), torch.tensor([[0, 1, 3]]), torch.tensor([3])),
+                  (torch.randint(0, 64, (1, tree.num_nodes)), torch.tensor([[0, 2, 0]]), torch.tensor([2]))]
+
+        def run(defer):
+            cache = model.new_cache(1, 32)
+            if defer:
+                model.enable_deferred_replay(cache, tree.max_depth + 1)
+            logits = []
+            with torch.no_grad():
+                model(prompt, cache)
+                for tokens, path, path_len in rounds:
+                    out, acts = model.verify(tokens, tree, cache)
+                    model.replay(cache, acts, path, path_len)
+                    logits.append(out)
+                model.flush(cache)
+            return logits, cache
+
+        ref = run(False)
+        kernels = {"tree_scan": TS.tree_scan, "tree_conv": TC.tree_conv, "rms_norm": SU.rms_norm, "linear": GV.linear,
+                   "add_rms_norm": SU.add_rms_norm, "norm_linear": GV.norm_linear,
+                   "tree_scan_gated": TS.tree_scan_gated, "replay_states": SR.replay_states,
+                   "replay_states_layers": SR.replay_states_layers, "apply_pending": SR.apply_pending,
+                   "defer_states_layers": SR.defer_states_layers}
+        monkeypatch.setattr(dispatch, "resolve", lambda op, device: kernels.get(op, dispatch._REFERENCE[op]))
+        model.fold_norm_weights_()
+        got = run(True)
+        assert got[1].pending_len.tolist() == [0]
+        for k, (a, b) in enumerate(zip(got[0], ref[0])):
+            assert_close(a, b, atol=1e-4, rtol=1e-4, name=f"round {k} logits")
+        for kind, mine, theirs in zip(layers, got[1].layers, ref[1].layers):
+            if kind == "mamba":
+                assert_close(mine.ssm_state, theirs.ssm_state, atol=1e-5, rtol=1e-4, name="ssm_state")
+                assert_close(mine.conv_state, theirs.conv_state, atol=1e-5, rtol=1e-5, name="conv_state")
 
     def test_gated_rms_norm_matches_reference(nan_outputs):
         y = torch.randn(2, 3, 48)

@@ -186,27 +186,32 @@ class Mamba2Mixer(nn.Module):
         return out[:, None]
 
     # -- packed tree -------------------------------------------------------------------------
-    def verify(self, h: torch.Tensor, cache: MambaLayerCache, parents: torch.Tensor):
+    def verify(self, h: torch.Tensor, cache: MambaLayerCache, parents: torch.Tensor,
+               pending_len: torch.Tensor | None = None):
         """Outputs of all tree nodes, each as if its root-to-node path were decoded alone.
 
-        Writes nothing to the cache; returns the activations `replay` needs.
+        Writes nothing to the cache but a deferred path's update of the SSM state (see
+        `_pending`); returns the activations `replay` needs.
 
         Args:
             h: (B, N, D) inputs of the packed tree nodes.
             cache: the state after the prefix (before the root).
             parents: (N,) int, -1 for the root.
+            pending_len: ModelCache.pending_len, for a cache that defers its replay.
         Returns:
             out (B, N, D) and MambaTreeActivations.
         """
         z, xBC, dt_raw = self._split_projection(h)
-        xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
+        xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents,
+                                      pending=self._pending(cache, pending_len))
         x, B, C = self._split_conv_out(xBC_conv)
         dt = self._time_step(dt_raw)
         y = dispatch.tree_scan(x, dt, self.A, B, C, self.D, parents, cache.ssm_state)
         return self._output(y, z), MambaTreeActivations(xBC=xBC, x=x, dt=dt, B=B)
 
     def folded_residual_verify(self, h: torch.Tensor, cache: MambaLayerCache, parents: torch.Tensor,
-                               pre_norm_eps: float, h_sq: torch.Tensor | None = None):
+                               pre_norm_eps: float, h_sq: torch.Tensor | None = None,
+                               pending_len: torch.Tensor | None = None):
         """h + verify(pre_norm(h)) with both norms' weights folded into in_proj and out_proj
         (models/fold.py), on the kernels: the pre-norm inside in_proj, the time step and the gate
         inside the tree scan, the gated norm and the residual add inside out_proj.
@@ -214,11 +219,13 @@ class Mamba2Mixer(nn.Module):
         h_sq: h's partial sums of squares from its producer, or None (ops/gemv `norm_linear`);
         the gated value's come from the scan, so neither norm needs a launch of its own.
         h (B, N, D) -> (B, N, D), its partial sums of squares (or None), and the activations
-        for `replay`. h itself may be overwritten by the output (the residual add in place)."""
+        for `replay`. h itself may be overwritten by the output (the residual add in place).
+        pending_len: as in `verify`."""
         c = self.cfg
         zxbcdt = dispatch.norm_linear(h, self.in_proj.weight, self.in_proj.bias, 1, pre_norm_eps, x_sq=h_sq)
         z, xBC, dt_raw = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
-        xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
+        xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents,
+                                      pending=self._pending(cache, pending_len))
         x, B, C = self._split_conv_out(xBC_conv)
         norm_groups = c.d_inner // self.norm.group_size
         gated, dt, g_sq = dispatch.tree_scan_gated(x, dt_raw, self.dt_bias, c.dt_min, c.dt_max, self.A, B, C, self.D,
@@ -229,6 +236,15 @@ class Mamba2Mixer(nn.Module):
                                            self.norm.eps, residual=h, x_sq=g_sq, return_sq=True,
                                            reuse_residual=True)
         return out, out_sq, MambaTreeActivations(xBC=xBC, x=x, dt=dt, B=B)
+
+    def _pending(self, cache: MambaLayerCache, pending_len: torch.Tensor | None):
+        """The deferred path for the tree conv to apply to the SSM state before the scan reads it
+        (ModelCache.pending_len; on the kernels it runs in the conv's launch, overlapping in_proj),
+        or None for a cache that does not defer."""
+        if pending_len is None or cache.pending is None:
+            return None
+        p = cache.pending
+        return (cache.ssm_state, p.x, p.dt, self.A, p.B, pending_len)
 
     def replay(self, cache: MambaLayerCache, acts: MambaTreeActivations, path: torch.Tensor, path_len: torch.Tensor):
         """Advance the cache over the accepted path (B, M) of valid length path_len (B,)."""
