@@ -8,8 +8,8 @@ tree iteration of the 2.7b model as a CUDA graph, in one process:
 - deferred: the model's deferred replay;
 - deferred, nothing pending: the same graph started with nothing pending (what the apply costs).
 
-(Round 9's first version of this probe also moved the apply work into its own early-launched
-kernel before in_proj or before the conv, or onto a second stream: git history, BENCHMARKS.md.)
+(The first version of this probe, round 9, also timed the apply work in its own early-launched
+kernel before in_proj or before the conv, and on a second stream: BENCHMARKS.md, round 9.)
 
 Each timed call starts from the state after one iteration (its path pending), restored outside
 the timed region, as bench_decode.py does. Usage (repository root, CUDA machine):
@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from bench_decode import prefilled_cache, restored_call_times, tree_tokens_following
+from ssmspec.trees.tree import Tree
+
 from ssmspec.decoding.graphs import GreedyTreeGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch
-from ssmspec.trees.tree import Tree
 
 
 def time_placement(model, prompt, tree, vocab, name: str) -> tuple[float, bool]:
