@@ -1,15 +1,15 @@
 """The deferred SSM replay against the ordinary one, in the greedy tree iteration (issue 3, round 9).
 
 `GreedyTreeGraph(defer_replay=True)` leaves each iteration's SSM-state update to the next
-verify, whose tree conv launch applies it layer by layer (ops/tree_conv). This times one greedy
+verify, whose tree scan applies it layer by layer (ops/tree_scan). This times one greedy
 tree iteration of the 2.7b model as a CUDA graph, in one process:
 
 - replay: no deferral (the ordinary replay at the end of the iteration), the baseline;
 - deferred: the model's deferred replay;
 - deferred, nothing pending: the same graph started with nothing pending (what the apply costs).
 
-(The first version of this probe, round 9, also timed the apply work in its own early-launched
-kernel before in_proj or before the conv, and on a second stream: BENCHMARKS.md, round 9.)
+(Earlier versions of this probe, round 9, timed the apply work in its own early-launched
+kernel before in_proj or before the conv, on a second stream, and in the conv's launch: BENCHMARKS.md.)
 
 Each timed call starts from the state after one iteration (its path pending), restored outside
 the timed region, as bench_decode.py does. Usage (repository root, CUDA machine):

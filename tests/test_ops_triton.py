@@ -114,7 +114,7 @@ else:
     from ssmspec.ops.tree_conv import triton as TC
     from ssmspec.ops.tree_conv.naive import naive_tree_conv
     from ssmspec.ops.tree_scan import triton as TS
-    from ssmspec.ops.tree_scan.naive import naive_tree_scan
+    from ssmspec.ops.tree_scan.naive import naive_tree_scan, naive_tree_scan_gated
     from ssmspec.ops.gemv import triton as GV
     from ssmspec.trees import Tree
 
@@ -230,27 +230,38 @@ else:
         assert torch.equal(got, via_path)
 
 
-    def test_tree_conv_applies_pending_path():
-        """tree_conv with a deferred path: the conv's output unchanged, the SSM state advanced as
-        naive_apply_pending does (rows with and without pending entries)."""
+    @pytest.mark.parametrize("tree_name", ["uneven", "chain of 63"])
+    @pytest.mark.parametrize("block_s", [None, 8], ids=["one-chunk", "state-chunks"])
+    def test_tree_scan_applies_pending_path(tree_name, block_s, monkeypatch):
+        """tree_scan(_gated) with a deferred path: the outputs of the scan from the advanced
+        state, and the state advanced in place as naive_apply_pending does (rows with and
+        without pending entries; the state in one chunk and in several)."""
+        monkeypatch.setattr(TS, "SCAN_BLOCK_S", block_s)
         batch, heads, head_dim, d_state, groups, steps = 2, 3, 8, 16, 1, 3
-        tree = TREES["uneven"]
-        channels, kernel_size = heads * head_dim + 2 * groups * d_state, 4
-        xbc = torch.randn(batch, tree.num_nodes, channels)
-        state = torch.randn(batch, channels, kernel_size - 1)
-        weight, bias = torch.randn(channels, kernel_size), torch.randn(channels)
-        x, dt, A, B, _, _, h0 = _scan_inputs(batch, steps, heads, head_dim, d_state, groups)
+        tree = TREES[tree_name]
+        x, dt, A, B, C, D, h0 = _scan_inputs(batch, tree.num_nodes, heads, head_dim, d_state, groups)
+        px, pdt, _, pB, _, _, _ = _scan_inputs(batch, steps, heads, head_dim, d_state, groups)
         length = torch.tensor([steps, 0])
-        want_h, got_h = h0.clone(), h0.clone()
         parents = tree.parents_tensor()
-        want = naive_tree_conv(xbc, state, weight, bias, parents, pending=(want_h, x, dt, A, B, length))
-        got = TC.tree_conv(xbc, state, weight, bias, parents, pending=(got_h, x, dt, A, B, length))
-        assert_close(got, want, atol=1e-5, rtol=1e-5, name="conv")
+        want_h, got_h = h0.clone(), h0.clone()
+        want = naive_tree_scan(x, dt, A, B, C, D, parents, want_h, pending=(px, pdt, pB, length))
+        got = TS.tree_scan(x, dt, A, B, C, D, parents, got_h, pending=(px, pdt, pB, length))
+        assert_close(got, want, atol=1e-4, rtol=1e-4, name="y")
         assert_close(got_h, want_h, atol=1e-5, rtol=1e-5, name="state")
         assert torch.equal(got_h[1], h0[1])
         plain = h0.clone()
-        naive_apply_pending(plain, x, dt, A, B, length)
+        naive_apply_pending(plain, px, pdt, A, pB, length)
         assert torch.equal(want_h, plain)
+        # the gated form, with the same pending path (the advanced state written once)
+        z = torch.randn(batch, tree.num_nodes, heads * head_dim)
+        dt_bias = torch.randn(heads)
+        g_want_h, g_got_h = h0.clone(), h0.clone()
+        g_want = naive_tree_scan_gated(x, dt, dt_bias, 0.0, 10.0, A, B, C, D, z, parents, g_want_h,
+                                       pending=(px, pdt, pB, length))
+        g_got = TS.tree_scan_gated(x, dt, dt_bias, 0.0, 10.0, A, B, C, D, z, parents, g_got_h,
+                                   pending=(px, pdt, pB, length))
+        assert_close(g_got[0], g_want[0], atol=1e-4, rtol=1e-4, name="gated")
+        assert_close(g_got_h, g_want_h, atol=1e-5, rtol=1e-5, name="gated state")
 
 
     @pytest.mark.parametrize("same_layout", [True, False], ids=["one-launch", "fallback"])

@@ -202,11 +202,11 @@ class Mamba2Mixer(nn.Module):
             out (B, N, D) and MambaTreeActivations.
         """
         z, xBC, dt_raw = self._split_projection(h)
-        xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents,
-                                      pending=self._pending(cache, pending_len))
+        xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
         x, B, C = self._split_conv_out(xBC_conv)
         dt = self._time_step(dt_raw)
-        y = dispatch.tree_scan(x, dt, self.A, B, C, self.D, parents, cache.ssm_state)
+        y = dispatch.tree_scan(x, dt, self.A, B, C, self.D, parents, cache.ssm_state,
+                               pending=self._pending(cache, pending_len))
         return self._output(y, z), MambaTreeActivations(xBC=xBC, x=x, dt=dt, B=B)
 
     def folded_residual_verify(self, h: torch.Tensor, cache: MambaLayerCache, parents: torch.Tensor,
@@ -224,12 +224,12 @@ class Mamba2Mixer(nn.Module):
         c = self.cfg
         zxbcdt = dispatch.norm_linear(h, self.in_proj.weight, self.in_proj.bias, 1, pre_norm_eps, x_sq=h_sq)
         z, xBC, dt_raw = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
-        xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents,
-                                      pending=self._pending(cache, pending_len))
+        xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
         x, B, C = self._split_conv_out(xBC_conv)
         norm_groups = c.d_inner // self.norm.group_size
         gated, dt, g_sq = dispatch.tree_scan_gated(x, dt_raw, self.dt_bias, c.dt_min, c.dt_max, self.A, B, C, self.D,
-                                                   z, parents, cache.ssm_state, return_sq=True)
+                                                   z, parents, cache.ssm_state, return_sq=True,
+                                                   pending=self._pending(cache, pending_len))
         if g_sq.shape[1] != norm_groups:  # norm groups other than the SSM groups: the norm reduces itself
             g_sq = None
         out, out_sq = dispatch.norm_linear(gated, self.out_proj.weight, self.out_proj.bias, norm_groups,
@@ -238,13 +238,13 @@ class Mamba2Mixer(nn.Module):
         return out, out_sq, MambaTreeActivations(xBC=xBC, x=x, dt=dt, B=B)
 
     def _pending(self, cache: MambaLayerCache, pending_len: torch.Tensor | None):
-        """The deferred path for the tree conv to apply to the SSM state before the scan reads it
-        (ModelCache.pending_len; on the kernels it runs in the conv's launch, overlapping in_proj),
-        or None for a cache that does not defer."""
+        """The deferred path for the tree scan to apply to the SSM state it reads (ModelCache.
+        pending_len; the kernel does it before waiting on the conv, overlapping in_proj's weight
+        stream), or None for a cache that does not defer."""
         if pending_len is None or cache.pending is None:
             return None
         p = cache.pending
-        return (cache.ssm_state, p.x, p.dt, self.A, p.B, pending_len)
+        return (p.x, p.dt, p.B, pending_len)
 
     def replay(self, cache: MambaLayerCache, acts: MambaTreeActivations, path: torch.Tensor, path_len: torch.Tensor):
         """Advance the cache over the accepted path (B, M) of valid length path_len (B,)."""

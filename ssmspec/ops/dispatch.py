@@ -119,23 +119,26 @@ def uses_kernel(op: str, device: torch.device) -> bool:
     return resolve(op, device) is not _REFERENCE[op]
 
 
-def tree_scan(x, dt, A, B, C, D, parents, initial_state):
-    return resolve("tree_scan", x.device)(x, dt, A, B, C, D, parents, initial_state)
-
-
-def tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, initial_state, return_sq=False):
-    """Time step, tree scan and silu(z) gate of the verify path: returns (g, dt), and with
-    return_sq g's sums of squares per group for out_proj's norm (see `naive_tree_scan_gated`)."""
-    return resolve("tree_scan_gated", x.device)(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents,
-                                                initial_state, return_sq=return_sq)
-
-
-def tree_conv(xBC, conv_state, weight, bias, parents, activation="silu", pending=None):
-    """The verify's path-aware conv; pending: a deferred SSM path applied to its state first."""
-    impl = resolve("tree_conv", xBC.device)
+def tree_scan(x, dt, A, B, C, D, parents, initial_state, pending=None):
+    """The packed-tree scan; pending: a deferred SSM path applied to initial_state first."""
+    impl = resolve("tree_scan", x.device)
     if pending is None:
-        return impl(xBC, conv_state, weight, bias, parents, activation)
-    return impl(xBC, conv_state, weight, bias, parents, activation, pending=pending)
+        return impl(x, dt, A, B, C, D, parents, initial_state)
+    return impl(x, dt, A, B, C, D, parents, initial_state, pending=pending)
+
+
+def tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, initial_state, return_sq=False,
+                    pending=None):
+    """Time step, tree scan and silu(z) gate of the verify path: returns (g, dt), and with
+    return_sq g's sums of squares per group for out_proj's norm (see `naive_tree_scan_gated`);
+    pending as in `tree_scan`."""
+    extra = {} if pending is None else {"pending": pending}
+    return resolve("tree_scan_gated", x.device)(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents,
+                                                initial_state, return_sq=return_sq, **extra)
+
+
+def tree_conv(xBC, conv_state, weight, bias, parents, activation="silu"):
+    return resolve("tree_conv", xBC.device)(xBC, conv_state, weight, bias, parents, activation)
 
 
 def replay_states(conv_state, ssm_state, xBC, x, dt, A, B, path, path_len):

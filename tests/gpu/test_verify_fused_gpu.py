@@ -141,17 +141,17 @@ def test_replay_states_layers_in_cuda_graph_gpu(batch, monkeypatch):
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("in_conv", [False, True], ids=["apply_pending", "in-tree-conv"])
-def test_deferred_replay_gpu(batch, in_conv, monkeypatch):
+@pytest.mark.parametrize("in_scan", [False, True], ids=["apply_pending", "in-tree-scan"])
+def test_deferred_replay_gpu(batch, in_scan, monkeypatch):
     """defer_states_layers (one launch for all layers: conv states now, SSM inputs stashed),
     then each layer's pending path applied, equals the ordinary replay of the same path; applied
-    by apply_pending, or by the first programs of the tree conv's launch (the verify's route,
-    with a kernel still running when it launches)."""
+    by apply_pending, or by the gated tree scan before its PDL wait (the verify's route, with a
+    kernel still running when it launches)."""
     from ssmspec.models.cache import PendingPath
     from ssmspec.ops.state_replay import naive as NR
     from ssmspec.ops.state_replay import triton as SR
-    from ssmspec.ops.tree_conv.naive import naive_tree_conv
-    from ssmspec.ops.tree_conv.triton import tree_conv
+    from ssmspec.ops.tree_scan.naive import naive_tree_scan_gated
+    from ssmspec.ops.tree_scan.triton import tree_scan_gated
 
     monkeypatch.setattr(NR, "naive_defer_states_layers", lambda *a: pytest.fail("fell back to per-layer copies"))
     tree, n_layers = TREES["16: 3,4"], 3
@@ -173,18 +173,18 @@ def test_deferred_replay_gpu(batch, in_conv, monkeypatch):
     SR.defer_states_layers(conv, [a["xBC"] for a in acts], [a["x"] for a in acts], dts, [a["B"] for a in acts], pend,
                            path, path_len, plen)
     assert torch.equal(plen, path_len)
-    weight = torch.randn(CONV_DIM, K, device=DEV, dtype=torch.bfloat16)
     parents = tree.parents_tensor(DEV)
     for i in range(n_layers):
         assert torch.equal(conv[i], c_want[i]), f"layer {i} conv_state"
-        pending = (ssm[i], pend[i].x, pend[i].dt, acts[i]["A"], pend[i].B, plen)
-        if in_conv:
-            torch.cuda._sleep(100_000)  # a kernel still running when the conv's launch starts
-            out = tree_conv(acts[i]["xBC"], conv[i], weight, None, parents, pending=pending)
-            assert_close(out, naive_tree_conv(acts[i]["xBC"], conv[i], weight, None, parents), atol=1e-2,
-                         rtol=1e-2, name=f"layer {i} conv output")
+        if in_scan:
+            v = acts[i]
+            args = (v["x"], v["dt_raw"], v["dt_bias"], 0.0, math.inf, v["A"], v["B"], v["C"], v["D"], v["z"], parents)
+            want_g, _ = naive_tree_scan_gated(*args, s_want[i])  # from the replayed state
+            torch.cuda._sleep(100_000)  # a kernel still running when the scan's launch starts
+            got_g, _ = tree_scan_gated(*args, ssm[i], pending=(pend[i].x, pend[i].dt, pend[i].B, plen))
+            assert _rel(got_g.float(), want_g.float()) < 1e-2, f"layer {i} gated output"
         else:
-            SR.apply_pending(*pending)
+            SR.apply_pending(ssm[i], pend[i].x, pend[i].dt, acts[i]["A"], pend[i].B, plen)
     torch.cuda.synchronize()
     for i in range(n_layers):
         assert_close(ssm[i], s_want[i], atol=1e-5, rtol=1e-5, name=f"layer {i} ssm_state")

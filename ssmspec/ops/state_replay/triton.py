@@ -2,7 +2,7 @@
 
 Deferred replay (`ModelCache.pending_len`): `defer_states_layers` replays the conv states and
 stashes the accepted path's SSM inputs; the next verify applies them to each layer's SSM state
-in its tree conv's launch (ops/tree_conv), `apply_pending` anywhere else (a flush).
+in its tree scan's launch (ops/tree_scan), `apply_pending` anywhere else (a flush).
 
 `replay_states` runs both updates in one launch (the verify path's replay of a Mamba layer):
 its 1-D grid's first programs are the SSM tiles, the rest the conv-state channel blocks.
@@ -526,8 +526,8 @@ def _check_pending_apply(op, ssm_state, x, B, length):
 def apply_pending(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                   length: torch.Tensor) -> None:
     """Advance the SSM state in place over the first length[b] entries of a deferred path; same
-    contract as `naive_apply_pending`. (`LanguageModel.flush`; inside a verify the tree conv's
-    launch does it, see ops/tree_conv.)"""
+    contract as `naive_apply_pending`. (`LanguageModel.flush`; inside a verify the tree scan's
+    launch does it, see ops/tree_scan.)"""
     _check_pending_apply("apply_pending", ssm_state, x, B, length)
     batch, heads, head_dim, d_state = ssm_state.shape
     steps = x.shape[1]

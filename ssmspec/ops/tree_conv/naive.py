@@ -50,13 +50,8 @@ def naive_tree_conv(
     bias: torch.Tensor | None,
     parents: torch.Tensor,
     activation: str | None = "silu",
-    pending=None,
 ) -> torch.Tensor:
     """Depthwise causal conv where each node convolves over its own path, then the activation.
-
-    pending: (ssm_state, x, dt, A, B, length), the layer's deferred SSM path
-    (ModelCache.pending_len), applied to ssm_state in place first (`naive_apply_pending`): the
-    verify's conv is where the kernels apply it, in the same launch.
 
     Args:
         xBC: (B, N, C) pre-conv inputs of the tree nodes.
@@ -67,10 +62,6 @@ def naive_tree_conv(
     Returns:
         (B, N, C) in xBC's dtype.
     """
-    if pending is not None:
-        from ..state_replay.naive import naive_apply_pending
-
-        naive_apply_pending(*pending)
     kernel_size = weight.shape[-1]
     idx = conv_window_indices(parents.cpu(), kernel_size).to(xBC.device)  # (N, K)
     extended = torch.cat([conv_state.transpose(1, 2).to(xBC.dtype), xBC], dim=1)  # (B, K-1+N, C)

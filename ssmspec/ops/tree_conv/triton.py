@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from ..pdl import gdc_launch_dependents, gdc_wait
-from ..state_replay.triton import _replay_ssm_tile, _ssm_blocks
 from ..step_update.triton import _pdl_args
 
 
@@ -23,8 +22,7 @@ CONV_TILE: tuple[int, int, int] | None = None
 
 
 @triton.jit
-def _tree_conv_program(
-    b, pid_n, pid_c,
+def _tree_conv_kernel(
     x_ptr, state_ptr, w_ptr, bias_ptr, par_ptr, out_ptr,
     N, CH,
     sxb, sxn, sxc,
@@ -33,11 +31,13 @@ def _tree_conv_program(
     sob, son, soc,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
-    # One (batch row b, node block pid_n, channel block pid_c) tile of the conv.
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    if USE_PDL:  # ops/pdl.py: the next kernel may launch now
+        gdc_launch_dependents()
+    b = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_j = tl.arange(0, BLOCK_K)  # tap j reads the input j tokens back along the node's path
     mask_n = offs_n < N
     mask_c = offs_c < CH
@@ -80,78 +80,6 @@ def _tree_conv_program(
              acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_c[None, :])
 
 
-@triton.jit
-def _tree_conv_kernel(
-    x_ptr, state_ptr, w_ptr, bias_ptr, par_ptr, out_ptr,
-    N, CH,
-    sxb, sxn, sxc,
-    ssb, ssc, ssk,
-    swc, swk,
-    sob, son, soc,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):
-    if USE_PDL:  # ops/pdl.py: the next kernel may launch now
-        gdc_launch_dependents()
-    _tree_conv_program(
-        tl.program_id(0), tl.program_id(1), tl.program_id(2),
-        x_ptr, state_ptr, w_ptr, bias_ptr, par_ptr, out_ptr, N, CH,
-        sxb, sxn, sxc, ssb, ssc, ssk, swc, swk, sob, son, soc,
-        K, HAS_BIAS, SILU, BLOCK_N, BLOCK_C, BLOCK_K, USE_PDL,
-    )
-
-
-@triton.jit
-def _tree_conv_apply_kernel(
-    x_ptr, state_ptr, w_ptr, bias_ptr, par_ptr, out_ptr,
-    h_ptr, px_ptr, pdt_ptr, A_ptr, pB_ptr, plen_ptr,
-    N, CH, n_apply, n_bh, n_pblocks, n_nblocks, n_cblocks,
-    H, P, S, MP, heads_per_group,
-    sxb, sxn, sxc,
-    ssb, ssc, ssk,
-    swc, swk,
-    sob, son, soc,
-    shb, shh, shp, shs,
-    spxb, spxn, spxh, spxp,
-    spdb, spdn, spdh,
-    spBb, spBn, spBg, spBs,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):
-    """The conv, and in the same launch the layer's deferred SSM path applied to its state
-    (ModelCache.pending_len). The first n_apply programs are the state tiles: they never wait on
-    in_proj, so the state's read and write overlap its weight stream, and the scan after this
-    launch sees the applied state. Safe before the wait because nothing still running can touch
-    this layer's SSM state: it was last written before this verify's first launch (the
-    embedding gather, a plain launch that waits for all earlier work)."""
-    if USE_PDL:  # ops/pdl.py: the next kernel may launch now
-        gdc_launch_dependents()
-    pid = tl.program_id(0)
-    if pid < n_apply:
-        pid_bh = pid % n_bh
-        rest = pid // n_bh
-        b = pid_bh // H
-        if tl.load(plen_ptr + b) > 0:  # nothing pending: no state traffic
-            _replay_ssm_tile(
-                h_ptr, px_ptr, pdt_ptr, A_ptr, pB_ptr, plen_ptr, plen_ptr,
-                b, pid_bh % H, rest % n_pblocks, rest // n_pblocks,
-                P, S, MP, heads_per_group,
-                shb, shh, shp, shs, spxb, spxn, spxh, spxp, spdb, spdn, spdh, spBb, spBn, spBg, spBs, 0, 0,
-                BLOCK_P, BLOCK_S, UNROLL, IDENTITY=True,
-            )
-    else:
-        q = pid - n_apply
-        _tree_conv_program(
-            q // (n_nblocks * n_cblocks), (q // n_cblocks) % n_nblocks, q % n_cblocks,
-            x_ptr, state_ptr, w_ptr, bias_ptr, par_ptr, out_ptr, N, CH,
-            sxb, sxn, sxc, ssb, ssc, ssk, swc, swk, sob, son, soc,
-            K, HAS_BIAS, SILU, BLOCK_N, BLOCK_C, BLOCK_K, USE_PDL,
-        )
-
-
 def tree_conv(
     xBC: torch.Tensor,
     conv_state: torch.Tensor,
@@ -159,13 +87,10 @@ def tree_conv(
     bias: torch.Tensor | None,
     parents: torch.Tensor,
     activation: str | None = "silu",
-    pending=None,
 ) -> torch.Tensor:
     """Depthwise causal conv where each node convolves over its own path, then the activation.
 
-    Same contract as `naive_tree_conv`. pending: (ssm_state, x, dt, A, B, length), a deferred
-    path that `naive_apply_pending` would apply; applied here by the first programs of the same
-    launch (see `_tree_conv_apply_kernel`).
+    Same contract as `naive_tree_conv`.
 
     Args:
         xBC: (B, N, C) pre-conv inputs of the tree nodes.
@@ -194,10 +119,6 @@ def tree_conv(
     # would leave most SMs idle (measured: 16 x 256 tiles, 21 programs, 10 us; see BENCHMARKS.md).
     block_n, block_c, warps = CONV_TILE or ((1, 256, 1) if n <= 32 else (2, 256, 2))
     grid = (batch, triton.cdiv(n, block_n), triton.cdiv(channels, block_c))
-    if pending is not None:
-        _launch_with_apply(xBC, conv_state, weight, bias, parents, out, activation, pending, grid, block_n, block_c,
-                           warps)
-        return out
     _tree_conv_kernel[grid](
         xBC, conv_state, weight, bias if bias is not None else weight, parents, out,
         n, channels,
@@ -206,31 +127,3 @@ def tree_conv(
         BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_K=triton.next_power_of_2(kernel_size), num_warps=warps, **_pdl_args(out.device),
     )
     return out
-
-
-def _launch_with_apply(xBC, conv_state, weight, bias, parents, out, activation, pending, grid, block_n, block_c, warps):
-    from ..state_replay.triton import _check_pending_apply
-
-    ssm_state, px, pdt, A, pB, length = pending
-    _check_pending_apply("tree_conv", ssm_state, px, pB, length)
-    batch, heads, head_dim, d_state = ssm_state.shape
-    blocks = _ssm_blocks(head_dim, d_state, px.shape[1])
-    n_bh = batch * heads
-    n_pblocks = triton.cdiv(head_dim, blocks["BLOCK_P"])
-    n_apply = n_bh * n_pblocks * triton.cdiv(d_state, blocks["BLOCK_S"]) if px.shape[1] else 0
-    n, channels = xBC.shape[1:]
-    kernel_size = weight.shape[-1]
-    # The conv's tuned warp count for the whole launch: the conv tiles are on the critical path
-    # (4 warps for them, as the state tiles of apply_pending use: 3.09 against 2.74 ms per
-    # 16-node iteration, run 97).
-    _tree_conv_apply_kernel[(n_apply + grid[0] * grid[1] * grid[2],)](
-        xBC, conv_state, weight, bias if bias is not None else weight, parents, out,
-        ssm_state, px, pdt, A, pB, length,
-        n, channels, n_apply, n_bh, n_pblocks, grid[1], grid[2],
-        heads, head_dim, d_state, px.shape[1], heads // pB.shape[2],
-        *xBC.stride(), *conv_state.stride(), *weight.stride(), *out.stride(),
-        *ssm_state.stride(), *px.stride(), *pdt.stride(), *pB.stride(),
-        K=kernel_size, HAS_BIAS=bias is not None, SILU=activation == "silu",
-        BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_K=triton.next_power_of_2(kernel_size), **blocks,
-        num_warps=warps, **_pdl_args(out.device),
-    )
