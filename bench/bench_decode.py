@@ -106,30 +106,19 @@ def profile_top(fn, label: str, reps: int = 5, rows: int = 14) -> dict:
     return {"label": label, "kernel_ms": total / 1000, "top": [(name, t, count) for t, count, name in events[:rows]]}
 
 
-def time_tree_iteration(model, prompt, tree: Tree, vocab: int, defer: bool = False) -> dict:
+def time_tree_iteration(model, prompt, tree: Tree, vocab: int) -> dict:
     """One greedy tree iteration (verify + device-side accept + replay) as a CUDA graph, timed
-    from the same prefilled state every time (the cache restore outside the timed region).
-
-    defer: the replay's SSM-state update is left to the next verify. The state restored before
-    each timed call is the one after a first iteration, with that iteration's path pending, so
-    every timed call pays for applying a full path as well as for stashing its own: the steady
-    state of a decode loop. info["ssm_states"]: every layer's SSM state after that first
-    iteration (flushed), to compare with the immediate replay's."""
+    from the same prefilled state every time (the cache restore outside the timed region)."""
     cache = prefilled_cache(model, prompt, 256)
     root = int(prompt[0, -1])
     tokens, chain = tree_tokens_following(model, cache, root, tree, vocab)
     seqlen_before = int(cache.seqlen[0])
-    g = GreedyTreeGraph(model, cache, tree, defer_replay=defer)
+    g = GreedyTreeGraph(model, cache, tree)
     out, n = g(tokens)
     produced = out[0, : int(n[0])].tolist()
     info = {"accepted": int(n[0]) - 1, "greedy_chain_matches": produced == chain[: len(produced)],
             "cache_advanced": int(cache.seqlen[0]) - seqlen_before}
     snapshot = cache.clone()
-    flushed = cache.clone()
-    with torch.inference_mode():
-        model.flush(flushed)
-    info["ssm_states"] = [c.ssm_state for c in flushed.layers if c is not None and hasattr(c, "ssm_state")]
-    del flushed
 
     def iteration():
         cache.copy_(snapshot)  # same start every time
@@ -291,19 +280,6 @@ def main() -> int:
             if args.profile and name == "folded":
                 to_profile.append((info["iteration"], f"tree iteration [{tree.num_nodes} nodes, {name}] (+ cache restore copy)"))
             if name == "folded":
-                deferred = time_tree_iteration(m, prompt, tree, vocab, defer=True)
-                diff = max((a - b).abs().max().item() for a, b in zip(deferred["ssm_states"], info["ssm_states"]))
-                record(f"  same, deferred SSM replay [{tree.num_nodes} nodes, {name}]", deferred["ms"],
-                       ratio_to_ar=deferred["ms"] / ar_ms, state_max_abs_diff=diff,
-                       greedy_chain_matches=deferred["greedy_chain_matches"])
-                print(f"    deferred: accepted {deferred['accepted']}; produced == step-graph greedy chain: "
-                      f"{deferred['greedy_chain_matches']}; cache advanced by {deferred['cache_advanced']}; SSM states "
-                      f"after one iteration vs the immediate replay: max abs diff {diff:.1e}; p10-p90 "
-                      f"{deferred['ms_p10_p90'][0]:.3f}-{deferred['ms_p10_p90'][1]:.3f} ms", flush=True)
-                if args.profile:
-                    to_profile.append((deferred["iteration"],
-                                       f"tree iteration [{tree.num_nodes} nodes, {name}, deferred] (+ cache restore copy)"))
-                del deferred
                 gemv.ENABLED = False
                 record(f"  same, cuBLAS projections [{tree.num_nodes} nodes, {name}]",
                        time_tree_iteration(m, prompt, tree, vocab)["ms"])

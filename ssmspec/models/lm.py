@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from ..ops import dispatch
 from .attention import Attention
-from .cache import ModelCache, PendingPath
+from .cache import ModelCache
 from .config import ModelConfig
 from .fold import is_folded
 from .mamba2 import Mamba2Mixer
@@ -129,43 +129,6 @@ class LanguageModel(nn.Module):
                 layers.append(None)
         return ModelCache(layers, torch.zeros(batch, dtype=torch.long, device=device))
 
-    def enable_deferred_replay(self, cache: ModelCache, max_path: int) -> ModelCache:
-        """Make `replay` defer the SSM-state update of paths of up to max_path nodes into the
-        next `verify` (ModelCache.pending_len): same results, and on the kernels the replay's
-        state traffic overlaps the next verify's projections. Allocates each Mamba layer's
-        pending path (fp32, a few KB per node); a cache that defers already keeps its buffers
-        (captured graphs read them), so max_path must not grow. Returns the cache."""
-        if max_path < 1:
-            raise ValueError(f"enable_deferred_replay: max_path must be >= 1, got {max_path}")
-        mamba = [(i, layer.mixer.cfg) for i, layer in enumerate(self.layers) if layer.kind == "mamba"]
-        if cache.pending_len is not None:
-            have = next((cache.layers[i].pending.x.shape[1] for i, _ in mamba), max_path)
-            if have < max_path:
-                raise ValueError(f"enable_deferred_replay: this cache defers paths of up to {have} nodes, "
-                                 f"{max_path} asked for; make a new cache")
-            return cache
-        batch, device = cache.batch_size, cache.seqlen.device
-        for i, c in mamba:
-            cache.layers[i].pending = PendingPath(
-                x=torch.zeros(batch, max_path, c.n_heads, c.head_dim, device=device),
-                dt=torch.zeros(batch, max_path, c.n_heads, device=device),
-                B=torch.zeros(batch, max_path, c.n_groups, c.d_state, device=device),
-            )
-        cache.pending_len = torch.zeros(batch, dtype=torch.long, device=device)
-        return cache
-
-    def flush(self, cache: ModelCache) -> None:
-        """Apply a deferred path to every Mamba layer's SSM state now (a no-op for a cache that
-        does not defer): after it, each ssm_state is the state itself. The paths that read the
-        state other than verify (forward, step) flush first."""
-        if cache.pending_len is None:
-            return
-        for i, layer in enumerate(self.layers):
-            if layer.kind == "mamba":
-                p = cache.layers[i].pending
-                dispatch.apply_pending(cache.layers[i].ssm_state, p.x, p.dt, layer.mixer.A, p.B, cache.pending_len)
-        cache.pending_len.zero_()
-
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm_f(h)).float()
 
@@ -179,8 +142,6 @@ class LanguageModel(nn.Module):
         Returns:
             logits (B, T, V) in fp32.
         """
-        if cache is not None:
-            self.flush(cache)
         h = self.embeddings(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer.norm(h)
@@ -197,7 +158,6 @@ class LanguageModel(nn.Module):
 
     def step(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor:
         """One token per row: input_ids (B, 1) -> logits (B, 1, V); cache advanced by one."""
-        self.flush(cache)
         if (not torch.is_grad_enabled() and dispatch.uses_kernel("add_rms_norm", input_ids.device)
                 and self.config.d_model <= _ADD_NORM_MAX_DIM):
             return self._fused_step(input_ids, cache)
@@ -271,14 +231,12 @@ class LanguageModel(nn.Module):
         return logits
 
     def verify(self, tokens: torch.Tensor, tree, cache: ModelCache):
-        """Logits of every node of a packed token tree in one call.
+        """Logits of every node of a packed token tree in one call; the cache is left untouched.
 
         Args:
             tokens: (B, N) packed tree tokens, node 0 the root.
             tree: a `ssmspec.trees.Tree` (parents, depths, ancestor mask).
-            cache: the state after the prefix. Left as it stands; on a cache that defers its
-                replay, the pending path goes into the SSM states here (their form changes,
-                not the state they stand for).
+            cache: the state after the prefix.
         Returns:
             logits (B, N, V) fp32, and TreeActivations for `replay`.
         """
@@ -294,17 +252,14 @@ class LanguageModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer.norm(h)
             if layer.kind == "mamba":
-                x, a = layer.mixer.verify(x, cache.layers[i], parents, cache.pending_len)
+                x, a = layer.mixer.verify(x, cache.layers[i], parents)
             elif layer.kind == "attention":
                 x, a = layer.mixer.verify(x, cache.layers[i], cache.seqlen, depth, mask)
             else:
                 x, a = layer.mixer(x), None
             acts.append(a)
             h = h + x
-        logits = self._logits(h)
-        if cache.pending_len is not None:
-            cache.pending_len.zero_()
-        return logits, TreeActivations(acts)
+        return self._logits(h), TreeActivations(acts)
 
     def _fused_verify(self, tokens: torch.Tensor, tree, cache: ModelCache):
         """`verify` on the kernels, same math and contract (see `_fused_stack`)."""
@@ -315,41 +270,23 @@ class LanguageModel(nn.Module):
 
         def run_mixer(i, layer, normed):
             if layer.kind == "mamba":
-                return layer.mixer.verify(normed, cache.layers[i], parents, cache.pending_len)
+                return layer.mixer.verify(normed, cache.layers[i], parents)
             if layer.kind == "attention":
                 return layer.mixer.verify(normed, cache.layers[i], cache.seqlen, depth, mask)
             return _mlp_through_dispatch(layer.mixer, normed), None
 
         def run_folded(i, layer, h, h_sq):
             if layer.kind == "mamba":
-                return layer.mixer.folded_residual_verify(h, cache.layers[i], parents, layer.norm.eps, h_sq,
-                                                          cache.pending_len)
+                return layer.mixer.folded_residual_verify(h, cache.layers[i], parents, layer.norm.eps, h_sq)
             return *_folded_mlp_residual(layer.mixer, h, layer.norm.eps, h_sq), None
 
         logits, acts = self._fused_stack(self.embeddings(tokens), run_mixer, run_folded)
-        if cache.pending_len is not None:
-            # after the logits' fp32 copy, a plain launch that already ends the PDL chain
-            cache.pending_len.zero_()
         return logits, TreeActivations(acts)
 
     def replay(self, cache: ModelCache, acts: TreeActivations, path: torch.Tensor, path_len: torch.Tensor) -> None:
-        """Advance the cache along the accepted path: (B, M) node indices (root first), (B,) lengths.
-
-        On a cache that defers (`enable_deferred_replay`) and a path that fits its pending
-        buffers, the SSM states are left for the next `verify` (or `flush`) to advance; the conv
-        states, KV caches and lengths advance now. Call it after the `verify` that made acts."""
+        """Advance the cache along the accepted path: (B, M) node indices (root first), (B,) lengths."""
         mamba = [i for i, layer in enumerate(self.layers) if layer.kind == "mamba"]
-        deferred = (cache.pending_len is not None and bool(mamba)
-                    and path.shape[1] <= cache.layers[mamba[0]].pending.x.shape[1])
-        if deferred:
-            saved = [acts.layers[i] for i in mamba]
-            dispatch.defer_states_layers(
-                [cache.layers[i].conv_state for i in mamba], [a.xBC for a in saved], [a.x for a in saved],
-                [a.dt for a in saved], [a.B for a in saved], [cache.layers[i].pending for i in mamba],
-                path, path_len, cache.pending_len,
-            )
-        elif mamba:  # every Mamba layer in one call: one launch on the kernels instead of one per layer
-            self.flush(cache)
+        if mamba:  # every Mamba layer in one call: one launch on the kernels instead of one per layer
             states = [cache.layers[i] for i in mamba]
             saved = [acts.layers[i] for i in mamba]
             dispatch.replay_states_layers(
