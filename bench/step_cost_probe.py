@@ -14,10 +14,7 @@ per variant, PDL on as in the decode step; each graph timed as bench_decode.py t
 `folded_residual_verify`: skinny in_proj, tree conv, gated tree scan, skinny out_proj), from real
 mixer modules with random weights.
 
---store-variants: the layer with the step's SSM state stored first (right after it is computed,
-before y, the gate and the conv shift) or last, with or without the streaming cache hint.
-
-Run on the device from the bench directory: python3 step_cost_probe.py [--tree 3,2,1 | --store-variants]
+Run on the device from the bench directory: python3 step_cost_probe.py [--tree 3,2,1]
 """
 from __future__ import annotations
 
@@ -158,7 +155,6 @@ def tree_rows(spec: str, bw: float) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", default=None, help="breakdown of a packed tree's verify instead (e.g. 3,2,1)")
-    ap.add_argument("--store-variants", action="store_true", help="time where the step kernel stores the SSM state")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.tree:
@@ -179,22 +175,6 @@ def main() -> int:
         rows.append((what, graph_us(fn, layers, h)))
         print(f"  {what:<52} {rows[-1][1]:7.2f} us", flush=True)
 
-    if args.store_variants:  # the step's state store: where in the kernel, which cache policy
-        for rep in range(3):
-            for first, cache, what in ((False, "", "layer, state stored last (main)"),
-                                       (True, "", "layer, state stored first"),
-                                       (False, ".cs", "layer, state stored last, .cs"),
-                                       (True, ".cs", "layer, state stored first, .cs")):
-                SU.STATE_STORE_FIRST, SU.STATE_STORE_CACHE = first, cache
-                row(f"{what} [{rep}]", layer)
-            SU.STATE_STORE_FIRST, SU.STATE_STORE_CACHE = False, ""
-            SU.STORE_STATE = False
-            row(f"layer, step without its state store (wrong values) [{rep}]", layer)
-            SU.STORE_STATE = True
-        print(f"\n{'per layer (64 layers per graph)':<56} {'us':>7}")
-        for what, us in rows:
-            print(f"{what:<56} {us:7.2f}")
-        return 0
     for rep in range(2):
         row(f"layer (in_proj, step, out_proj) [{rep}]", layer)
         SU.STORE_STATE = False

@@ -40,11 +40,6 @@ instead of re-reducing the whole group, and normalises in NORM_CHUNK-wide progra
 NORM_CHUNK = 512
 STORE_STATE = True
 """False only for bench/step_cost_probe.py: time the fused step without its SSM state store (wrong results)."""
-STATE_STORE_FIRST = False
-"""Store the new SSM state right after computing it, before y, the gate and the conv shift, so
-that its drain overlaps them (bench/step_cost_probe.py times both)."""
-STATE_STORE_CACHE = ""
-"""Cache modifier of the SSM state store ("" or ".cs", streaming; bench/step_cost_probe.py)."""
 
 
 def _pdl_args(device: torch.device, preload_state: bool = False) -> dict:
@@ -102,8 +97,6 @@ def _step_ssm_kernel(
     USE_PDL: tl.constexpr = False,
     PRELOAD_STATE: tl.constexpr = False,
     STORE_STATE: tl.constexpr = True,
-    STORE_FIRST: tl.constexpr = False,
-    STORE_CACHE: tl.constexpr = "",
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
@@ -161,9 +154,6 @@ def _step_ssm_kernel(
     dt = _softplus(tl.load(dtr_ptr + b * sdb + h * sdh).to(tl.float32) + dt_b)
     dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
     state = state * tl.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
-    if STORE_STATE and STORE_FIRST:
-        tl.debug_barrier()  # every replicated copy of the state tile loaded before any write
-        tl.store(h_ptrs, state, mask=mask_ps, cache_modifier=STORE_CACHE)
     y = tl.sum(state * Cv[None, :], axis=1) + x * D
     zv = tl.load(z_ptr + b * szb + cx * szc, mask=mask_p, other=0.0).to(tl.float32)
     out_dtype = z_ptr.dtype.element_ty
@@ -175,8 +165,8 @@ def _step_ssm_kernel(
     # In-place writes last; the barrier in _shift_in also orders every replicated copy of the
     # state tile's loads before these stores.
     _shift_in(state_row, cx, mask_p, new_x, scc, sck, K, BLOCK_K)  # this program owns these x channels
-    if STORE_STATE and not STORE_FIRST:
-        tl.store(h_ptrs, state, mask=mask_ps, cache_modifier=STORE_CACHE)
+    if STORE_STATE:
+        tl.store(h_ptrs, state, mask=mask_ps)
 
 
 @triton.jit
@@ -585,7 +575,6 @@ def mamba_step_out(
         *conv_weight.stride(), gated.stride(0),
         K=kernel_size, HAS_BIAS=conv_bias is not None,
         BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_K=block_k, WRITE_SQ=False, STORE_STATE=STORE_STATE,
-        STORE_FIRST=STATE_STORE_FIRST, STORE_CACHE=STATE_STORE_CACHE,
         num_warps=4, **_pdl_args(z.device, preload_state=True),
     )
     return _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, norm_groups, eps, n_groups,
