@@ -90,6 +90,96 @@ def test_replay_equals_stepping_the_accepted_tokens(arch):
         assert_close(out[row, 0], model(seq)[0, -1], atol=1e-5, name=f"row {row} after replay")
 
 
+def _iterations(model, cache, tree, steps, seed):
+    """`steps` verify + replay rounds on cache with random tokens and per-row paths (full depth,
+    partial, root only, rotating); returns every round's logits and path lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = cache.batch_size
+    candidates = [tree.path(tree.leaves()[-1]), tree.path(2), [0]]
+    width = tree.max_depth + 1
+    out, lengths = [], []
+    for k in range(steps):
+        tokens = torch.randint(0, 64, (batch, tree.num_nodes), generator=gen)
+        logits, acts = model.verify(tokens, tree, cache)
+        paths = [candidates[(row + k) % len(candidates)] for row in range(batch)]
+        path = torch.tensor([p + [0] * (width - len(p)) for p in paths])
+        model.replay(cache, acts, path, torch.tensor([len(p) for p in paths]))
+        out.append(logits)
+        lengths.append([len(p) for p in paths])
+    return out, lengths
+
+
+def _expected_pending(lengths, reserve, entries):
+    """pending_len after these rounds' paths: a verify empties a row whose next path might not fit."""
+    pending = [0] * len(lengths[0])
+    for round_lengths in lengths:
+        pending = [0 if p + reserve > entries else p for p in pending]
+        pending = [p + n for p, n in zip(pending, round_lengths)]
+    return pending
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_deferred_replay_equals_replay(arch):
+    """A cache that defers its SSM replay (paths appended, the state written by a verify once
+    per few iterations) gives the same logits every round, and after a flush the same states, as
+    one that replays at once; clone, copy_ and select carry the pending entries, and step and
+    forward flush them themselves."""
+    model = tiny_model(ARCHS[arch])
+    tree = Tree.from_config((3, 2, 2))
+    reserve, paths = tree.max_depth + 1, 2
+    ids = torch.randint(0, 64, (3, 6))
+    plain = model.new_cache(3, 64)
+    model(ids, plain)
+    deferred = model.enable_deferred_replay(plain.clone(), reserve, paths)
+    plain = plain.clone()
+    with torch.no_grad():
+        want, _ = _iterations(model, plain, tree, 7, seed=1)
+        got, lengths = _iterations(model, deferred, tree, 7, seed=1)
+        for k, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"round {k}"
+        expected = _expected_pending(lengths, reserve, reserve * paths)
+        assert deferred.pending_len.tolist() == expected and max(expected) > 0
+        snapshot = deferred.clone()
+        assert snapshot.pending_len is not deferred.pending_len and snapshot.pending_reserve == reserve
+        row = deferred.select(torch.tensor([2]))
+        assert row.pending_len.tolist() == expected[2:]
+        nxt = torch.randint(0, 64, (3, 1))
+        assert torch.equal(model.step(nxt, deferred), model.step(nxt, plain))  # step flushes first
+        assert deferred.pending_len.tolist() == [0, 0, 0]
+        assert_caches_equal(deferred, plain)
+        deferred.copy_(snapshot)  # back to the pending entries: forward flushes too
+        assert deferred.pending_len.tolist() == expected
+        plain_again = snapshot.clone()
+        model.flush(plain_again)
+        assert plain_again.pending_len.tolist() == [0, 0, 0]
+        model.flush(row)
+        assert_caches_equal(row, plain_again.select(torch.tensor([2])))
+        longer = torch.randint(0, 64, (3, 4))
+        assert torch.equal(model(longer, deferred), model(longer, plain_again))
+        assert_caches_equal(deferred, plain_again)
+    with pytest.raises(ValueError, match="do not defer their replay alike"):
+        plain.copy_(snapshot)
+    with pytest.raises(ValueError, match="make a new cache"):
+        model.enable_deferred_replay(snapshot, reserve + 1, paths)
+
+
+def test_deferred_replay_of_a_long_path_replays_at_once():
+    """A path wider than the cache defers (a prefill chunk) flushes and takes the ordinary replay."""
+    model = tiny_model(ARCHS["mamba2"])
+    chain, tree = Tree.chain(9), Tree.from_config((2, 1))
+    ids = torch.randint(0, 64, (1, 10))
+    plain = model.new_cache(1, 32)
+    deferred = model.enable_deferred_replay(model.new_cache(1, 32), 3)
+    with torch.no_grad():
+        for cache in (plain, deferred):
+            _, acts = model.verify(ids[:, :5], tree, cache)
+            model.replay(cache, acts, torch.tensor([[0, 1, 3]]), torch.tensor([3]))
+            _, acts = model.verify(ids, chain, cache)
+            model.replay(cache, acts, torch.arange(10)[None], torch.tensor([10]))
+    assert deferred.pending_len.tolist() == [0]
+    assert_caches_equal(deferred, plain)
+
+
 def test_bf16_model_runs_with_fp32_state():
     model = tiny_model(ARCHS["hybrid"]).to(torch.bfloat16)
     cache = model.new_cache(1, 16)

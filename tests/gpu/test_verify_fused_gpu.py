@@ -138,3 +138,53 @@ def test_replay_states_layers_in_cuda_graph_gpu(batch, monkeypatch):
         for i in range(n_layers):
             assert torch.equal(conv[i], c_want[i]), f"layer {i} conv_state after lengths {lens[:batch]}"
             assert_close(ssm[i], s_want[i], atol=1e-5, rtol=1e-5, name=f"layer {i} ssm_state {lens[:batch]}")
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("in_scan", [False, True], ids=["apply_pending", "in-tree-scan"])
+def test_deferred_replay_gpu(batch, in_scan, monkeypatch):
+    """defer_states_layers (one launch for all layers: conv states now, SSM inputs stashed),
+    then each layer's pending path applied, equals the ordinary replay of the same path; applied
+    by apply_pending, or by the gated tree scan before its PDL wait (the verify's route, with a
+    kernel still running when it launches)."""
+    from ssmspec.models.cache import PendingPath
+    from ssmspec.ops.state_replay import naive as NR
+    from ssmspec.ops.state_replay import triton as SR
+    from ssmspec.ops.tree_scan.naive import naive_tree_scan_gated
+    from ssmspec.ops.tree_scan.triton import tree_scan_gated
+
+    monkeypatch.setattr(NR, "naive_defer_states_layers", lambda *a: pytest.fail("fell back to per-layer copies"))
+    tree, n_layers = TREES["16: 3,4"], 3
+    n = tree.num_nodes
+    acts = [_layer_inputs(batch, n) for _ in range(n_layers)]
+    dts = [torch.rand(batch, n, H, device=DEV) * 0.1 for _ in range(n_layers)]
+    deepest = max(range(n), key=lambda i: len(tree.path(i)))
+    path = torch.tensor([tree.path(deepest)] * batch, device=DEV)
+    m = path.shape[1]
+    path_len = torch.tensor([m, 1, 2, m][:batch], device=DEV)
+    conv = [torch.randn(batch, CONV_DIM, K - 1, device=DEV, dtype=torch.bfloat16) for _ in range(n_layers)]
+    ssm = [torch.randn(batch, H, P, S, device=DEV) for _ in range(n_layers)]
+    c_want, s_want = [c.clone() for c in conv], [h.clone() for h in ssm]
+    NR.naive_replay_states_layers(c_want, s_want, [a["xBC"] for a in acts], [a["x"] for a in acts], dts,
+                                  [a["A"] for a in acts], [a["B"] for a in acts], path, path_len)
+    pend = [PendingPath(torch.zeros(batch, m + 1, H, P, device=DEV), torch.zeros(batch, m + 1, H, device=DEV),
+                        torch.zeros(batch, m + 1, G, S, device=DEV)) for _ in range(n_layers)]
+    plen = torch.zeros(batch, dtype=torch.long, device=DEV)
+    SR.defer_states_layers(conv, [a["xBC"] for a in acts], [a["x"] for a in acts], dts, [a["B"] for a in acts], pend,
+                           path, path_len, plen)
+    assert torch.equal(plen, path_len)
+    parents = tree.parents_tensor(DEV)
+    for i in range(n_layers):
+        assert torch.equal(conv[i], c_want[i]), f"layer {i} conv_state"
+        if in_scan:
+            v = acts[i]
+            args = (v["x"], v["dt_raw"], v["dt_bias"], 0.0, math.inf, v["A"], v["B"], v["C"], v["D"], v["z"], parents)
+            want_g, _ = naive_tree_scan_gated(*args, s_want[i])  # from the replayed state
+            torch.cuda._sleep(100_000)  # a kernel still running when the scan's launch starts
+            got_g, _ = tree_scan_gated(*args, ssm[i], pending=(pend[i].x, pend[i].dt, pend[i].B, plen, m + 1))
+            assert _rel(got_g.float(), want_g.float()) < 1e-2, f"layer {i} gated output"
+        else:
+            SR.apply_pending(ssm[i], pend[i].x, pend[i].dt, acts[i]["A"], pend[i].B, plen)
+    torch.cuda.synchronize()
+    for i in range(n_layers):
+        assert_close(ssm[i], s_want[i], atol=1e-5, rtol=1e-5, name=f"layer {i} ssm_state")

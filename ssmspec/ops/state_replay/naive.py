@@ -118,3 +118,70 @@ def layer_arguments(*per_layer: list[torch.Tensor]) -> list[tuple[torch.Tensor, 
     if len({len(items) for items in per_layer}) != 1:
         raise ValueError("replay_states_layers: pass one conv state, SSM state, xBC, x, dt, A and B per layer")
     return list(zip(*per_layer))
+
+
+def naive_apply_pending(
+    ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, length: torch.Tensor
+) -> None:
+    """Advance the SSM state in place over the first length[b] entries of a deferred path.
+
+    The deferred-replay half of `naive_replay_ssm_state`: the path's inputs were stashed in path
+    order by `naive_defer_states_layers`, so entry m is node m of an identity path.
+
+    Args:
+        ssm_state: (B, H, P, S) fp32, updated in place.
+        x: (B, M, H, P); dt: (B, M, H); B: (B, M, G, S) the stashed path.
+        A: (H,).
+        length: (B,) int, entries to apply (0: the state is left as it is).
+    """
+    batch, steps = x.shape[:2]
+    path = torch.arange(steps, device=x.device).expand(batch, steps)
+    naive_replay_ssm_state(ssm_state, x, dt, A, B, path, length)
+
+
+def naive_defer_states_layers(
+    conv_states: list[torch.Tensor],
+    xBCs: list[torch.Tensor],
+    xs: list[torch.Tensor],
+    dts: list[torch.Tensor],
+    Bs: list[torch.Tensor],
+    pendings: list,
+    path: torch.Tensor,
+    path_len: torch.Tensor,
+    pending_len: torch.Tensor,
+) -> None:
+    """The deferred form of `naive_replay_states_layers`: each layer's conv state is replayed now;
+    its SSM inputs along the path are appended, as fp32 in path order, to its PendingPath at
+    entry pending_len[b] of each row, and pending_len grows by path_len, for
+    `naive_apply_pending`. The caller guarantees room: pending_len + M <= the entries.
+
+    Args:
+        conv_states: L tensors (B, C, K-1), updated in place.
+        xBCs, xs, dts, Bs: L tensors each, the verified tree's activations (as in
+            `naive_replay_states_layers`).
+        pendings: L PendingPath (ssmspec.models.cache), written in place.
+        path: (B, M) int64 node indices, root first; path_len: (B,) int.
+        pending_len: (B,) int64, advanced by path_len.
+    """
+    if len({len(conv_states), len(xBCs), len(xs), len(dts), len(Bs), len(pendings)}) != 1:
+        raise ValueError("defer_states_layers: pass one conv state, xBC, x, dt, B and pending path per layer")
+    rows = torch.arange(path.shape[0], device=path.device)[:, None]
+    steps = path.shape[1]
+    slots = pending_len[:, None] + torch.arange(steps, device=path.device)[None, :]  # (B, M)
+    for conv_state, xBC, x, dt, B, pending in zip(conv_states, xBCs, xs, dts, Bs, pendings):
+        _check_pending(pending, x, dt, B, steps)
+        naive_replay_conv_state(conv_state, xBC, path, path_len)
+        fits = slots < pending.x.shape[1]  # entries past the end dropped (the caller keeps room)
+        r, m = rows.expand(-1, steps)[fits], torch.arange(steps, device=path.device).expand_as(slots)[fits]
+        nodes = path[r, m]
+        pending.x[r, slots[fits]] = x[r, nodes].float()
+        pending.dt[r, slots[fits]] = dt[r, nodes].float()
+        pending.B[r, slots[fits]] = B[r, nodes].float()
+    pending_len += path_len.to(pending_len.dtype)
+
+
+def _check_pending(pending, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, steps: int) -> None:
+    if (pending.x.shape[1] < steps or pending.x.shape[2:] != x.shape[2:] or pending.dt.shape[2:] != dt.shape[2:]
+            or pending.B.shape[2:] != B.shape[2:]):
+        raise ValueError(f"defer_states_layers: a pending path of {pending.x.shape[1]} entries "
+                         f"{tuple(pending.x.shape)} cannot hold {steps} nodes of x {tuple(x.shape)}")
