@@ -133,59 +133,6 @@ def time_tree_iteration(model, prompt, tree: Tree, vocab: int) -> dict:
     return info
 
 
-DEFER_PATHS = 4
-"""Iterations per SSM-state write of the deferred replay timed here (enable_deferred_replay's paths)."""
-
-
-def time_iteration_cycle(model, prompt, tree: Tree, vocab: int, defer: bool, cycle: int = DEFER_PATHS) -> dict:
-    """`cycle` consecutive greedy tree iterations as CUDA-graph replays, each accepting the full
-    depth (its tokens follow the target's greedy chain from the state the one before left), timed
-    together from the same restored state and divided by `cycle`: the steady state of a decode
-    loop. defer: the graph defers its SSM replay (`GreedyTreeGraph(defer_replay=True)`, pending
-    entries for `cycle` paths): the restored state has one path pending, so the timed iterations
-    apply 1..cycle paths in their scans and the last one writes the state back, once.
-    info["ssm_states"]: every layer's SSM state after the cycle (flushed), to compare with the
-    immediate replay's."""
-    cache = prefilled_cache(model, prompt, 256)
-    sim = cache.clone()
-    width = tree.max_depth + 1
-    first_path = tree.path(max(range(tree.num_nodes), key=lambda i: (tree.depths[i], -i)))
-    path_t = torch.tensor([first_path], device="cuda")
-    plan, root = [], int(prompt[0, -1])
-    for _ in range(cycle + 1):  # the warm-up iteration, then the timed ones
-        tokens, chain = tree_tokens_following(model, sim, root, tree, vocab)
-        plan.append((tokens, chain))
-        with torch.inference_mode():
-            _, acts = model.verify(tokens, tree, sim)
-            model.replay(sim, acts, path_t, torch.tensor([width], device="cuda"))
-        root = chain[-1]
-    g = GreedyTreeGraph(model, cache, tree, defer_replay=defer, defer_paths=cycle)
-    g(plan[0][0])
-    snapshot = cache.clone()
-    matches = []
-    for tokens, chain in plan[1:]:
-        out, n = g(tokens)
-        matches.append(out[0, : int(n[0])].tolist() == chain[: int(n[0])] and int(n[0]) == width)
-    flushed = cache.clone()
-    with torch.inference_mode():
-        model.flush(flushed)
-    info = {"all_accepted_and_greedy": all(matches), "pending_after": None if not defer else int(cache.pending_len[0]),
-            "ssm_states": [c.ssm_state for c in flushed.layers if c is not None and hasattr(c, "ssm_state")]}
-    del flushed
-
-    def run_cycle():
-        for tokens, _ in plan[1:]:
-            g(tokens)
-
-    for _ in range(3):
-        cache.copy_(snapshot)
-        run_cycle()
-    times = restored_call_times(lambda: cache.copy_(snapshot), run_cycle, 30)
-    info["ms"] = times[len(times) // 2] / cycle
-    info["ms_p10_p90"] = (times[3] / cycle, times[26] / cycle)
-    return info
-
-
 SPIN_CYCLES = 200_000
 """GPU cycles (~0.1 ms) of the spin queued before each timed call's start event: longer than the
 host takes to submit the call, so the interval holds GPU work only (run 79, bench/timing_probe.py:
@@ -333,18 +280,6 @@ def main() -> int:
             if args.profile and name == "folded":
                 to_profile.append((info["iteration"], f"tree iteration [{tree.num_nodes} nodes, {name}] (+ cache restore copy)"))
             if name == "folded":
-                cycles = {d: time_iteration_cycle(m, prompt, tree, vocab, defer=d) for d in (False, True)}
-                diff = max((a - b).abs().max().item()
-                           for a, b in zip(cycles[True]["ssm_states"], cycles[False]["ssm_states"]))
-                for d, what in ((False, "replay"), (True, f"deferred replay, state written 1 in {DEFER_PATHS}")):
-                    c = cycles[d]
-                    record(f"  {DEFER_PATHS} iterations in a row, {what} [{tree.num_nodes} nodes, {name}]", c["ms"],
-                           ratio_to_ar=c["ms"] / ar_ms, all_accepted_and_greedy=c["all_accepted_and_greedy"])
-                print(f"    in a row: every iteration accepted the full depth, greedy: "
-                      f"{cycles[False]['all_accepted_and_greedy']} / {cycles[True]['all_accepted_and_greedy']}; "
-                      f"deferred: {cycles[True]['pending_after']} entries pending after; SSM states vs the "
-                      f"replay's: max abs diff {diff:.1e}", flush=True)
-                del cycles
                 gemv.ENABLED = False
                 record(f"  same, cuBLAS projections [{tree.num_nodes} nodes, {name}]",
                        time_tree_iteration(m, prompt, tree, vocab)["ms"])

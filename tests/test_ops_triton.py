@@ -48,11 +48,9 @@ if not INTERPRETED:
 
         assert isinstance(kernels._tree_scan_kernel, triton.runtime.JITFunction)
 
-    @pytest.mark.parametrize("defer", [False, True], ids=["replay", "deferred-replay"])
-    def test_greedy_tree_iteration_matches_step_decoding(defer):
+    def test_greedy_tree_iteration_matches_step_decoding():
         """GreedyTreeGraph's device-side acceptance, run eagerly on the CPU (capture=False):
-        full, partial and no acceptance, against greedy step-by-step decoding of a tiny model
-        (defer: the SSM replay left pending, flushed before the states are compared)."""
+        full, partial and no acceptance, against greedy step-by-step decoding of a tiny model."""
         from helpers import tiny_model
         from ssmspec.decoding.graphs import GreedyTreeGraph
         from ssmspec.trees import Tree
@@ -84,10 +82,7 @@ if not INTERPRETED:
                 if node not in first_path:
                     tokens[0, node] = (chain[tree.depths[node] - 1] + 2) % 64
             cache = fresh_cache()
-            out, n = GreedyTreeGraph(model, cache, tree, capture=False, defer_replay=defer)(tokens)
-            if defer:
-                assert int(cache.pending_len[0]) == accept + 1
-                model.flush(cache)
+            out, n = GreedyTreeGraph(model, cache, tree, capture=False)(tokens)
             assert int(n[0]) == accept + 1
             assert out[0, : accept + 1].tolist() == chain[: accept + 1]
             assert int(cache.seqlen[0]) == prompt.shape[1] + accept + 1
@@ -103,18 +98,13 @@ if not INTERPRETED:
 else:
     from helpers import assert_close
     from ssmspec.ops.state_replay import triton as SR
-    from ssmspec.ops.state_replay.naive import (
-        naive_apply_pending,
-        naive_defer_states_layers,
-        naive_replay_conv_state,
-        naive_replay_ssm_state,
-    )
+    from ssmspec.ops.state_replay.naive import naive_replay_conv_state, naive_replay_ssm_state
     from ssmspec.ops.step_update import triton as SU
     from ssmspec.ops.step_update.naive import naive_gated_rms_norm, naive_mamba_step, naive_rms_norm, naive_time_step
     from ssmspec.ops.tree_conv import triton as TC
     from ssmspec.ops.tree_conv.naive import naive_tree_conv
     from ssmspec.ops.tree_scan import triton as TS
-    from ssmspec.ops.tree_scan.naive import naive_tree_scan, naive_tree_scan_gated
+    from ssmspec.ops.tree_scan.naive import naive_tree_scan
     from ssmspec.ops.gemv import triton as GV
     from ssmspec.trees import Tree
 
@@ -213,144 +203,93 @@ else:
         assert torch.equal(got[1], h0[1]), "a row with path_len 0 must keep its state"
 
 
-    @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-    def test_apply_pending_matches_reference(shape):
-        batch, heads, head_dim, d_state, groups = shape
-        batch, steps = 3, 5
-        x, dt, A, B, _, _, h0 = _scan_inputs(batch, steps, heads, head_dim, d_state, groups)
-        length = torch.tensor([steps, 0, 2])
-        want, got = h0.clone(), h0.clone()
-        naive_apply_pending(want, x, dt, A, B, length)
-        SR.apply_pending(got, x, dt, A, B, length)
-        assert_close(got, want, atol=1e-5, rtol=1e-5)
-        assert torch.equal(got[1], h0[1]), "a row with nothing pending must keep its state"
-        # the same as replaying those nodes through a path
-        via_path = h0.clone()
-        SR.replay_ssm_state(via_path, x, dt, A, B, torch.arange(steps).expand(batch, steps), length)
-        assert torch.equal(got, via_path)
+    @pytest.mark.parametrize("kernel_size", [2, 4, 5])
+    def test_replay_conv_state_matches_reference(kernel_size):
+        batch, n, channels, steps = 4, 9, 300, 6
+        state = torch.randn(batch, channels, kernel_size - 1)
+        xbc = torch.randn(batch, n, channels)
+        path = torch.randint(0, n, (batch, steps))
+        path_len = torch.tensor([steps, 0, 1, 3])
+        want, got = state.clone(), state.clone()
+        naive_replay_conv_state(want, xbc, path, path_len)
+        SR.replay_conv_state(got, xbc, path, path_len)
+        assert torch.equal(got, want)
 
 
-    @pytest.mark.parametrize("tree_name", ["uneven", "chain of 63"])
-    @pytest.mark.parametrize("block_s", [None, 8], ids=["one-chunk", "state-chunks"])
-    def test_tree_scan_applies_pending_entries(tree_name, block_s, monkeypatch):
-        """tree_scan(_gated) with deferred entries: the outputs of the scan from the advanced
-        state; the state written back only in the rows whose next path might not fit (row 0
-        here), kept in the others (row 1 with entries to spare, row 2 with none); the state in
-        one chunk and in several."""
-        monkeypatch.setattr(TS, "SCAN_BLOCK_S", block_s)
-        batch, heads, head_dim, d_state, groups, entries, reserve = 3, 3, 8, 16, 1, 6, 3
-        tree = TREES[tree_name]
-        x, dt, A, B, C, D, h0 = _scan_inputs(batch, tree.num_nodes, heads, head_dim, d_state, groups)
-        px, pdt, _, pB, _, _, _ = _scan_inputs(batch, entries, heads, head_dim, d_state, groups)
-        length = torch.tensor([4, 2, 0])  # 4 + 3 > 6: write back; 2 + 3 <= 6: keep
-        parents = tree.parents_tensor()
-        advanced = h0.clone()
-        naive_apply_pending(advanced, px, pdt, A, pB, length)
-        want_h, got_h = h0.clone(), h0.clone()
-        want = naive_tree_scan(x, dt, A, B, C, D, parents, want_h, pending=(px, pdt, pB, length, reserve))
-        got = TS.tree_scan(x, dt, A, B, C, D, parents, got_h, pending=(px, pdt, pB, length, reserve))
-        assert_close(got, want, atol=1e-4, rtol=1e-4, name="y")
-        assert_close(want, naive_tree_scan(x, dt, A, B, C, D, parents, advanced), atol=1e-6, rtol=1e-6, name="y ref")
-        assert torch.equal(want_h[0], advanced[0]) and torch.equal(want_h[1:], h0[1:])
-        assert_close(got_h[0], advanced[0], atol=1e-5, rtol=1e-5, name="state written back")
-        assert torch.equal(got_h[1:], h0[1:]), "rows with room must keep their state"
-        # the gated form, with the same entries
-        z = torch.randn(batch, tree.num_nodes, heads * head_dim)
-        dt_bias = torch.randn(heads)
-        g_want_h, g_got_h = h0.clone(), h0.clone()
-        g_want = naive_tree_scan_gated(x, dt, dt_bias, 0.0, 10.0, A, B, C, D, z, parents, g_want_h,
-                                       pending=(px, pdt, pB, length, reserve))
-        g_got = TS.tree_scan_gated(x, dt, dt_bias, 0.0, 10.0, A, B, C, D, z, parents, g_got_h,
-                                   pending=(px, pdt, pB, length, reserve))
-        assert_close(g_got[0], g_want[0], atol=1e-4, rtol=1e-4, name="gated")
-        assert_close(g_got_h, g_want_h, atol=1e-5, rtol=1e-5, name="gated state")
-
-
-    @pytest.mark.parametrize("same_layout", [True, False], ids=["one-launch", "fallback"])
-    def test_defer_states_layers_matches_reference(same_layout):
-        from ssmspec.models.cache import PendingPath
-
-        batch, n, heads, head_dim, d_state, groups, history, steps, capacity = 2, 9, 3, 8, 16, 1, 3, 4, 6
+    @pytest.mark.parametrize("shape", [(1, 4, 8, 16, 1, 1, 4), (2, 6, 16, 8, 3, 3, 3), (3, 6, 8, 16, 2, 1, 2)],
+                             ids=["G1", "G3-norm3", "G2-norm1-K2"])
+    def test_mamba_step_matches_reference(shape, nan_outputs):
+        batch, heads, head_dim, d_state, groups, norm_groups, kernel_size = shape
         channels = heads * head_dim + 2 * groups * d_state
-
-        def layer(seed):
-            g = torch.Generator().manual_seed(seed)
-            conv = torch.randn(batch, channels, history, generator=g)
-            xbc = torch.randn(batch, n, channels, generator=g)
-            x = torch.randn(batch, n, heads, head_dim, generator=g)
-            if not same_layout and seed == 1:
-                x = torch.randn(batch, heads, n, head_dim, generator=g).transpose(1, 2)  # other strides
-            return conv, xbc, x, torch.rand(batch, n, heads, generator=g), torch.randn(batch, n, groups, d_state, generator=g)
-
-        def pending():
-            return PendingPath(torch.zeros(batch, capacity, heads, head_dim), torch.zeros(batch, capacity, heads),
-                               torch.zeros(batch, capacity, groups, d_state))
-
-        layers = [layer(0), layer(1)]
-        path = torch.tensor([[0, 2, 5, 7], [0, 1, 0, 0]])
-        path_len = torch.tensor([4, 2])
-        results = []
-        for fn in (naive_defer_states_layers, SR.defer_states_layers):
-            convs = [lay[0].clone() for lay in layers]
-            pends = [pending(), pending()]
-            plen = torch.tensor([0, 3])  # row 1 appends after 3 entries
-            fn(convs, [lay[1] for lay in layers], [lay[2] for lay in layers], [lay[3] for lay in layers],
-               [lay[4] for lay in layers], pends, path, path_len, plen)
-            results.append((convs, pends, plen))
-        (want_c, want_p, want_len), (got_c, got_p, got_len) = results
-        assert torch.equal(got_len, want_len) and want_len.tolist() == [4, 5]
-        for a, b in zip(got_c, want_c):
-            assert torch.equal(a, b)
-        for a, b in zip(got_p, want_p):
-            assert torch.equal(a.x, b.x) and torch.equal(a.dt, b.dt) and torch.equal(a.B, b.B)
-        assert torch.equal(want_p[0].x[0, :steps], layers[0][2][0, path[0]])
-        assert torch.equal(want_p[0].x[1, 3:5], layers[0][2][1, path[1, :2]])
-        assert not want_p[0].x[1, :3].any(), "entries before the row's pending length must stay"
+        xbc = torch.randn(batch, channels)
+        dt_raw = torch.randn(batch, heads)
+        z = torch.randn(batch, heads * head_dim)
+        conv_state = torch.randn(batch, channels, kernel_size - 1)
+        ssm_state = torch.randn(batch, heads, head_dim, d_state)
+        args = (torch.randn(channels, kernel_size), torch.randn(channels), torch.randn(heads), torch.randn(heads),
+                torch.randn(heads), torch.randn(heads * head_dim), groups, norm_groups, 0.01, 5.0, 1e-5)
+        cs_want, ss_want = conv_state.clone(), ssm_state.clone()
+        want = naive_mamba_step(xbc, dt_raw, z, cs_want, ss_want, *args)
+        got = SU.mamba_step(xbc, dt_raw, z, conv_state, ssm_state, *args)
+        assert_close(got, want, atol=1e-4, rtol=1e-4, name="out")
+        assert_close(ssm_state, ss_want, atol=1e-5, rtol=1e-5, name="ssm_state")
+        assert torch.equal(conv_state, cs_want), "conv state shift differs"
 
 
-    def test_deferred_replay_through_kernels_matches_reference(monkeypatch):
-        """Two verify + replay rounds on a cache that defers its SSM replay, through the kernels
-        (folded hybrid model): the second verify applies the pending path in its layer sweep;
-        logits and, after a flush, the states equal the reference's immediate replay."""
+    def test_rms_norm_matches_reference(nan_outputs):
+        h = torch.randn(3, 2, 5000)  # longer than one block
+        w = torch.randn(5000)
+        assert_close(SU.rms_norm(h, w, 1e-5), naive_rms_norm(h, w, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+    @pytest.mark.parametrize("folded", [False, True], ids=["norm-kernels", "folded-norms"])
+    @pytest.mark.parametrize("layers, batch, head_dim", [(("mamba", "mamba"), 2, 8),
+                                                         (("mamba", "mlp", "attention", "mlp", "mamba"), 2, 8),
+                                                         (("mamba", "mlp", "mamba"), 1, 16)],
+                             ids=["mamba", "hybrid", "batch1-P16"])
+    def test_model_step_and_verify_through_kernels_match_reference(monkeypatch, layers, batch, head_dim, folded):
+        """The fused step (residual adds inside the next norm, GEMV projections) and the tree
+        verify+replay through the kernels equal the reference, for Mamba-only and hybrid stacks;
+        folded: the kernels on the model with its norm weights folded (norms and residual adds
+        inside the projections) against the reference on the original model."""
         from ssmspec.ops import dispatch
 
-        layers = ("mamba", "mlp", "attention", "mlp", "mamba")
-        model = _tiny_model_with_head_dim(layers, 16)
-        prompt = torch.randint(0, 64, (1, 5))
+        kernels = {"tree_scan": TS.tree_scan, "tree_conv": TC.tree_conv, "mamba_step": SU.mamba_step, "rms_norm": SU.rms_norm,
+                   "gated_rms_norm": SU.gated_rms_norm, "time_step": SU.time_step, "linear": GV.linear,
+                   "add_rms_norm": SU.add_rms_norm, "mamba_step_out": SU.mamba_step_out,
+                   "norm_linear": GV.norm_linear, "tree_scan_gated": TS.tree_scan_gated, "replay_states": SR.replay_states,
+                   "replay_states_layers": SR.replay_states_layers}
+        model = _tiny_model_with_head_dim(layers, head_dim)
+        prompt = torch.randint(0, 64, (batch, 5))
         tree = Tree.from_config((2, 2))
-        rounds = [(torch.randint(0, 64, (1, tree.num_nodes)), torch.tensor([[0, 1, 3]]), torch.tensor([3])),
-                  (torch.randint(0, 64, (1, tree.num_nodes)), torch.tensor([[0, 2, 0]]), torch.tensor([2]))]
+        tokens = torch.randint(0, 64, (batch, tree.num_nodes))
+        path = torch.tensor([[0, 1, 3], [0, 2, 6]])[:batch]
+        path_len = torch.tensor([3, 2])[:batch]
 
-        def run(defer):
-            cache = model.new_cache(1, 32)
-            if defer:
-                model.enable_deferred_replay(cache, tree.max_depth + 1)
-            logits = []
+        def run():
+            cache = model.new_cache(batch, 32)
             with torch.no_grad():
                 model(prompt, cache)
-                for tokens, path, path_len in rounds:
-                    out, acts = model.verify(tokens, tree, cache)
-                    model.replay(cache, acts, path, path_len)
-                    logits.append(out)
-                model.flush(cache)
-            return logits, cache
+                step_logits = model.step(prompt[:, -1:], cache)
+                tree_logits, acts = model.verify(tokens, tree, cache)
+                model.replay(cache, acts, path, path_len)
+            return step_logits, tree_logits, cache
 
-        ref = run(False)
-        kernels = {"tree_scan": TS.tree_scan, "tree_conv": TC.tree_conv, "rms_norm": SU.rms_norm, "linear": GV.linear,
-                   "add_rms_norm": SU.add_rms_norm, "norm_linear": GV.norm_linear,
-                   "tree_scan_gated": TS.tree_scan_gated, "replay_states": SR.replay_states,
-                   "replay_states_layers": SR.replay_states_layers, "apply_pending": SR.apply_pending,
-                   "defer_states_layers": SR.defer_states_layers}
+        ref = run()
         monkeypatch.setattr(dispatch, "resolve", lambda op, device: kernels.get(op, dispatch._REFERENCE[op]))
-        model.fold_norm_weights_()
-        got = run(True)
-        assert got[1].pending_len.tolist() == [0]
-        for k, (a, b) in enumerate(zip(got[0], ref[0])):
-            assert_close(a, b, atol=1e-4, rtol=1e-4, name=f"round {k} logits")
-        for kind, mine, theirs in zip(layers, got[1].layers, ref[1].layers):
+        if folded:  # the same function with the norm weights in the projections: the fused-norm routes
+            model.fold_norm_weights_()
+        got = run()
+        assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4, name="step logits")
+        assert_close(got[1], ref[1], atol=1e-4, rtol=1e-4, name="tree logits")
+        for kind, mine, theirs in zip(layers, got[2].layers, ref[2].layers):
             if kind == "mamba":
                 assert_close(mine.ssm_state, theirs.ssm_state, atol=1e-5, rtol=1e-4, name="ssm_state")
                 assert_close(mine.conv_state, theirs.conv_state, atol=1e-5, rtol=1e-5, name="conv_state")
+            elif kind == "attention":
+                assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-4, name="keys")
+                assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-4, name="values")
+        assert torch.equal(got[2].seqlen, ref[2].seqlen)
 
     def test_gated_rms_norm_matches_reference(nan_outputs):
         y = torch.randn(2, 3, 48)

@@ -77,17 +77,10 @@ class GreedyTreeGraph:
     tree_tokens (B, N) advances the cache over root + accepted nodes and returns the static
     buffers `tokens` (B, D+1) (accepted drafted tokens, the bonus, then 0s) and
     `n` (B,) = accepted drafted tokens + 1.
-
-    defer_replay: the cache defers its SSM-state updates (`LanguageModel.enable_deferred_replay`,
-    turned on here for paths of this tree, defer_paths of them per state write);
-    `model.flush(cache)` makes the states current, and `step` / `forward` do so themselves.
     """
 
-    def __init__(self, model: LanguageModel, cache: ModelCache, tree, capture: bool = True,
-                 defer_replay: bool = False, defer_paths: int = 4):
+    def __init__(self, model: LanguageModel, cache: ModelCache, tree, capture: bool = True):
         device = cache.seqlen.device
-        if defer_replay:
-            model.enable_deferred_replay(cache, tree.max_depth + 1, defer_paths)
         self.model, self.cache, self.tree = model, cache, tree
         batch, n_nodes = cache.batch_size, tree.num_nodes
         depth_count = tree.max_depth + 1

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from ..ops import dispatch
 from .attention import Attention
-from .cache import ModelCache, PendingPath
+from .cache import ModelCache
 from .config import ModelConfig
 from .fold import is_folded
 from .mamba2 import Mamba2Mixer
@@ -129,52 +129,6 @@ class LanguageModel(nn.Module):
                 layers.append(None)
         return ModelCache(layers, torch.zeros(batch, dtype=torch.long, device=device))
 
-    def enable_deferred_replay(self, cache: ModelCache, max_path: int, paths: int = 4) -> ModelCache:
-        """Make `replay` defer the SSM-state update of paths of up to max_path nodes
-        (ModelCache.pending_len): same results, and on the kernels the state's fp32 write, the
-        replay's cost, happens once per up to `paths` iterations, inside a verify's tree scan.
-        Allocates each Mamba layer's pending entries (fp32, ~20 KB per entry at mamba2-2.7b
-        sizes); a cache that defers keeps its buffers (captured graphs read them). Returns it."""
-        if max_path < 1 or paths < 1:
-            raise ValueError(f"enable_deferred_replay: max_path and paths must be >= 1, got {max_path}, {paths}")
-        mamba = [(i, layer.mixer.cfg) for i, layer in enumerate(self.layers) if layer.kind == "mamba"]
-        if cache.pending_len is not None:
-            have = next((cache.layers[i].pending.x.shape[1] for i, _ in mamba), 0)
-            if (cache.pending_reserve, have) != (max_path, max_path * paths):
-                raise ValueError(f"enable_deferred_replay: this cache defers paths of {cache.pending_reserve} nodes "
-                                 f"in {have} entries; make a new cache for {max_path} x {paths}")
-            return cache
-        batch, device = cache.batch_size, cache.seqlen.device
-        entries = max_path * paths
-        for i, c in mamba:
-            cache.layers[i].pending = PendingPath(
-                x=torch.zeros(batch, entries, c.n_heads, c.head_dim, device=device),
-                dt=torch.zeros(batch, entries, c.n_heads, device=device),
-                B=torch.zeros(batch, entries, c.n_groups, c.d_state, device=device),
-            )
-        cache.pending_len = torch.zeros(batch, dtype=torch.long, device=device)
-        cache.pending_reserve = max_path
-        return cache
-
-    def _settle_pending(self, cache: ModelCache) -> None:
-        """After a verify: the rows whose scans wrote the advanced state back (their next path
-        might not have fit) have nothing pending any more (ModelCache.pending_reserve)."""
-        if cache.pending_len is not None:
-            capacity = next(c.pending.x.shape[1] for c in cache.layers if getattr(c, "pending", None) is not None)
-            cache.pending_len.masked_fill_(cache.pending_len + cache.pending_reserve > capacity, 0)
-
-    def flush(self, cache: ModelCache) -> None:
-        """Apply a deferred path to every Mamba layer's SSM state now (a no-op for a cache that
-        does not defer): after it, each ssm_state is the state itself. The paths that read the
-        state other than verify (forward, step) flush first."""
-        if cache.pending_len is None:
-            return
-        for i, layer in enumerate(self.layers):
-            if layer.kind == "mamba":
-                p = cache.layers[i].pending
-                dispatch.apply_pending(cache.layers[i].ssm_state, p.x, p.dt, layer.mixer.A, p.B, cache.pending_len)
-        cache.pending_len.zero_()
-
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm_f(h)).float()
 
@@ -188,8 +142,6 @@ class LanguageModel(nn.Module):
         Returns:
             logits (B, T, V) in fp32.
         """
-        if cache is not None:
-            self.flush(cache)
         h = self.embeddings(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer.norm(h)
@@ -206,7 +158,6 @@ class LanguageModel(nn.Module):
 
     def step(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor:
         """One token per row: input_ids (B, 1) -> logits (B, 1, V); cache advanced by one."""
-        self.flush(cache)
         if (not torch.is_grad_enabled() and dispatch.uses_kernel("add_rms_norm", input_ids.device)
                 and self.config.d_model <= _ADD_NORM_MAX_DIM):
             return self._fused_step(input_ids, cache)
@@ -280,14 +231,12 @@ class LanguageModel(nn.Module):
         return logits
 
     def verify(self, tokens: torch.Tensor, tree, cache: ModelCache):
-        """Logits of every node of a packed token tree in one call.
+        """Logits of every node of a packed token tree in one call; the cache is left untouched.
 
         Args:
             tokens: (B, N) packed tree tokens, node 0 the root.
             tree: a `ssmspec.trees.Tree` (parents, depths, ancestor mask).
-            cache: the state after the prefix. Left as it stands; on a cache that defers its
-                replay, pending entries may go into the SSM states here (their form changes,
-                not the state they stand for).
+            cache: the state after the prefix.
         Returns:
             logits (B, N, V) fp32, and TreeActivations for `replay`.
         """
@@ -303,16 +252,14 @@ class LanguageModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer.norm(h)
             if layer.kind == "mamba":
-                x, a = layer.mixer.verify(x, cache.layers[i], parents, cache.pending_len, cache.pending_reserve)
+                x, a = layer.mixer.verify(x, cache.layers[i], parents)
             elif layer.kind == "attention":
                 x, a = layer.mixer.verify(x, cache.layers[i], cache.seqlen, depth, mask)
             else:
                 x, a = layer.mixer(x), None
             acts.append(a)
             h = h + x
-        logits = self._logits(h)
-        self._settle_pending(cache)
-        return logits, TreeActivations(acts)
+        return self._logits(h), TreeActivations(acts)
 
     def _fused_verify(self, tokens: torch.Tensor, tree, cache: ModelCache):
         """`verify` on the kernels, same math and contract (see `_fused_stack`)."""
@@ -323,40 +270,23 @@ class LanguageModel(nn.Module):
 
         def run_mixer(i, layer, normed):
             if layer.kind == "mamba":
-                return layer.mixer.verify(normed, cache.layers[i], parents, cache.pending_len,
-                                          cache.pending_reserve)
+                return layer.mixer.verify(normed, cache.layers[i], parents)
             if layer.kind == "attention":
                 return layer.mixer.verify(normed, cache.layers[i], cache.seqlen, depth, mask)
             return _mlp_through_dispatch(layer.mixer, normed), None
 
         def run_folded(i, layer, h, h_sq):
             if layer.kind == "mamba":
-                return layer.mixer.folded_residual_verify(h, cache.layers[i], parents, layer.norm.eps, h_sq,
-                                                          cache.pending_len, cache.pending_reserve)
+                return layer.mixer.folded_residual_verify(h, cache.layers[i], parents, layer.norm.eps, h_sq)
             return *_folded_mlp_residual(layer.mixer, h, layer.norm.eps, h_sq), None
 
         logits, acts = self._fused_stack(self.embeddings(tokens), run_mixer, run_folded)
-        self._settle_pending(cache)  # after the logits' fp32 copy, a plain launch that ends the PDL chain anyway
         return logits, TreeActivations(acts)
 
     def replay(self, cache: ModelCache, acts: TreeActivations, path: torch.Tensor, path_len: torch.Tensor) -> None:
-        """Advance the cache along the accepted path: (B, M) node indices (root first), (B,) lengths.
-
-        On a cache that defers (`enable_deferred_replay`) and a path no wider than it defers, the
-        path's SSM inputs are appended to the pending entries for a later `verify` (or `flush`)
-        to apply; the conv states, KV caches and lengths advance now. Call it after the `verify`
-        that made acts (which left room for the path)."""
+        """Advance the cache along the accepted path: (B, M) node indices (root first), (B,) lengths."""
         mamba = [i for i, layer in enumerate(self.layers) if layer.kind == "mamba"]
-        deferred = cache.pending_len is not None and bool(mamba) and path.shape[1] <= cache.pending_reserve
-        if deferred:
-            saved = [acts.layers[i] for i in mamba]
-            dispatch.defer_states_layers(
-                [cache.layers[i].conv_state for i in mamba], [a.xBC for a in saved], [a.x for a in saved],
-                [a.dt for a in saved], [a.B for a in saved], [cache.layers[i].pending for i in mamba],
-                path, path_len, cache.pending_len,
-            )
-        elif mamba:  # every Mamba layer in one call: one launch on the kernels instead of one per layer
-            self.flush(cache)
+        if mamba:  # every Mamba layer in one call: one launch on the kernels instead of one per layer
             states = [cache.layers[i] for i in mamba]
             saved = [acts.layers[i] for i in mamba]
             dispatch.replay_states_layers(

@@ -186,18 +186,15 @@ class Mamba2Mixer(nn.Module):
         return out[:, None]
 
     # -- packed tree -------------------------------------------------------------------------
-    def verify(self, h: torch.Tensor, cache: MambaLayerCache, parents: torch.Tensor,
-               pending_len: torch.Tensor | None = None, pending_reserve: int = 0):
+    def verify(self, h: torch.Tensor, cache: MambaLayerCache, parents: torch.Tensor):
         """Outputs of all tree nodes, each as if its root-to-node path were decoded alone.
 
-        Writes nothing to the cache but a deferred path's update of the SSM state (see
-        `_pending`); returns the activations `replay` needs.
+        Writes nothing to the cache; returns the activations `replay` needs.
 
         Args:
             h: (B, N, D) inputs of the packed tree nodes.
             cache: the state after the prefix (before the root).
             parents: (N,) int, -1 for the root.
-            pending_len, pending_reserve: ModelCache's, for a cache that defers its replay.
         Returns:
             out (B, N, D) and MambaTreeActivations.
         """
@@ -205,13 +202,11 @@ class Mamba2Mixer(nn.Module):
         xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
         x, B, C = self._split_conv_out(xBC_conv)
         dt = self._time_step(dt_raw)
-        y = dispatch.tree_scan(x, dt, self.A, B, C, self.D, parents, cache.ssm_state,
-                               pending=self._pending(cache, pending_len, pending_reserve))
+        y = dispatch.tree_scan(x, dt, self.A, B, C, self.D, parents, cache.ssm_state)
         return self._output(y, z), MambaTreeActivations(xBC=xBC, x=x, dt=dt, B=B)
 
     def folded_residual_verify(self, h: torch.Tensor, cache: MambaLayerCache, parents: torch.Tensor,
-                               pre_norm_eps: float, h_sq: torch.Tensor | None = None,
-                               pending_len: torch.Tensor | None = None, pending_reserve: int = 0):
+                               pre_norm_eps: float, h_sq: torch.Tensor | None = None):
         """h + verify(pre_norm(h)) with both norms' weights folded into in_proj and out_proj
         (models/fold.py), on the kernels: the pre-norm inside in_proj, the time step and the gate
         inside the tree scan, the gated norm and the residual add inside out_proj.
@@ -219,8 +214,7 @@ class Mamba2Mixer(nn.Module):
         h_sq: h's partial sums of squares from its producer, or None (ops/gemv `norm_linear`);
         the gated value's come from the scan, so neither norm needs a launch of its own.
         h (B, N, D) -> (B, N, D), its partial sums of squares (or None), and the activations
-        for `replay`. h itself may be overwritten by the output (the residual add in place).
-        pending_len, pending_reserve: as in `verify`."""
+        for `replay`. h itself may be overwritten by the output (the residual add in place)."""
         c = self.cfg
         zxbcdt = dispatch.norm_linear(h, self.in_proj.weight, self.in_proj.bias, 1, pre_norm_eps, x_sq=h_sq)
         z, xBC, dt_raw = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
@@ -228,24 +222,13 @@ class Mamba2Mixer(nn.Module):
         x, B, C = self._split_conv_out(xBC_conv)
         norm_groups = c.d_inner // self.norm.group_size
         gated, dt, g_sq = dispatch.tree_scan_gated(x, dt_raw, self.dt_bias, c.dt_min, c.dt_max, self.A, B, C, self.D,
-                                                   z, parents, cache.ssm_state, return_sq=True,
-                                                   pending=self._pending(cache, pending_len, pending_reserve))
+                                                   z, parents, cache.ssm_state, return_sq=True)
         if g_sq.shape[1] != norm_groups:  # norm groups other than the SSM groups: the norm reduces itself
             g_sq = None
         out, out_sq = dispatch.norm_linear(gated, self.out_proj.weight, self.out_proj.bias, norm_groups,
                                            self.norm.eps, residual=h, x_sq=g_sq, return_sq=True,
                                            reuse_residual=True)
         return out, out_sq, MambaTreeActivations(xBC=xBC, x=x, dt=dt, B=B)
-
-    def _pending(self, cache: MambaLayerCache, pending_len: torch.Tensor | None, reserve: int = 0):
-        """The deferred entries for the tree scan to apply to the SSM state it reads
-        (ModelCache.pending_len; the kernel does it before waiting on the conv) and to write
-        back when fewer than `reserve` entries would stay free, or None for a cache that does
-        not defer."""
-        if pending_len is None or cache.pending is None:
-            return None
-        p = cache.pending
-        return (p.x, p.dt, p.B, pending_len, reserve)
 
     def replay(self, cache: MambaLayerCache, acts: MambaTreeActivations, path: torch.Tensor, path_len: torch.Tensor):
         """Advance the cache over the accepted path (B, M) of valid length path_len (B,)."""

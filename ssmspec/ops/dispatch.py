@@ -13,12 +13,7 @@ import torch
 from .chunk_scan.naive import naive_chunk_scan
 from .gemv.naive import naive_linear, naive_norm_linear
 from .greedy_accept.naive import naive_greedy_accept
-from .state_replay.naive import (
-    naive_apply_pending,
-    naive_defer_states_layers,
-    naive_replay_states,
-    naive_replay_states_layers,
-)
+from .state_replay.naive import naive_replay_states, naive_replay_states_layers
 from .step_update.naive import (
     naive_add_rms_norm,
     naive_gated_rms_norm,
@@ -39,8 +34,6 @@ _REFERENCE = {
     "tree_conv": naive_tree_conv,
     "replay_states": naive_replay_states,
     "replay_states_layers": naive_replay_states_layers,
-    "apply_pending": naive_apply_pending,
-    "defer_states_layers": naive_defer_states_layers,
     "chunk_scan": naive_chunk_scan,
     "mamba_step": naive_mamba_step,
     "mamba_step_out": naive_mamba_step_out,
@@ -59,8 +52,6 @@ _TRITON = {
     "tree_conv": ("ssmspec.ops.tree_conv.triton", "tree_conv"),
     "replay_states": ("ssmspec.ops.state_replay.triton", "replay_states"),
     "replay_states_layers": ("ssmspec.ops.state_replay.triton", "replay_states_layers"),
-    "apply_pending": ("ssmspec.ops.state_replay.triton", "apply_pending"),
-    "defer_states_layers": ("ssmspec.ops.state_replay.triton", "defer_states_layers"),
     "mamba_step": ("ssmspec.ops.step_update.triton", "mamba_step"),
     "mamba_step_out": ("ssmspec.ops.step_update.triton", "mamba_step_out"),
     "rms_norm": ("ssmspec.ops.step_update.triton", "rms_norm"),
@@ -119,22 +110,15 @@ def uses_kernel(op: str, device: torch.device) -> bool:
     return resolve(op, device) is not _REFERENCE[op]
 
 
-def tree_scan(x, dt, A, B, C, D, parents, initial_state, pending=None):
-    """The packed-tree scan; pending: a deferred SSM path applied to initial_state first."""
-    impl = resolve("tree_scan", x.device)
-    if pending is None:
-        return impl(x, dt, A, B, C, D, parents, initial_state)
-    return impl(x, dt, A, B, C, D, parents, initial_state, pending=pending)
+def tree_scan(x, dt, A, B, C, D, parents, initial_state):
+    return resolve("tree_scan", x.device)(x, dt, A, B, C, D, parents, initial_state)
 
 
-def tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, initial_state, return_sq=False,
-                    pending=None):
+def tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, initial_state, return_sq=False):
     """Time step, tree scan and silu(z) gate of the verify path: returns (g, dt), and with
-    return_sq g's sums of squares per group for out_proj's norm (see `naive_tree_scan_gated`);
-    pending as in `tree_scan`."""
-    extra = {} if pending is None else {"pending": pending}
+    return_sq g's sums of squares per group for out_proj's norm (see `naive_tree_scan_gated`)."""
     return resolve("tree_scan_gated", x.device)(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents,
-                                                initial_state, return_sq=return_sq, **extra)
+                                                initial_state, return_sq=return_sq)
 
 
 def tree_conv(xBC, conv_state, weight, bias, parents, activation="silu"):
@@ -149,17 +133,6 @@ def replay_states(conv_state, ssm_state, xBC, x, dt, A, B, path, path_len):
 def replay_states_layers(conv_states, ssm_states, xBCs, xs, dts, As, Bs, path, path_len):
     """replay_states of every Mamba layer (lists, one entry per layer; one launch with kernels)."""
     return resolve("replay_states_layers", path.device)(conv_states, ssm_states, xBCs, xs, dts, As, Bs, path, path_len)
-
-
-def apply_pending(ssm_state, x, dt, A, B, length):
-    """Advance one layer's SSM state over its deferred path (ModelCache.pending_len)."""
-    return resolve("apply_pending", x.device)(ssm_state, x, dt, A, B, length)
-
-
-def defer_states_layers(conv_states, xBCs, xs, dts, Bs, pendings, path, path_len, pending_len):
-    """Deferred replay of every Mamba layer: conv states now, SSM inputs stashed (one launch with kernels)."""
-    return resolve("defer_states_layers", path.device)(conv_states, xBCs, xs, dts, Bs, pendings, path, path_len,
-                                                       pending_len)
 
 
 def chunk_scan(x, dt, A, B, C, D, chunk_size=64, initial_state=None):

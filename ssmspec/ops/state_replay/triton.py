@@ -1,9 +1,5 @@
 """Triton kernels of activation replay (conv state and SSM state); `naive.py` is the spec.
 
-Deferred replay (`ModelCache.pending_len`): `defer_states_layers` replays the conv states and
-stashes the accepted path's SSM inputs; the next verify applies them to each layer's SSM state
-in its tree scan's launch (ops/tree_scan), `apply_pending` anywhere else (a flush).
-
 `replay_states` runs both updates in one launch (the verify path's replay of a Mamba layer):
 its 1-D grid's first programs are the SSM tiles, the rest the conv-state channel blocks.
 `replay_states_layers` does the same for every Mamba layer of a model in one launch: the layer
@@ -36,10 +32,9 @@ def _replay_ssm_tile(
     sdb, sdn, sdh,
     sBb, sBn, sBg, sBs,
     spb, spm,
-    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr, IDENTITY: tl.constexpr = False,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr,
 ):
     # One (BLOCK_P, BLOCK_S) tile of the state of (batch row b, head h), advanced over the path.
-    # IDENTITY: step m is node m (a stashed pending path; path_ptr is not read).
     g = h // heads_per_group
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -56,10 +51,7 @@ def _replay_ssm_tile(
     for m0 in range(0, steps, UNROLL):
         for i in tl.static_range(UNROLL):
             live = m0 + i < steps
-            if IDENTITY:
-                node = tl.where(live, m0 + i, 0)
-            else:
-                node = tl.load(path_ptr + b * spb + (m0 + i) * spm, mask=live, other=0)
+            node = tl.load(path_ptr + b * spb + (m0 + i) * spm, mask=live, other=0)
             dt = tl.load(dt_ptr + b * sdb + node * sdn + h * sdh, mask=live, other=0.0).to(tl.float32)
             xv = tl.load(x_ptr + b * sxb + node * sxn + h * sxh + offs_p * sxp, mask=mask_p, other=0.0).to(tl.float32)
             Bv = tl.load(B_ptr + b * sBb + node * sBn + g * sBg + offs_s * sBs, mask=mask_s, other=0.0).to(tl.float32)
@@ -354,10 +346,9 @@ def replay_states(
 
 
 @triton.jit
-def _table_ptr(table_ptr, layer, column: tl.constexpr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
-               WIDTH: tl.constexpr = 7):
-    # Entry (layer, column) of the (L, WIDTH) pointer table as a pointer to DTYPE.
-    ptr = tl.load(table_ptr + layer * WIDTH + column).to(tl.pointer_type(DTYPE))
+def _table_ptr(table_ptr, layer, column: tl.constexpr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    # Entry (layer, column) of the (L, 7) pointer table as a pointer to DTYPE.
+    ptr = tl.load(table_ptr + layer * 7 + column).to(tl.pointer_type(DTYPE))
     if ALIGNED:  # what Triton's argument specialisation tells replay_states of 16-byte-aligned tensors
         ptr = tl.multiple_of(ptr, 16)
     return ptr
@@ -407,7 +398,7 @@ replay of the graph, so these live as long as the process (a few KB per capture)
 
 
 def _pointer_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    """(L, columns) int64 addresses on `device`, built without a host sync and safe to capture in a CUDA graph."""
+    """(L, 7) int64 addresses on `device`, built without a host sync and safe to capture in a CUDA graph."""
     if device.type != "cuda":  # the interpreter reads host memory
         return torch.tensor(rows, dtype=torch.int64)
     host = torch.tensor(rows, dtype=torch.int64, pin_memory=True)
@@ -484,181 +475,3 @@ def replay_states_layers(
         **blocks, HIST=max(history, 1), BLOCK_H=triton.next_power_of_2(max(history, 1)), BLOCK_C=_CONV_BLOCK,
         num_warps=4, **_pdl_args(ssm_state.device),
     )
-
-
-@triton.jit
-def _apply_pending_kernel(
-    h_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, len_ptr,
-    H, P, S, M, heads_per_group,
-    shb, shh, shp, shs,
-    sxb, sxn, sxh, sxp,
-    sdb, sdn, sdh,
-    sBb, sBn, sBg, sBs,
-    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):
-    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
-        gdc_launch_dependents()
-        gdc_wait()
-    pid_bh = tl.program_id(0)
-    b = pid_bh // H
-    if tl.load(len_ptr + b) > 0:  # nothing pending: no state traffic at all
-        _replay_ssm_tile(
-            h_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, len_ptr, len_ptr,
-            b, pid_bh % H, tl.program_id(1), tl.program_id(2),
-            P, S, M, heads_per_group,
-            shb, shh, shp, shs, sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs, 0, 0,
-            BLOCK_P, BLOCK_S, UNROLL, IDENTITY=True,
-        )
-
-
-def _check_pending_apply(op, ssm_state, x, B, length):
-    batch, heads, head_dim, d_state = ssm_state.shape
-    if ssm_state.dtype != torch.float32:
-        raise ValueError(f"{op}: the SSM state must be fp32, got {ssm_state.dtype}")
-    if x.shape[0] != batch or x.shape[2:] != (heads, head_dim) or B.shape[3] != d_state or heads % B.shape[2]:
-        raise ValueError(f"{op}: pending x {tuple(x.shape)} / B {tuple(B.shape)} do not match the state "
-                         f"{tuple(ssm_state.shape)}")
-    if tuple(length.shape) != (batch,):
-        raise ValueError(f"{op}: pending length {tuple(length.shape)} needs {batch} rows")
-
-
-def apply_pending(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                  length: torch.Tensor) -> None:
-    """Advance the SSM state in place over the first length[b] entries of a deferred path; same
-    contract as `naive_apply_pending`. (`LanguageModel.flush`; inside a verify the tree scan's
-    launch does it, see ops/tree_scan.)"""
-    _check_pending_apply("apply_pending", ssm_state, x, B, length)
-    batch, heads, head_dim, d_state = ssm_state.shape
-    steps = x.shape[1]
-    if steps == 0 or ssm_state.numel() == 0:
-        return
-    blocks = _ssm_blocks(head_dim, d_state, steps)
-    grid = (batch * heads, triton.cdiv(head_dim, blocks["BLOCK_P"]), triton.cdiv(d_state, blocks["BLOCK_S"]))
-    _apply_pending_kernel[grid](
-        ssm_state, x, dt, A, B, length,
-        heads, head_dim, d_state, steps, heads // B.shape[2],
-        *ssm_state.stride(), *x.stride(), *dt.stride(), *B.stride(),
-        **blocks, num_warps=4, **_pdl_args(ssm_state.device),
-    )
-
-
-@triton.jit
-def _stash_program(
-    pid, x_ptr, dt_ptr, B_ptr, px_ptr, pdt_ptr, pB_ptr, path_ptr, plen_ptr,
-    M, MP, H, P, G, S,
-    sxb, sxn, sxh, sxp,
-    sdb, sdn, sdh,
-    sBb, sBn, sBg, sBs,
-    spb, spm,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    # Program pid: batch row b, path step m. Node path[b, m]'s x, dt and B, as fp32, into entry
-    # pending_len[b] + m of the row's contiguous (MP, ...) pending buffers (dropped past MP: the
-    # caller keeps room for the path).
-    b = pid // M
-    m = pid % M
-    node = tl.load(path_ptr + b * spb + m * spm)
-    slot = tl.load(plen_ptr + b).to(tl.int32) + m
-    entry = b * MP + slot
-    for f0 in range(0, H * P, BLOCK):
-        f = f0 + tl.arange(0, BLOCK)
-        mask = (f < H * P) & (f * 0 + slot < MP)  # blocks: the interpreter takes no scalar masks
-        v = tl.load(x_ptr + b * sxb + node * sxn + (f // P) * sxh + (f % P) * sxp, mask=mask, other=0.0)
-        tl.store(px_ptr + entry * H * P + f, v.to(tl.float32), mask=mask)
-    for f0 in range(0, G * S, BLOCK):
-        f = f0 + tl.arange(0, BLOCK)
-        mask = (f < G * S) & (f * 0 + slot < MP)
-        v = tl.load(B_ptr + b * sBb + node * sBn + (f // S) * sBg + (f % S) * sBs, mask=mask, other=0.0)
-        tl.store(pB_ptr + entry * G * S + f, v.to(tl.float32), mask=mask)
-    for f0 in range(0, H, BLOCK_D):
-        f = f0 + tl.arange(0, BLOCK_D)
-        mask = (f < H) & (f * 0 + slot < MP)
-        v = tl.load(dt_ptr + b * sdb + node * sdn + f * sdh, mask=mask, other=0.0)
-        tl.store(pdt_ptr + entry * H + f, v.to(tl.float32), mask=mask)
-
-
-@triton.jit
-def _defer_states_layers_kernel(
-    table_ptr, path_ptr, len_ptr, plen_ptr,
-    n_stash, n_cblocks, batch,
-    M, MP, H, P, G, S, CH,
-    sxb, sxn, sxh, sxp,
-    sdb, sdn, sdh,
-    sBb, sBn, sBg, sBs,
-    ssb, ssc, ssk,
-    scb, scn, scc,
-    spb, spm,
-    CS_DTYPE: tl.constexpr, XBC_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr, DT_DTYPE: tl.constexpr,
-    B_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
-    HIST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):
-    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
-        gdc_launch_dependents()
-        gdc_wait()
-    layer = tl.program_id(1)
-    pid = tl.program_id(0)
-    # Table columns in defer_states_layers' order: conv, xBC, x, dt, B, pending x, dt, B.
-    if pid < n_stash:
-        _stash_program(
-            pid, _table_ptr(table_ptr, layer, 2, X_DTYPE, ALIGNED, 8), _table_ptr(table_ptr, layer, 3, DT_DTYPE, ALIGNED, 8),
-            _table_ptr(table_ptr, layer, 4, B_DTYPE, ALIGNED, 8), _table_ptr(table_ptr, layer, 5, tl.float32, ALIGNED, 8),
-            _table_ptr(table_ptr, layer, 6, tl.float32, ALIGNED, 8), _table_ptr(table_ptr, layer, 7, tl.float32, ALIGNED, 8),
-            path_ptr, plen_ptr, M, MP, H, P, G, S, sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs, spb, spm,
-            BLOCK, BLOCK_D,
-        )
-    else:
-        pid_c = pid - n_stash
-        _replay_conv_tile(
-            _table_ptr(table_ptr, layer, 0, CS_DTYPE, ALIGNED, 8), _table_ptr(table_ptr, layer, 1, XBC_DTYPE, ALIGNED, 8),
-            path_ptr, len_ptr, pid_c // n_cblocks, pid_c % n_cblocks,
-            CH, M, ssb, ssc, ssk, scb, scn, scc, spb, spm, HIST, BLOCK_H, BLOCK_C,
-        )
-
-
-def defer_states_layers(conv_states, xBCs, xs, dts, Bs, pendings, path: torch.Tensor, path_len: torch.Tensor,
-                        pending_len: torch.Tensor) -> None:
-    """The deferred replay of every Mamba layer in one launch; same contract as
-    `naive_defer_states_layers` (which it falls back to where the layers' layouts differ)."""
-    from .naive import _check_pending, naive_defer_states_layers
-
-    if len({len(conv_states), len(xBCs), len(xs), len(dts), len(Bs), len(pendings)}) != 1:
-        raise ValueError("defer_states_layers: pass one conv state, xBC, x, dt, B and pending path per layer")
-    if not conv_states or path.shape[1] == 0:
-        pending_len += path_len.to(pending_len.dtype)
-        return
-    steps = path.shape[1]
-    layers = [(c, xbc, x, dt, B, p.x, p.dt, p.B) for c, xbc, x, dt, B, p in zip(conv_states, xBCs, xs, dts, Bs, pendings)]
-    for (conv_state, xBC, x, dt, B, *_), pending in zip(layers, pendings):
-        _check_conv_replay("defer_states_layers", conv_state, xBC, path, path_len)
-        _check_pending(pending, x, dt, B, steps)
-    first = [_layout(t) for t in layers[0]]
-    shared = (all(t.dtype in _TL_DTYPES for t in layers[0]) and all(p.is_contiguous() for p in layers[0][5:])
-              and all([_layout(t) for t in layer] == first for layer in layers[1:]))
-    if not shared:
-        naive_defer_states_layers(conv_states, xBCs, xs, dts, Bs, pendings, path, path_len, pending_len)
-        return
-    conv_state, xBC, x, dt, B, px, _, _ = layers[0]
-    batch, channels, history = conv_state.shape
-    heads, head_dim = x.shape[2:]
-    groups, d_state = B.shape[2:]
-    n_stash = batch * steps
-    n_cblocks = triton.cdiv(channels, _CONV_BLOCK)
-    n_conv = batch * n_cblocks if history and conv_state.numel() else 0
-    rows = [[t.data_ptr() for t in layer] for layer in layers]
-    table = _pointer_table(rows, conv_state.device)
-    _defer_states_layers_kernel[(n_stash + n_conv, len(layers))](
-        table, path, path_len, pending_len,
-        n_stash, n_cblocks, batch,
-        steps, px.shape[1], heads, head_dim, groups, d_state, channels,
-        *x.stride(), *dt.stride(), *B.stride(),
-        *conv_state.stride(), *xBC.stride(), *path.stride(),
-        CS_DTYPE=_TL_DTYPES[conv_state.dtype], XBC_DTYPE=_TL_DTYPES[xBC.dtype], X_DTYPE=_TL_DTYPES[x.dtype],
-        DT_DTYPE=_TL_DTYPES[dt.dtype], B_DTYPE=_TL_DTYPES[B.dtype],
-        ALIGNED=all(p % 16 == 0 for row in rows for p in row),
-        HIST=max(history, 1), BLOCK_H=triton.next_power_of_2(max(history, 1)), BLOCK_C=_CONV_BLOCK,
-        BLOCK=1024, BLOCK_D=max(16, min(1024, triton.next_power_of_2(heads))),
-        num_warps=4, **_pdl_args(conv_state.device),
-    )
-    pending_len += path_len.to(pending_len.dtype)  # after the launch: its programs read the old lengths

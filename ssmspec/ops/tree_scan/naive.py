@@ -43,7 +43,6 @@ def naive_tree_scan(
     D: torch.Tensor | None,
     parents: torch.Tensor,
     initial_state: torch.Tensor,
-    pending=None,
 ) -> torch.Tensor:
     """Output of every tree node as if its root-to-node path had been scanned alone.
 
@@ -60,24 +59,9 @@ def naive_tree_scan(
         D: (H,) skip term, or None.
         parents: (N,) int, -1 for the root.
         initial_state: (B, H, P, S) the state before the root.
-        pending: (x, dt, B, length, reserve), deferred entries (ModelCache.pending_len) that
-            advance initial_state before the scan (`naive_apply_pending`), or None. The rows
-            where fewer than `reserve` of the x.shape[1] entries would stay free get the
-            advanced state written into initial_state (the caller then empties their entries);
-            the others keep theirs. The scan kernel does this in the same launch, where the
-            state is read anyway.
     Returns:
         y: (B, N, H, P) in fp32.
     """
-    if pending is not None:
-        from ..state_replay.naive import naive_apply_pending
-
-        px, pdt, pB, plen, reserve = pending
-        advanced = initial_state.clone()
-        naive_apply_pending(advanced, px, pdt, A, pB, plen)
-        write = plen + reserve > px.shape[1]
-        initial_state[write] = advanced[write]
-        initial_state = advanced
     batch, n, heads, _ = x.shape
     groups = B.shape[2]
     L = ancestor_mask(parents.cpu()).to(x.device)  # (N, N)
@@ -110,7 +94,6 @@ def naive_tree_scan_gated(
     parents: torch.Tensor,
     initial_state: torch.Tensor,
     return_sq: bool = False,
-    pending=None,
 ):
     """The verify path's time step, tree scan and gate y * silu(z) in one op.
 
@@ -130,13 +113,12 @@ def naive_tree_scan_gated(
         initial_state: (B, H, P, S) the state before the root.
         return_sq: also return g's sums of squares per group of heads (the G groups of B),
             (B*N, G, 1) fp32, for out_proj's gated norm (kernels return them split in parts).
-        pending: as in `naive_tree_scan`.
     Returns:
         g: (B, N, H*P) in z's dtype, y * silu(z); dt: (B, N, H) fp32, kept for replay; with
         return_sq, the sums of squares.
     """
     dt = naive_time_step(dt_raw, dt_bias, dt_min, dt_max)  # (B, N, H) fp32
-    y = naive_tree_scan(x, dt, A, B, C, D, parents, initial_state, pending)
+    y = naive_tree_scan(x, dt, A, B, C, D, parents, initial_state)
     y = y.flatten(-2).to(z.dtype)  # (B, N, H*P)
     g = (y.float() * F.silu(z.float())).to(z.dtype)
     if return_sq:

@@ -40,25 +40,6 @@ def _ancestors(par_ptr, offs_n, mask_n, N, anc):
 
 
 @triton.jit
-def _apply_pending(h0, px_ptr, pdt_ptr, pB_ptr, plen, b, h, g, A, offs_p, mask_p, ss, mask_s,
-                   spxb, spxn, spxh, spxp, spdb, spdn, spdh, spBb, spBn, spBg, spBs, M: tl.constexpr,
-                   BLOCK_M: tl.constexpr):
-    """The (P block, S chunk) tile h0 of head h advanced over the first plen of M stashed path
-    entries, as ops/state_replay's tile does (the same update, so the same rounding); entries
-    past plen get dt = 0, which leaves the tile as it is. All loads are independent of h0."""
-    offs_m = tl.arange(0, BLOCK_M)  # masks as blocks: the interpreter takes no scalar bool mask
-    dts = tl.load(pdt_ptr + b * spdb + offs_m * spdn + h * spdh, mask=offs_m < plen, other=0.0).to(tl.float32)
-    for m in tl.static_range(M):
-        dt = tl.sum(tl.where(offs_m == m, dts, 0.0), axis=0)
-        xv = tl.load(px_ptr + b * spxb + m * spxn + h * spxh + offs_p * spxp, mask=mask_p & (offs_p * 0 + m < plen),
-                     other=0.0).to(tl.float32)
-        Bv = tl.load(pB_ptr + b * spBb + m * spBn + g * spBg + ss * spBs, mask=mask_s & (ss * 0 + m < plen),
-                     other=0.0).to(tl.float32)
-        h0 = h0 * tl.exp(dt * A) + (dt * xv)[:, None] * Bv[None, :]
-    return h0
-
-
-@triton.jit
 def _tree_scan_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, par_ptr, h0_ptr, y_ptr,
     bias_ptr, z_ptr, dt_out_ptr, dt_min, dt_max,
@@ -76,9 +57,6 @@ def _tree_scan_kernel(
     PRECISION: tl.constexpr, ONE_CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     sq_ptr=None, WRITE_SQ: tl.constexpr = False,
-    px_ptr=None, pdt_ptr=None, pB_ptr=None, plen_ptr=None,
-    spxb=0, spxn=0, spxh=0, spxp=0, spdb=0, spdn=0, spdh=0, spBb=0, spBn=0, spBg=0, spBs=0,
-    reserve=0, PENDING: tl.constexpr = 0, PENDING_BLOCK: tl.constexpr = 2,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
@@ -107,20 +85,6 @@ def _tree_scan_kernel(
     anc = _ancestors(par_ptr, offs_n, mask_n, N, tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.int32))
     h0_first = tl.load(h0_base + offs_p[:, None] * shp + offs_s[None, :] * shs,
                        mask=mask_p[:, None] & (offs_s < S)[None, :], other=0.0).to(tl.float32)
-    if PENDING > 0:
-        # Deferred entries (ModelCache.pending_len) applied to this program's rows of the state
-        # in registers, and written back when the next path might not fit (so once per several
-        # iterations), before the wait as well: each program owns its rows, and nothing still
-        # running reads or writes this layer's state.
-        plen = tl.load(plen_ptr + b)
-        write_back = plen + reserve > PENDING
-        if plen > 0:
-            h0_first = _apply_pending(h0_first, px_ptr, pdt_ptr, pB_ptr, plen, b, h, g, A, offs_p, mask_p, offs_s,
-                                      offs_s < S, spxb, spxn, spxh, spxp, spdb, spdn, spdh, spBb, spBn, spBg, spBs,
-                                      PENDING, PENDING_BLOCK)
-            if write_back:
-                tl.store(h0_base + offs_p[:, None] * shp + offs_s[None, :] * shs, h0_first,
-                         mask=mask_p[:, None] & (offs_s < S)[None, :])
     if HAS_D:
         D = tl.load(D_ptr + h).to(tl.float32)
     if FUSED:
@@ -176,14 +140,6 @@ def _tree_scan_kernel(
             else:
                 h0 = tl.load(h0_base + offs_p[:, None] * shp + ss[None, :] * shs,
                              mask=mask_p[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
-                if PENDING > 0:
-                    if plen > 0:  # the other chunks after the wait: on the critical path
-                        h0 = _apply_pending(h0, px_ptr, pdt_ptr, pB_ptr, plen, b, h, g, A, offs_p, mask_p, ss,
-                                            mask_s, spxb, spxn, spxh, spxp, spdb, spdn, spdh, spBb, spBn, spBg,
-                                            spBs, PENDING, PENDING_BLOCK)
-                        if write_back:
-                            tl.store(h0_base + offs_p[:, None] * shp + ss[None, :] * shs, h0,
-                                     mask=mask_p[:, None] & mask_s[None, :])
             scores += tl.dot(Cc, tl.trans(Bc), input_precision=PRECISION)
             from_h0 += tl.dot(Cc, tl.trans(h0), input_precision=PRECISION)
 
@@ -239,7 +195,6 @@ def tree_scan(
     parents: torch.Tensor,
     initial_state: torch.Tensor,
     precision: str | None = None,
-    pending=None,
 ) -> torch.Tensor:
     """Output of every tree node as if its root-to-node path had been scanned alone.
 
@@ -262,7 +217,7 @@ def tree_scan(
     _check_tree_scan_shapes(x, dt, A, B, C, D, parents, initial_state)
     batch, n, heads, head_dim = x.shape
     y = torch.empty(batch, n, heads, head_dim, device=x.device, dtype=torch.float32)
-    _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, pending=pending)
+    _launch(x, dt, A, B, C, D, parents, initial_state, y, precision)
     return y
 
 
@@ -281,7 +236,6 @@ def tree_scan_gated(
     initial_state: torch.Tensor,
     precision: str | None = None,
     return_sq: bool = False,
-    pending=None,
 ):
     """Time step, tree scan and gate y * silu(z) of the verify path in one launch.
 
@@ -318,7 +272,7 @@ def tree_scan_gated(
         parts = heads // groups * triton.cdiv(head_dim, _block_p(head_dim))
         sq = torch.empty(batch * n, groups, parts, device=x.device, dtype=torch.float32)
     _launch(x, dt_raw, A, B, C, D, parents, initial_state, g.view(batch, n, heads, head_dim), precision,
-            fused=(dt_bias, float(dt_min), float(dt_max), z, dt), sq=sq, pending=pending)
+            fused=(dt_bias, float(dt_min), float(dt_max), z, dt), sq=sq)
     return (g, dt, sq) if return_sq else (g, dt)
 
 
@@ -340,24 +294,10 @@ def _block_p(head_dim: int) -> int:
     return SCAN_BLOCK_P or min(64, max(16, triton.next_power_of_2(head_dim)))
 
 
-def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None, sq=None, pending=None):
+def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None, sq=None):
     """Run `_tree_scan_kernel` into y (B, N, H, P); fused = (dt_bias, dt_min, dt_max, z, dt_out)
     makes dt the raw time step and y the gated output (tree_scan_gated); sq receives the gated
-    output's partial sums of squares; pending = (x, dt, B, length, reserve), deferred entries
-    applied first (see `naive_tree_scan`)."""
-    extra = {}
-    if pending is not None:
-        from ..state_replay.triton import _check_pending_apply
-
-        px, pdt, pB, plen, reserve = pending
-        _check_pending_apply("tree_scan", initial_state, px, pB, plen)
-        if pB.shape[2] != B.shape[2]:
-            raise ValueError(f"tree_scan: pending B {tuple(pB.shape)} does not match B {tuple(B.shape)}")
-        if px.shape[1]:
-            extra = dict(px_ptr=px, pdt_ptr=pdt, pB_ptr=pB, plen_ptr=plen, **dict(zip(
-                ("spxb", "spxn", "spxh", "spxp", "spdb", "spdn", "spdh", "spBb", "spBn", "spBg", "spBs"),
-                (*px.stride(), *pdt.stride(), *pB.stride()))), reserve=int(reserve), PENDING=px.shape[1],
-                         PENDING_BLOCK=max(2, triton.next_power_of_2(px.shape[1])))
+    output's partial sums of squares."""
     if precision is None:
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
     batch, n, heads, head_dim = x.shape
@@ -384,5 +324,5 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
         BLOCK_N=block_n, BLOCK_P=block_p, BLOCK_S=block_s,
         PRECISION=precision, ONE_CHUNK=block_s >= d_state,
         num_warps=SCAN_WARPS or (4 if block_n <= 32 else 8), **_pdl_args(y.device),
-        sq_ptr=sq, WRITE_SQ=sq is not None, **extra,
+        sq_ptr=sq, WRITE_SQ=sq is not None,
     )
