@@ -13,6 +13,7 @@ Run on the device from the repository root: python3 bench/kernel_resources.py
 from __future__ import annotations
 
 import torch
+from ssmspec.trees.tree import Tree
 
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch
@@ -21,7 +22,6 @@ from ssmspec.ops.state_replay import triton as SR
 from ssmspec.ops.step_update import triton as SU
 from ssmspec.ops.tree_conv import triton as TC
 from ssmspec.ops.tree_scan import triton as TS
-from ssmspec.trees.tree import Tree
 
 KERNELS = {
     "gemv (in_proj / out_proj / lm_head)": GV._gemv_kernel,
