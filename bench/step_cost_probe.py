@@ -14,7 +14,11 @@ per variant, PDL on as in the decode step; each graph timed as bench_decode.py t
 `folded_residual_verify`: skinny in_proj, tree conv, gated tree scan, skinny out_proj), from real
 mixer modules with random weights.
 
-Run on the device from the bench directory: python3 step_cost_probe.py [--tree 3,2,1]
+--inproj-configs: the layer with in_proj on persistent GEMV grids of a few programs per SM (its
+last wave otherwise fills every warp slot, so the step and out_proj programs launched early
+cannot sit beside it), and on 2 warps.
+
+Run on the device from the bench directory: python3 step_cost_probe.py [--tree 3,2,1 | --inproj-configs]
 """
 from __future__ import annotations
 
@@ -154,6 +158,8 @@ def tree_rows(spec: str, bw: float) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--inproj-configs", action="store_true",
+                    help="the layer with in_proj GEMV grids that leave warp slots for the step and out_proj")
     ap.add_argument("--tree", default=None, help="breakdown of a packed tree's verify instead (e.g. 3,2,1)")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -175,6 +181,27 @@ def main() -> int:
         rows.append((what, graph_us(fn, layers, h)))
         print(f"  {what:<52} {rows[-1][1]:7.2f} us", flush=True)
 
+    if args.inproj_configs:  # in_proj GEMV configs that leave warp slots for the step and out_proj
+        from ssmspec.ops.gemv import triton as GV
+
+        n_in = layers[0]["in_w"].shape[0]
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        configs = [("default (1 row, 4 warps, all rows' programs)", None)]
+        for warps, per_sm in ((4, 8), (4, 10), (4, 12), (2, 16), (2, 24), (2, 32)):
+            configs.append((f"persistent, {per_sm} programs per SM x {warps} warps",
+                            GV.GemvConfig(1, 0, warps, 1, per_sm * sms, False, True)))
+        configs.append(("1 row, 2 warps, all rows' programs", GV.GemvConfig(1, 0, 2, preload=True)))
+        for rep in range(2):
+            for what, cfg in configs:
+                GV.TUNED.pop((n_in, D_MODEL), None)
+                if cfg is not None:
+                    GV.TUNED[(n_in, D_MODEL)] = cfg
+                row(f"layer, in_proj {what} [{rep}]", layer)
+            GV.TUNED.pop((n_in, D_MODEL), None)
+        print(f"\n{'per layer (64 layers per graph)':<56} {'us':>7}")
+        for what, us in rows:
+            print(f"{what:<56} {us:7.2f}")
+        return 0
     for rep in range(2):
         row(f"layer (in_proj, step, out_proj) [{rep}]", layer)
         SU.STORE_STATE = False
