@@ -30,13 +30,18 @@ from ssmspec.trees.tree import Tree
 
 # candidates per row range, tried one projection at a time (the other at its best so far); the
 # current table entry is always timed too
+# Round 9 added the tiles that fit every program on the SMs at once (bench/kernel_resources.py:
+# the 64-row in_proj's 128 x 128 boxes take 192 KB, one program per SM, 83 programs on 132 SMs):
+# in_proj 64 x 128 boxes in 2-3 stages or 64 x 64 boxes, out_proj 16- and 32-column tiles of
+# 128-wide boxes.
 NARROW_IN = [(64, 128, 4, 4, 0, 2, 1), (128, 128, 4, 4, 0, 2, 1), (32, 256, 4, 4, 0, 1, 2), (64, 128, 4, 4, 0, 1, 2),
-             (64, 128, 4, 4, 0, 1, 3), (32, 128, 4, 4, 0, 1, 3)]
+             (64, 128, 4, 4, 0, 1, 3), (32, 128, 4, 4, 0, 1, 3), (64, 64, 4, 4, 0, 2, 1)]
 NARROW_OUT = [(32, 256, 2, 4, 0, 1, 2), (32, 256, 2, 4, 0, 1, 3), (16, 256, 2, 4, 0, 1, 2), (32, 128, 2, 4, 0, 1, 3),
-              (32, 256, 2, 4, 0, 1)]
-WIDE_IN = [(128, 128, 4, 4, 0, 2, 1), (128, 128, 4, 3, 0, 2, 1), (128, 128, 8, 4, 0, 2, 1), (64, 128, 4, 4, 0, 2, 1)]
+              (32, 256, 2, 4, 0, 1), (16, 128, 2, 4, 0, 1, 2), (16, 256, 2, 3, 0, 1, 2)]
+WIDE_IN = [(128, 128, 4, 4, 0, 2, 1), (128, 128, 4, 3, 0, 2, 1), (128, 128, 8, 4, 0, 2, 1), (64, 128, 4, 4, 0, 2, 1),
+           (64, 128, 4, 3, 0, 2, 1), (64, 128, 4, 2, 0, 2, 1), (64, 64, 4, 4, 0, 2, 1)]
 WIDE_OUT = [(32, 256, 4, 4, 0, 1), (32, 256, 4, 3, 0, 1), (16, 256, 2, 4, 0, 1), (32, 256, 2, 4, 0, 1),
-            (64, 256, 4, 3, 0, 1)]
+            (64, 256, 4, 3, 0, 1), (16, 128, 2, 4, 0, 1, 1), (32, 128, 4, 4, 0, 1, 1), (16, 128, 4, 4, 0, 1, 1)]
 SCAN = [{}, {"SCAN_WARPS": 8}, {"SCAN_WARPS": 4}, {"SCAN_BLOCK_S": 128}]
 CONV_TILES = [(1, 128, 1), (2, 128, 1), (1, 256, 2), (2, 256, 2), (1, 512, 2), (4, 128, 2)]
 """ops/tree_conv/triton CONV_TILE settings (nodes, channels, warps) timed with --conv."""
