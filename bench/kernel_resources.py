@@ -12,6 +12,8 @@ Run on the device from the repository root: python3 bench/kernel_resources.py
 """
 from __future__ import annotations
 
+import argparse
+
 import torch
 from ssmspec.trees.tree import Tree
 
@@ -70,6 +72,7 @@ def per_sm(n_regs: int, shared: int, warps: int) -> int:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     torch.manual_seed(0)
     dispatch.set_backend("triton")
     model = build_model("mamba2-2.7b", dtype=torch.bfloat16, device="cuda").fold_norm_weights_()
