@@ -21,7 +21,6 @@ import time
 import torch
 
 from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
-from ssmspec.models import lm
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch, pdl
 from ssmspec.ops.gemv import triton as gemv
@@ -281,12 +280,6 @@ def main() -> int:
             if args.profile and name == "folded":
                 to_profile.append((info["iteration"], f"tree iteration [{tree.num_nodes} nodes, {name}] (+ cache restore copy)"))
             if name == "folded":
-                lm.EMBED_WITH_SQ = False  # torch's lookup, and the first norm's own launch
-                record(f"  same, torch embedding lookup [{tree.num_nodes} nodes, {name}]",
-                       time_tree_iteration(m, prompt, tree, vocab)["ms"])
-                lm.EMBED_WITH_SQ = True
-                record(f"  same, ops/embedding lookup again [{tree.num_nodes} nodes, {name}]",
-                       time_tree_iteration(m, prompt, tree, vocab)["ms"])
                 gemv.ENABLED = False
                 record(f"  same, cuBLAS projections [{tree.num_nodes} nodes, {name}]",
                        time_tree_iteration(m, prompt, tree, vocab)["ms"])

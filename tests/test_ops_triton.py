@@ -105,8 +105,6 @@ else:
     from ssmspec.ops.tree_conv.naive import naive_tree_conv
     from ssmspec.ops.tree_scan import triton as TS
     from ssmspec.ops.tree_scan.naive import naive_tree_scan
-    from ssmspec.ops.embedding import triton as EM
-    from ssmspec.ops.embedding.naive import naive_embed
     from ssmspec.ops.gemv import triton as GV
     from ssmspec.trees import Tree
 
@@ -260,7 +258,7 @@ else:
                    "gated_rms_norm": SU.gated_rms_norm, "time_step": SU.time_step, "linear": GV.linear,
                    "add_rms_norm": SU.add_rms_norm, "mamba_step_out": SU.mamba_step_out,
                    "norm_linear": GV.norm_linear, "tree_scan_gated": TS.tree_scan_gated, "replay_states": SR.replay_states,
-                   "replay_states_layers": SR.replay_states_layers, "embed": EM.embed}
+                   "replay_states_layers": SR.replay_states_layers}
         model = _tiny_model_with_head_dim(layers, head_dim)
         prompt = torch.randint(0, 64, (batch, 5))
         tree = Tree.from_config((2, 2))
@@ -292,19 +290,6 @@ else:
                 assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-4, name="keys")
                 assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-4, name="values")
         assert torch.equal(got[2].seqlen, ref[2].seqlen)
-
-    @pytest.mark.parametrize("dim", [48, 1200])
-    def test_embed_matches_reference(dim, nan_outputs):
-        """The lookup is exact; the partial sums of squares add up to each row's (one block of
-        BLOCK_D per part: several parts at 1200)."""
-        weight = torch.randn(50, dim)
-        tokens = torch.randint(0, 50, (3, 7))
-        h, sq = EM.embed(weight, tokens)
-        want_h, want_sq = naive_embed(weight, tokens)
-        assert torch.equal(h, want_h)
-        assert sq.shape == (21, 1, -(-dim // EM.BLOCK_D))
-        assert_close(sq.sum(-1, keepdim=True), want_sq, atol=1e-4, rtol=1e-5)
-
 
     def test_gated_rms_norm_matches_reference(nan_outputs):
         y = torch.randn(2, 3, 48)

@@ -80,11 +80,6 @@ class Sublayer(nn.Module):
         return self.kind == "mlp" and is_folded(self.norm)
 
 
-EMBED_WITH_SQ = True
-"""The kernel verify's embedding lookup through ops/embedding, its sums of squares to the first
-norm; benchmarks set it False to time torch's lookup and the norm's own launch instead."""
-
-
 @dataclass
 class TreeActivations:
     """Per-sublayer activations kept by `verify` for `replay` (None for MLPs)."""
@@ -179,7 +174,7 @@ class LanguageModel(nn.Module):
         cache.seqlen += 1
         return self._logits(h)
 
-    def _fused_stack(self, h: torch.Tensor, run_mixer, run_folded, h_sq: torch.Tensor | None = None):
+    def _fused_stack(self, h: torch.Tensor, run_mixer, run_folded):
         """The sublayers on the kernel path: each residual add runs inside the next sublayer's
         RMSNorm (one launch instead of two: ops/step_update add_rms_norm) and the LM head goes
         through `dispatch.linear` (one-row GEMV or skinny GEMM). Sublayers whose norms are folded
@@ -190,12 +185,11 @@ class LanguageModel(nn.Module):
         run_folded(i, layer, h, h_sq) -> (h + sublayer(h), its partial sums of squares or None,
         activations or None), where h_sq are h's (or None): a folded sublayer's output projection
         hands the next one's norm its sums of squares (ops/gemv `norm_linear`). run_folded may
-        overwrite h (the residual add in place): h is dead once its sublayer has run. h_sq: the
-        embeddings' sums of squares, or None.
+        overwrite h (the residual add in place): h is dead once its sublayer has run.
         Returns (logits, acts).
         """
         x = None  # the previous sublayer's output, not yet added to h
-        # h_sq: h's partial sums of squares while h is the embeddings or a folded sublayer's output
+        h_sq = None  # h's partial sums of squares while h is a folded sublayer's output
         acts = []
         for i, layer in enumerate(self.layers):
             if layer.norms_folded:
@@ -286,13 +280,7 @@ class LanguageModel(nn.Module):
                 return layer.mixer.folded_residual_verify(h, cache.layers[i], parents, layer.norm.eps, h_sq)
             return *_folded_mlp_residual(layer.mixer, h, layer.norm.eps, h_sq), None
 
-        if EMBED_WITH_SQ:
-            # The lookup also hands the first norm its sums of squares (ops/embedding): at 16 rows
-            # torch's own lookup kernel took 12.8 us, and the first norm a launch of its own.
-            h, h_sq = dispatch.embed(self.embeddings.weight, tokens)
-        else:
-            h, h_sq = self.embeddings(tokens), None
-        logits, acts = self._fused_stack(h, run_mixer, run_folded, h_sq)
+        logits, acts = self._fused_stack(self.embeddings(tokens), run_mixer, run_folded)
         return logits, TreeActivations(acts)
 
     def replay(self, cache: ModelCache, acts: TreeActivations, path: torch.Tensor, path_len: torch.Tensor) -> None:

@@ -11,7 +11,6 @@ import importlib
 import torch
 
 from .chunk_scan.naive import naive_chunk_scan
-from .embedding.naive import naive_embed
 from .gemv.naive import naive_linear, naive_norm_linear
 from .greedy_accept.naive import naive_greedy_accept
 from .state_replay.naive import naive_replay_states, naive_replay_states_layers
@@ -45,7 +44,6 @@ _REFERENCE = {
     "linear": naive_linear,
     "norm_linear": naive_norm_linear,
     "greedy_accept": naive_greedy_accept,
-    "embed": naive_embed,
 }
 # op name -> (module, function) of its Triton kernel, filled in as kernels land.
 _TRITON = {
@@ -63,7 +61,6 @@ _TRITON = {
     "linear": ("ssmspec.ops.gemv.triton", "linear"),
     "norm_linear": ("ssmspec.ops.gemv.triton", "norm_linear"),
     "greedy_accept": ("ssmspec.ops.greedy_accept.triton", "greedy_accept"),
-    "embed": ("ssmspec.ops.embedding.triton", "embed"),
 }
 
 
@@ -193,8 +190,3 @@ def norm_linear(x, weight, bias=None, norm_groups=1, eps=1e-5, residual=None, x_
 def greedy_accept(logits, tokens, parents, depth, mask, paths):
     """Greedy tree acceptance on the device: (path, path_len, produced tokens, last node)."""
     return resolve("greedy_accept", logits.device)(logits, tokens, parents, depth, mask, paths)
-
-
-def embed(weight, tokens):
-    """weight[tokens] and its rows' partial sums of squares (rows, 1, parts), the first norm's x_sq."""
-    return resolve("embed", weight.device)(weight, tokens)
