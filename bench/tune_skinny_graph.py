@@ -35,11 +35,17 @@ from ssmspec.trees.tree import Tree
 # in_proj 64 x 128 boxes in 2-3 stages or 64 x 64 boxes, out_proj 16- and 32-column tiles of
 # 128-wide boxes.
 NARROW_IN = [(64, 128, 4, 4, 0, 2, 1), (128, 128, 4, 4, 0, 2, 1), (32, 256, 4, 4, 0, 1, 2), (64, 128, 4, 4, 0, 1, 2),
-             (64, 128, 4, 4, 0, 1, 3), (32, 128, 4, 4, 0, 1, 3), (64, 64, 4, 4, 0, 2, 1)]
+             (64, 128, 4, 4, 0, 1, 3), (32, 128, 4, 4, 0, 1, 3), (64, 64, 4, 4, 0, 2, 1), (64, 128, 4, 4, 0, 2, 2),
+             (64, 128, 4, 4, 0, 2, 3)]
 NARROW_OUT = [(32, 256, 2, 4, 0, 1, 2), (32, 256, 2, 4, 0, 1, 3), (16, 256, 2, 4, 0, 1, 2), (32, 128, 2, 4, 0, 1, 3),
               (32, 256, 2, 4, 0, 1), (16, 128, 2, 4, 0, 1, 2), (16, 256, 2, 3, 0, 1, 2)]
 WIDE_IN = [(128, 128, 4, 4, 0, 2, 1), (128, 128, 4, 3, 0, 2, 1), (128, 128, 8, 4, 0, 2, 1), (64, 128, 4, 4, 0, 2, 1),
-           (64, 128, 4, 3, 0, 2, 1), (64, 128, 4, 2, 0, 2, 1), (64, 64, 4, 4, 0, 2, 1)]
+           (64, 128, 4, 3, 0, 2, 1), (64, 128, 4, 2, 0, 2, 1), (64, 64, 4, 4, 0, 2, 1), (128, 128, 8, 4, 0, 2, 2),
+           (64, 128, 4, 3, 0, 2, 2), (64, 128, 4, 3, 0, 2, 3)]
+# the LM head (tied, 16 or 64 rows): launched early with PDL, its first boxes loaded before the
+# wait (TMA 2 preloads since round 9), or not
+NARROW_LM = [(64, 128, 4, 4, 0, 2), (64, 128, 4, 4, 0, 2, 1), (64, 128, 4, 4, 0, 2, 2), (64, 128, 4, 4, 0, 2, 3)]
+WIDE_LM = [(64, 128, 4, 6, 0, 2), (64, 128, 4, 6, 0, 2, 1), (64, 128, 4, 6, 0, 2, 2)]
 WIDE_OUT = [(32, 256, 4, 4, 0, 1), (32, 256, 4, 3, 0, 1), (16, 256, 2, 4, 0, 1), (32, 256, 2, 4, 0, 1),
             (64, 256, 4, 3, 0, 1), (16, 128, 2, 4, 0, 1, 1), (32, 128, 4, 4, 0, 1, 1), (16, 128, 4, 4, 0, 1, 1)]
 SCAN = [{}, {"SCAN_WARPS": 8}, {"SCAN_WARPS": 4}, {"SCAN_BLOCK_S": 128}]
@@ -119,18 +125,21 @@ def main() -> int:
         wide = tree.num_nodes > gemv.SKINNY_MAX_ROWS
         table = gemv.SKINNY_WIDE if wide else gemv.SKINNY_TUNED
         saved = copy.deepcopy(table)
-        best = {in_shape: saved.get(in_shape), out_shape: saved.get(out_shape)}
-        base = timed(f"current in {best[in_shape]} out {best[out_shape]}")
+        lm_shape = tuple(model.lm_head.weight.shape)
+        best = {in_shape: saved.get(in_shape), out_shape: saved.get(out_shape), lm_shape: saved.get(lm_shape)}
+        base = timed(f"current in {best[in_shape]} out {best[out_shape]} lm_head {best[lm_shape]}")
         best_ms = base
         sweeps = [] if args.skip_projections else [(out_shape, WIDE_OUT if wide else NARROW_OUT),
-                                                   (in_shape, WIDE_IN if wide else NARROW_IN)]
+                                                   (in_shape, WIDE_IN if wide else NARROW_IN),
+                                                   (lm_shape, WIDE_LM if wide else NARROW_LM)]
         for shape, cands in sweeps:
             for cfg in cands:
                 if cfg == best[shape]:
                     continue
                 table.update({k: v for k, v in best.items() if v is not None})
                 table[shape] = cfg
-                ms = timed(f"{'in' if shape == in_shape else 'out'}_proj {cfg}")
+                label = {in_shape: "in_proj", out_shape: "out_proj", lm_shape: "lm_head"}[shape]
+                ms = timed(f"{label} {cfg}")
                 if ms < best_ms:
                     best_ms, best[shape] = ms, cfg
         table.update({k: v for k, v in best.items() if v is not None})
@@ -145,7 +154,6 @@ def main() -> int:
             conv.CONV_TILE = tile
             timed(f"tree conv tile {tile}")
         conv.CONV_TILE = None
-        lm_shape = tuple(model.lm_head.weight.shape)
         names = {in_shape: "in_proj", out_shape: "out_proj", lm_shape: "lm_head"}
         current = {s_: table.get(s_) or gemv.SKINNY_DEFAULT for s_ in names}
         for flags in ([] if args.skip_pdl else [{in_shape: 1, out_shape: 0}, {in_shape: 1, out_shape: 1},
@@ -156,10 +164,10 @@ def main() -> int:
             timed("PDL " + ", ".join(f"{names[s_]} {v}" for s_, v in flags.items()))
         table.clear()
         table.update(saved)
-        summary.append((tree.num_nodes, base, best_ms, best[in_shape], best[out_shape]))
-    print(f"\n{'nodes':>5} {'current ms':>10} {'best ms':>8} {'x AR':>6}  best (in_proj, out_proj)")
-    for nodes, base, ms, cin, cout in summary:
-        print(f"{nodes:>5} {base:10.3f} {ms:8.3f} {ms / ar_ms:6.3f}  {cin}, {cout}")
+        summary.append((tree.num_nodes, base, best_ms, best[in_shape], best[out_shape], best[lm_shape]))
+    print(f"\n{'nodes':>5} {'current ms':>10} {'best ms':>8} {'x AR':>6}  best (in_proj, out_proj, lm_head)")
+    for nodes, base, ms, cin, cout, clm in summary:
+        print(f"{nodes:>5} {base:10.3f} {ms:8.3f} {ms / ar_ms:6.3f}  {cin}, {cout}, {clm}")
     return 0
 
 

@@ -347,7 +347,7 @@ else:
         """The skinny GEMM with the weight read through a TMA descriptor, the tile as x W^T (1) or
         as W x^T transposed (2), at awkward sizes: N and K not multiples of the box (the copy
         engine pads the overhang with zeros), rows past a tile."""
-        from ssmspec.ops.gemv.naive import naive_linear
+        from ssmspec.ops.gemv.naive import naive_linear, naive_norm_linear
 
         n, k = 70, 152  # a row of 152 fp32 is 16-byte aligned, as TMA needs; 152 = 4 x 32 + 24
         x, w = torch.randn(1, m, k), torch.randn(n, k)
@@ -355,9 +355,17 @@ else:
         # (..., 1, 2|3): the first 1 or 2 weight boxes loaded ahead of the rest (before the PDL
         # wait on the GPU); K = 152 leaves a partial box after them
         for cfg in ((16, 32, 1, 1, 0, 1), (32, 64, 1, 1, 0, 1), (16, 32, 1, 1, 0, 2), (64, 32, 1, 1, 0, 2),
-                    (16, 32, 1, 1, 0, 1, 2), (32, 64, 1, 1, 0, 1, 3)):
+                    (16, 32, 1, 1, 0, 1, 2), (32, 64, 1, 1, 0, 1, 3), (64, 32, 1, 1, 0, 2, 2), (64, 32, 1, 1, 0, 2, 3)):
             assert_close(GV.skinny_linear(x, w, None, config=cfg), naive_linear(x, w), atol=1e-4, rtol=1e-4,
                          name=str(cfg))
+        # the preloaded boxes with the norm from the producer's sums of squares and the residual add
+        xk, wk = torch.randn(1, m, 128), torch.randn(n, 128)
+        res = torch.randn(1, m, n)
+        want = naive_norm_linear(xk, wk, None, 1, 1e-5, residual=res)
+        for cfg in ((64, 32, 1, 1, 0, 2, 3), (16, 32, 1, 1, 0, 1, 3)):
+            got = GV.skinny_linear(xk, wk, None, config=cfg, norm_groups=1, eps=1e-5, residual=res,
+                                   x_sq=xk.pow(2).sum(-1).reshape(m, 1, 1))
+            assert_close(got, want, atol=1e-4, rtol=1e-4, name=f"norm {cfg}")
         assert GV._weight_descriptor(torch.randn(n, 150), 16, 32) is None  # unaligned rows: pointer loads
         with pytest.raises(ValueError, match="balanced"):
             GV.skinny_linear(x, w, None, config=(0, 32, 1, 1, 2, 1))

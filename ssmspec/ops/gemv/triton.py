@@ -378,8 +378,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
     # BALANCED: the grid is a multiple of the SM count and program p owns output columns
     # [p N / P, (p + 1) N / P) (at most BLOCK_N of them), so every SM streams the same number of
     # weight rows; with fixed BLOCK_N-wide tiles, 160 tiles on 132 SMs leave 28 SMs twice the work.
-    # PRE (TMA 1, one norm group at most): the first PRE weight boxes are loaded before the PDL
-    # wait, while the kernel before still runs (weights are never written).
+    # PRE (TMA 1 or 2, one norm group at most): the first PRE weight boxes are loaded before the
+    # PDL wait, while the kernel before still runs (weights are never written).
     if USE_PDL:
         gdc_launch_dependents()
         if PRE == 0:
@@ -401,11 +401,19 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
             w_second = w_desc.load([n0, BLOCK_K])
         if USE_PDL:
             gdc_wait()
-        acc = _skinny_dot(_skinny_x_tile(x_ptr, offs_m, mask_m, 0, K, sxm, BLOCK_K), tl.trans(w_first),
-                          tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
-        if PRE > 1:
-            acc = _skinny_dot(_skinny_x_tile(x_ptr, offs_m, mask_m, BLOCK_K, K, sxm, BLOCK_K), tl.trans(w_second),
-                              acc, IEEE)
+        if TMA == 2:  # the weight boxes as the tensor cores' A operand, as in _skinny_span
+            acc_t = _skinny_dot(w_first, tl.trans(_skinny_x_tile(x_ptr, offs_m, mask_m, 0, K, sxm, BLOCK_K)),
+                                tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
+            if PRE > 1:
+                acc_t = _skinny_dot(w_second, tl.trans(_skinny_x_tile(x_ptr, offs_m, mask_m, BLOCK_K, K, sxm, BLOCK_K)),
+                                    acc_t, IEEE)
+            acc = tl.trans(acc_t)
+        else:
+            acc = _skinny_dot(_skinny_x_tile(x_ptr, offs_m, mask_m, 0, K, sxm, BLOCK_K), tl.trans(w_first),
+                              tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+            if PRE > 1:
+                acc = _skinny_dot(_skinny_x_tile(x_ptr, offs_m, mask_m, BLOCK_K, K, sxm, BLOCK_K), tl.trans(w_second),
+                                  acc, IEEE)
         acc += _skinny_span(x_ptr, w_ptr, w_desc, offs_m, offs_n, mask_m, mask_n, n0, PRE * BLOCK_K, K, sxm, swn,
                             IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
         if NORM_GROUPS == 1:
@@ -451,7 +459,7 @@ grid balanced (k programs per SM, each owning N / (k * SMs) columns; BLOCK_N is 
 a sixth entry 1 or 2 reads the weight through a TMA descriptor (see `_skinny_span`); a seventh
 entry 1 launches it with PDL: its programs start while the kernel before ends and wait at their
 start, before any load (they hold their shared memory meanwhile); 2 or 3 also load their first
-1 or 2 weight boxes before waiting (TMA 1, one norm group at most)."""
+1 or 2 weight boxes before waiting (TMA 1 or 2, one norm group at most)."""
 # (N, K) -> config: the best at 16 rows of the H100 sweeps (bench/results/gemv_sweep-h100.log, then
 # `bench_kernels.py --skinny-sweep`, bench/results/round4/skinny_sweep*.log): mamba2-2.7b out_proj,
 # hybrid-8b Mamba in/out_proj, MLP up/down, attention q/o and k/v, LM head. Unlisted shapes use
@@ -572,9 +580,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y_sq = torch.empty(m, 1, grid, device=x.device, dtype=torch.float32) if return_sq else None
     w_desc = _weight_descriptor(weight, block_n, block_k) if tma else None
     use_pdl = bool(early) and pdl.enabled(x.device)
-    # early 2 or 3: also the first 1 or 2 weight boxes before the wait (TMA 1, at most one norm
-    # group, K covering them); else none
-    pre = early - 1 if (early > 1 and w_desc is not None and tma == 1 and norm_groups <= 1
+    # early 2 or 3: also the first 1 or 2 weight boxes before the wait (TMA 1 or 2, at most one
+    # norm group, K covering them); else none
+    pre = early - 1 if (early > 1 and w_desc is not None and tma in (1, 2) and norm_groups <= 1
                         and k >= (early - 1) * block_k) else 0
     _skinny_kernel[(grid,)](
         rows, weight, bias if bias is not None else weight, y, m, n, k, rows.stride(0), weight.stride(0), y.stride(0),
