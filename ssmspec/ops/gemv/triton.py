@@ -467,11 +467,14 @@ start, before any load (they hold their shared memory meanwhile); 2 or 3 also lo
 # out_proj read their weights by TMA, ranked inside the 16-node tree iteration
 # (bench/tune_skinny_graph.py, runs 46-47: 3.02-3.05 ms against 3.155 with the pointer-load entries),
 # the in_proj launched with PDL (run 51: 2.888 against 3.036 ms), the out_proj too with its first
-# weight box loaded before the wait (run 57: 2.833 against 2.893 ms).
+# weight box loaded before the wait (run 57: 2.833 against 2.893 ms). Round 9 (run 106,
+# tune_skinny_graph.py): the in_proj with its first two boxes loaded before the wait (TMA 2
+# preloads) 2.701 against 2.740 ms, and then the LM head launched with PDL and one box preloaded
+# 2.689 ms.
 SKINNY_TUNED: dict[tuple[int, int], tuple[int, ...]] = {
-    (10576, 2560): (64, 128, 4, 4, 0, 2, 1),
+    (10576, 2560): (64, 128, 4, 4, 0, 2, 3),
     (2560, 5120): (32, 256, 2, 4, 0, 1, 2),  # pointer loads: (0, 128, 2, 5, 2) 13.12 us vs 13.90 tiled
-    (50288, 2560): (64, 128, 4, 4, 0, 2),  # 2.7b LM head: 87.7 us vs 90.2 default (skinny_probe, run 48)
+    (50288, 2560): (64, 128, 4, 4, 0, 2, 2),  # 2.7b LM head: 87.7 us vs 90.2 default (skinny_probe, run 48)
     (18560, 4096): (0, 128, 4, 4, 3, 0, 1),  # 53.77 vs 55.20 default; PDL: 16-node 6.430 vs 6.509 ms (run 61)
     (4096, 8192): (0, 128, 2, 5, 2),  # 26.53 vs 28.21
     (21504, 4096): (0, 128, 4, 4, 3),  # 61.96 vs 65.50
