@@ -209,7 +209,7 @@ def test_gemv_variants_gpu(n, k):
 def test_skinny_linear_gpu(m, dtype):
     from ssmspec.ops.gemv.triton import linear
 
-    for n, k in ((2 * H * P + 2 * S + H, 2560), (2560, H * P)):
+    for n, k in ((2 * H * P + 2 * S + H, 2560), (2560, H * P), (50288, 2560)):  # in_proj, out_proj, LM head
         w = torch.randn(n, k, device=DEV, dtype=dtype)
         x = torch.randn(1, m, k, device=DEV, dtype=dtype)
         b = torch.randn(n, device=DEV, dtype=dtype)
