@@ -161,6 +161,15 @@ def restored_call_times(restore, call, iters: int, spin: bool = True) -> list[fl
     return sorted(times)
 
 
+def restore_entries(table: dict, saved: dict) -> None:
+    """Put a config table's saved entries back (None: the entry was absent)."""
+    for shape, cfg in saved.items():
+        if cfg is None:
+            table.pop(shape, None)
+        else:
+            table[shape] = cfg
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="mamba2-2.7b")
@@ -292,11 +301,7 @@ def main() -> int:
                         table.update({s: tma_cfg for s in shapes})
                         record(f"  same, skinny TMA {tma_cfg} [{tree.num_nodes} nodes, {name}]",
                                time_tree_iteration(m, prompt, tree, vocab)["ms"])
-                    for s_, c_ in saved.items():
-                        if c_ is None:
-                            table.pop(s_)
-                        else:
-                            table[s_] = c_
+                    restore_entries(table, saved)
                     if table is gemv.SKINNY_TUNED and shapes[0] == (10576, 2560):
                         # mamba2-2.7b with round 8's entries: no boxes preloaded, the LM head without PDL
                         lm_shape = tuple(m.lm_head.weight.shape)
@@ -304,11 +309,7 @@ def main() -> int:
                         table.update({shapes[0]: (64, 128, 4, 4, 0, 2, 1), lm_shape: (64, 128, 4, 4, 0, 2)})
                         record(f"  same, round 8's in_proj and LM head configs [{tree.num_nodes} nodes, {name}]",
                                time_tree_iteration(m, prompt, tree, vocab)["ms"])
-                        for s_, c_ in saved.items():
-                            if c_ is None:
-                                table.pop(s_)
-                            else:
-                                table[s_] = c_
+                        restore_entries(table, saved)
                         record(f"  same, again with this round's [{tree.num_nodes} nodes, {name}]",
                                time_tree_iteration(m, prompt, tree, vocab)["ms"])
             tree_rows.append({"tree": spec, "nodes": tree.num_nodes, "variant": name, "ms": info["ms"],
