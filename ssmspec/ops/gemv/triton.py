@@ -470,7 +470,7 @@ start, before any load (they hold their shared memory meanwhile); 2 or 3 also lo
 # weight box loaded before the wait (run 57: 2.833 against 2.893 ms). Round 9 (run 106,
 # tune_skinny_graph.py): the in_proj with its first two boxes loaded before the wait (TMA 2
 # preloads) 2.701 against 2.740 ms, and then the LM head launched with PDL and one box preloaded
-# 2.689 ms.
+# 2.689 ms (in run 110 the LM head's variants, with or without PDL, were all 2.687-2.691 ms).
 SKINNY_TUNED: dict[tuple[int, int], tuple[int, ...]] = {
     (10576, 2560): (64, 128, 4, 4, 0, 2, 3),
     (2560, 5120): (32, 256, 2, 4, 0, 1, 2),  # pointer loads: (0, 128, 2, 5, 2) 13.12 us vs 13.90 tiled
