@@ -24,7 +24,6 @@ from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch, pdl
 from ssmspec.ops.gemv import triton as gemv
-from ssmspec.ops.step_update import triton as step_update
 from ssmspec.trees.tree import Tree
 
 RESULTS: dict = {}
@@ -256,9 +255,6 @@ def main() -> int:
             pdl.ENABLED = False  # the same kernels launched without programmatic dependent launch
             record("AR step CUDA graph [folded, no PDL]", step_graph_ms(m)[0])
             pdl.ENABLED = True
-            step_update.FLAG_HANDOFF = False  # out_proj waits for the step kernel's whole grid
-            record("AR step CUDA graph [folded, out_proj waits for the step's grid]", step_graph_ms(m)[0])
-            step_update.FLAG_HANDOFF = True
             gemv.TWO_PIECE_PRELOAD = False  # preloaded GEMV rows as one padded power-of-two block
             record("AR step CUDA graph [folded, one padded preload block]", step_graph_ms(m)[0])
             gemv.TWO_PIECE_PRELOAD = True

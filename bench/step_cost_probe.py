@@ -6,8 +6,6 @@ per variant, PDL on as in the decode step; each graph timed as bench_decode.py t
 
 - layer: in_proj GEMV (norm_linear), the step kernel, out_proj with the gated norm and residual
   (ops/step_update mamba_step_out), as the folded model runs them;
-- layer with out_proj waiting for the step kernel's whole grid (PDL) instead of the flag its
-  last program sets (FLAG_HANDOFF False);
 - layer without the step's SSM state store (STORE_STATE False: wrong results, timing only);
 - in_proj + out_proj only (out_proj reads a fixed gated vector: no step kernel);
 - each launch alone in a chain of 64: in_proj GEMV, out_proj GEMV, step kernel + out_proj.
@@ -210,9 +208,6 @@ def main() -> int:
         return 0
     for rep in range(2):
         row(f"layer (in_proj, step, out_proj) [{rep}]", layer)
-        SU.FLAG_HANDOFF = False
-        row(f"layer, out_proj waiting for the step's whole grid [{rep}]", layer)
-        SU.FLAG_HANDOFF = True
         SU.STORE_STATE = False
         row(f"layer, step without its state store (wrong values) [{rep}]", layer)
         SU.STORE_STATE = True

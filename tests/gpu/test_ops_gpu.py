@@ -266,52 +266,6 @@ def test_mamba_step_out_gpu(heads, groups, norm_groups):
     assert torch.equal(cs2, cs)
 
 
-def test_mamba_step_out_flag_handoff_in_cuda_graph():
-    """Three chained layers of the step + out_proj at the 2.7b shape, captured in one CUDA graph
-    and replayed for 6 tokens: out_proj starts on the step kernel's flag (FLAG_HANDOFF), and the
-    counter and flags must be back at zero after every call for the next replay to wait again.
-    The graph's states and outputs must equal 6 eager reference steps."""
-    from ssmspec.ops.step_update import triton as SU
-    from ssmspec.ops.step_update.naive import naive_mamba_step_out
-
-    assert SU.FLAG_HANDOFF
-    torch.manual_seed(1)
-    bf, layers, tokens = torch.bfloat16, 3, 6
-    d_inner, channels = H * P, H * P + 2 * S
-    d_model = d_inner // 2
-    ins = [(torch.randn(1, channels, device=DEV, dtype=bf), torch.randn(1, H, device=DEV, dtype=bf),
-            torch.randn(1, d_inner, device=DEV, dtype=bf)) for _ in range(layers)]
-    weights = [(torch.randn(channels, K, device=DEV, dtype=bf) / 2, torch.randn(channels, device=DEV, dtype=bf),
-                torch.randn(H, device=DEV), torch.randn(H, device=DEV) - 2, torch.randn(H, device=DEV), None, 1, 1,
-                0.0, math.inf, 1e-5, torch.randn(d_model, d_inner, device=DEV, dtype=bf) / 64, None)
-               for _ in range(layers)]
-    states = [(torch.randn(1, channels, K - 1, device=DEV, dtype=bf), torch.randn(1, H, P, S, device=DEV) / 4)
-              for _ in range(layers)]
-    want_states = [(cs.clone(), ss.clone()) for cs, ss in states]
-    h0 = torch.randn(1, d_model, device=DEV, dtype=bf)
-
-    def chain(step_fn, sts):
-        h = h0
-        for (xbc, dt_raw, z), args, (cs, ss) in zip(ins, weights, sts):
-            h = step_fn(xbc, dt_raw, z, cs, ss, *args, residual=h)
-        return h
-
-    chain(SU.mamba_step_out, [(cs.clone(), ss.clone()) for cs, ss in states])  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(SU.mamba_step_out, states)
-    for _ in range(tokens):
-        graph.replay()
-        want = chain(naive_mamba_step_out, want_states)
-    torch.cuda.synchronize()
-    assert _rel(out - h0, want - h0) < 1e-2
-    for (cs, ss), (cs_w, ss_w) in zip(states, want_states):
-        assert torch.equal(cs, cs_w)
-        assert _rel(ss, ss_w) < 1e-4  # fp32 sums in another order over 6 steps (max abs ~1e-2 of states ~1e2)
-    assert all(not buf.any() for buf in SU._SYNC[("cuda", torch.cuda.current_device())])
-
-
 @pytest.mark.parametrize("rows", [1, 16, 64])
 @pytest.mark.parametrize("n, k, norm_groups", [(10576, 2560, 1), (2560, 5120, 1), (4096, 8192, 8)],
                          ids=["in_proj", "out_proj", "out_proj-8b"])

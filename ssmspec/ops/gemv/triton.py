@@ -77,68 +77,18 @@ def _scale_from_groups(rvec, offs_k, group_size, NORM_GROUPS: tl.constexpr, BLOC
     return r
 
 
-_POLL_ASM = tl.constexpr("""{
-    .reg .pred %pw<2>;
-    .reg .b32 %vw;
-    .reg .b32 %tw;
-    mov.u32 %tw, %tid.x;
-    setp.ne.u32 %pw0, %tw, 0;
-    @%pw0 bra POLL_DONE_${:uid};
-POLL_LOOP_${:uid}:
-    ld.global.acquire.gpu.b32 %vw, [$1];
-    setp.ne.b32 %pw1, %vw, $2;
-    @%pw1 nanosleep.u32 32;
-    @%pw1 bra POLL_LOOP_${:uid};
-POLL_DONE_${:uid}:
-    mov.b32 $0, 0;
-}""")
-
-
-@triton.jit
-def _wait_flag(flag_ptr, tag, ASM_POLL: tl.constexpr):
-    """Spin until the producer kernel's last program has set this program's flag to this call's
-    tag (see `ops/step_update` `_signal_done`), then clear it for the next call.
-
-    One thread polls (an acquire load, pairing with the producer's release) while the others wait
-    at the barrier after it, which extends the acquire to them, as a cooperative grid sync does;
-    every warp polling slowed the producer's programs beside them. The tag, not just "set":
-    under PDL the next layer's out_proj can already be spinning on the same flag while this one
-    has not yet seen it, and must not take this call's flag for its own. ASM_POLL False (the
-    interpreter, which runs kernels one after the other): an atomic read."""
-    if ASM_POLL:
-        tl.inline_asm_elementwise(_POLL_ASM, "=r,l,r", [flag_ptr, tag], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-        while seen != tag:
-            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-    tl.store(flag_ptr, 0)
-
-
-@triton.jit
-def _wait_producer(USE_PDL: tl.constexpr, WAIT_FLAG: tl.constexpr, flags_ptr, tile, tag, ASM_POLL: tl.constexpr):
-    """Wait for what the previous kernel wrote: its whole grid (PDL) or, WAIT_FLAG, the flag of
-    this tile."""
-    if WAIT_FLAG:
-        _wait_flag(flags_ptr + tile, tag, ASM_POLL)
-    elif USE_PDL:
-        gdc_wait()
-
-
 @triton.jit
 def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr,
                PRELOAD: tl.constexpr, USE_PDL: tl.constexpr,
                res_ptr=None, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0, HAS_RES: tl.constexpr = False,
-               BLOCK_G: tl.constexpr = 1, GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0,
-               WAIT_FLAG: tl.constexpr = False, flags_ptr=None, flag_tag=0, ASM_POLL: tl.constexpr = False):
+               BLOCK_G: tl.constexpr = 1, GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0):
     """One tile of BLOCK_N output rows. NORM_GROUPS > 0: the input is RMS-normalised over that
     many groups (no norm weight: it is folded into w). A preloaded row with one group, or with
     power-of-two groups over a power-of-two K (GROUPED), scales its dot products by 1/rms at the
     end; otherwise x is normalised first and rounded to its dtype, as RMSNorm's output is.
     HAS_RES: the output, rounded to y's dtype, is added to the residual at res_ptr. BLOCK_K2:
-    a second preloaded piece of K (see `preload_blocks`). WAIT_FLAG: wait for the producer's
-    flag at flags_ptr + tile to read flag_tag, instead of its whole grid (`_wait_producer`)."""
+    a second preloaded piece of K (see `preload_blocks`)."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     k_lo = split * K_SPLIT
@@ -158,7 +108,8 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.
             mask_k2 = offs_k2 < K
             w2 = tl.load(w_ptr + offs_n[:, None] * swn + offs_k2[None, :], mask=mask_n[:, None] & mask_k2[None, :],
                          other=0.0, eviction_policy="evict_first")
-        _wait_producer(USE_PDL, WAIT_FLAG, flags_ptr, tile, flag_tag, ASM_POLL)
+        if USE_PDL:
+            gdc_wait()
         xv = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
         xf = xv.to(tl.float32)
         if BLOCK_K2 > 0:
@@ -184,7 +135,8 @@ def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.
                 xf = (xf * _norm_scale(xf, offs_k, group_size, eps, NORM_GROUPS)).to(xv.dtype).to(tl.float32)
             acc += w.to(tl.float32) * xf[None, :]
     else:
-        _wait_producer(USE_PDL, WAIT_FLAG, flags_ptr, tile, flag_tag, ASM_POLL)
+        if USE_PDL:
+            gdc_wait()
         rvec = tl.zeros([BLOCK_G], dtype=tl.float32)
         if NORM_GROUPS > 0:
             rvec = _group_rstd(x_ptr, K, group_size, eps, NORM_GROUPS, BLOCK_K, BLOCK_G)

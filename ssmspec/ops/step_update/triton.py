@@ -40,35 +40,6 @@ instead of re-reducing the whole group, and normalises in NORM_CHUNK-wide progra
 NORM_CHUNK = 512
 STORE_STATE = True
 """False only for bench/step_cost_probe.py: time the fused step without its SSM state store (wrong results)."""
-FLAG_HANDOFF = True
-"""`mamba_step_out`: out_proj waits for a flag that the step kernel's last program sets once
-every program has written its gated values, instead of for the step's whole grid (see
-`_signal_done`). False: the PDL grid wait (benchmarks time both)."""
-
-_SYNC: dict = {}
-_TAG = [1]
-
-
-def _next_tag() -> int:
-    """A flag value for the next handoff, never 0 (cleared) and different from the last call's."""
-    _TAG[0] = _TAG[0] % (1 << 30) + 1
-    return _TAG[0]
-
-
-def _sync_buffers(device: torch.device, n_flags: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step-to-out_proj handoff's arrival counter (1 int32) and flags (one per out_proj
-    program), zero between calls: the step kernel's last program resets the counter and each
-    out_proj program clears its flag. One pair per device, grown by replacement; replaced pairs
-    are kept alive because captured CUDA graphs hold their addresses. Calls on one device must
-    not run concurrently on two streams (decode runs on one)."""
-    key = (device.type, device.index)
-    pair = _SYNC.get(key)  # one pair serves every layer: see `_signal_done` and ops/gemv `_wait_flag`
-    if pair is None or pair[1].numel() < n_flags:
-        pair = (torch.zeros(1, device=device, dtype=torch.int32),
-                torch.zeros(max(n_flags, 1024), device=device, dtype=torch.int32))
-        _SYNC.setdefault(("kept",), []).append(pair)
-        _SYNC[key] = pair
-    return pair
 
 
 def _pdl_args(device: torch.device, preload_state: bool = False) -> dict:
@@ -112,39 +83,6 @@ def _shift_in(state_row, ch, mask_c, new, scc, sck, K: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
-def _signal_done(arrive_ptr, flags_ptr, n_flags, tag, BLOCK_F: tl.constexpr, INTERPRET: tl.constexpr):
-    """Count this program as done writing what out_proj reads; the last program of the grid sets
-    every out_proj program's flag to this call's tag (`ops/gemv` `_wait_flag`) and resets the
-    counter. The barrier orders every thread's writes before the release (cumulative), the
-    acq_rel chains all the programs' releases into the last one, and its flag writes release
-    them all to out_proj.
-
-    Sharing one counter and one set of flags between layers is safe: the programs count
-    themselves only after their PDL wait on in_proj, which waits on the previous out_proj, whose
-    own grid wait at its end covers the previous step kernel; so one call's counting and flag
-    setting never overlaps another's."""
-    tl.debug_barrier()
-    n_prog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    old = tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="gpu")
-    if old == n_prog - 1:
-        tl.atomic_xchg(arrive_ptr, 0, sem="relaxed", scope="gpu")
-        # One fence per thread, then relaxed writes: a release on each flag write cost a fence
-        # apiece, in sequence, on the critical path (measured: ~6 us per layer).
-        _fence_acq_rel(tag, INTERPRET)
-        for f0 in range(0, n_flags, BLOCK_F):
-            offs = f0 + tl.arange(0, BLOCK_F)
-            tl.atomic_xchg(flags_ptr + offs, tag, mask=offs < n_flags, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _fence_acq_rel(dummy, INTERPRET: tl.constexpr):
-    """PTX `fence.acq_rel.gpu` (the interpreter, one program at a time, needs none)."""
-    if not INTERPRET:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, 0;", "=r,r", [dummy], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit(do_not_specialize=["flag_tag"])  # a new value every call: no recompiles
 def _step_ssm_kernel(
     xbc_ptr, dtr_ptr, z_ptr, cs_ptr, h_ptr, cw_ptr, cb_ptr, dtb_ptr, Alog_ptr, D_ptr, g_ptr, sq_ptr,
     H, P, S, G, heads_per_group, dt_min, dt_max,
@@ -159,8 +97,6 @@ def _step_ssm_kernel(
     USE_PDL: tl.constexpr = False,
     PRELOAD_STATE: tl.constexpr = False,
     STORE_STATE: tl.constexpr = True,
-    arrive_ptr=None, flags_ptr=None, n_flags=0, flag_tag=0, SIGNAL: tl.constexpr = False,
-    BLOCK_F: tl.constexpr = 1024, INTERPRET: tl.constexpr = False,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
@@ -226,8 +162,6 @@ def _step_ssm_kernel(
     if WRITE_SQ:  # this block's sum of squares, for the gated norm kernel
         tl.store(sq_ptr + (b * H + h) * tl.num_programs(2) + tl.program_id(2),
                  tl.sum(tl.where(mask_p, gated * gated, 0.0), axis=0))
-    if SIGNAL:  # out_proj may start now: the conv shift and the state store below drain under it
-        _signal_done(arrive_ptr, flags_ptr, n_flags, flag_tag, BLOCK_F, INTERPRET)
     # In-place writes last; the barrier in _shift_in also orders every replicated copy of the
     # state tile's loads before these stores.
     _shift_in(state_row, cx, mask_p, new_x, scc, sck, K, BLOCK_K)  # this program owns these x channels
@@ -551,7 +485,7 @@ def add_rms_norm(delta: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps
     return h_out.reshape(h.shape), out.reshape(h.shape)
 
 
-@triton.jit(do_not_specialize=["flag_tag"])  # a new value every call: no recompiles
+@triton.jit
 def _step_out_kernel(
     g_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, xbc_ptr, cs_ptr,
     N, K, swn, group_size, eps, d_inner, S, G, sxc, scc, sck,
@@ -559,21 +493,17 @@ def _step_out_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr, PRELOAD: tl.constexpr,
     K_CONV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_KC: tl.constexpr, USE_PDL: tl.constexpr,
     GROUPED: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0,
-    flags_ptr=None, flag_tag=0, WAIT_FLAG: tl.constexpr = False, ASM_POLL: tl.constexpr = False,
 ):
     """out_proj of one row (batch 1) whose input is the gated value g of `_step_ssm_kernel`: the
     gated RMSNorm runs in the GEMV's prologue (its weight folded into out_proj's, see
     ops/gemv `norm_linear`) and the residual add in its epilogue. Program 0 also does the step's
     deferred conv-state shift of the B and C channels (see the module docstring): after the GEMV
-    tile's wait every step-kernel program that read the old window is done. WAIT_FLAG: the tile
-    waits for its flag from the step kernel (`_signal_done`) rather than for the step's grid,
-    which then still stores its SSM state; the grid wait comes at the end instead, so that this
-    kernel completes after the step and the next one's wait covers both."""
+    tile's wait every step-kernel program that read the old window is done."""
     if USE_PDL:
         gdc_launch_dependents()
     _gemv_tile(g_ptr, w_ptr, bias_ptr, y_ptr, tl.program_id(0), 0, N, K, swn, HAS_BIAS, False, BLOCK_N, BLOCK_K,
                K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G, GROUPED,
-               BLOCK_K2, WAIT_FLAG, flags_ptr, flag_tag, ASM_POLL)
+               BLOCK_K2)
     if tl.program_id(0) == 0:
         offs_s = tl.arange(0, BLOCK_S)
         mask_s = offs_s < S
@@ -582,8 +512,6 @@ def _step_out_kernel(
                 ch = d_inner + which * G * S + grp * S + offs_s
                 new = tl.load(xbc_ptr + ch * sxc, mask=mask_s, other=0.0)
                 _shift_in(cs_ptr, ch, mask_s, new, scc, sck, K_CONV, BLOCK_KC)
-    if WAIT_FLAG and USE_PDL:
-        gdc_wait()
 
 
 def mamba_step_out(
@@ -639,9 +567,6 @@ def mamba_step_out(
     gated = torch.empty(batch, d_inner, device=z.device, dtype=z.dtype)  # rounded: the GEMV reads half the bytes
     block_k = max(2, triton.next_power_of_2(kernel_size - 1))
     block_s = max(16, triton.next_power_of_2(d_state))
-    n_flags = triton.cdiv(out_weight.shape[0], _out_proj_block_n(out_weight, gated.device))
-    arrive, flags = _sync_buffers(z.device, n_flags) if FLAG_HANDOFF else (None, None)
-    tag = _next_tag()
     _step_ssm_kernel[(batch, heads, triton.cdiv(head_dim, block_p))](
         xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias if conv_bias is not None else conv_weight,
         dt_bias, A_log, D, gated, gated,
@@ -650,24 +575,14 @@ def mamba_step_out(
         *conv_weight.stride(), gated.stride(0),
         K=kernel_size, HAS_BIAS=conv_bias is not None,
         BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_K=block_k, WRITE_SQ=False, STORE_STATE=STORE_STATE,
-        arrive_ptr=arrive, flags_ptr=flags, n_flags=n_flags, flag_tag=tag, SIGNAL=FLAG_HANDOFF,
-        INTERPRET=z.device.type != "cuda",
-        BLOCK_F=min(1024, triton.next_power_of_2(n_flags)),
         num_warps=4, **_pdl_args(z.device, preload_state=True),
     )
     return _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, norm_groups, eps, n_groups,
-                            d_state, kernel_size, flags, tag)
-
-
-def _out_proj_block_n(out_weight: torch.Tensor, device: torch.device) -> int:
-    """Rows per program of `_launch_out_proj`'s GEMV (the handoff sets one flag per program)."""
-    from ..gemv.triton import GemvConfig, _config
-
-    return GemvConfig(*_config(*out_weight.shape, device))[0]
+                            d_state, kernel_size)
 
 
 def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, norm_groups, eps, n_groups, d_state,
-                     kernel_size, flags=None, tag=0):
+                     kernel_size):
     """`_step_out_kernel` for one row: out_proj of the gated value with the gated norm and the
     residual add inside, and the deferred B/C conv-state shift."""
     from ..gemv.triton import GemvConfig, _config, grouped_epilogue, preload_blocks
@@ -694,7 +609,6 @@ def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, nor
         UNROLL=bool(unroll), PRELOAD=bool(preload), K_CONV=kernel_size, BLOCK_S=max(16, triton.next_power_of_2(d_state)),
         BLOCK_KC=max(2, triton.next_power_of_2(kernel_size - 1)),
         USE_PDL=use_pdl, GROUPED=bool(preload) and grouped_epilogue(d_inner, cfg_k, norm_groups), BLOCK_K2=cfg_k2,
-        flags_ptr=flags, flag_tag=tag, WAIT_FLAG=flags is not None, ASM_POLL=gated.device.type == "cuda",
         num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
     )
     return y
