@@ -19,14 +19,22 @@ from __future__ import annotations
 
 import torch
 import triton
+from bench_decode import copy_bandwidth
+from step_cost_probe import (
+    D_MODEL,
+    LAYERS,
+    graph_us,
+    in_proj_alone,
+    layer,
+    make_layer,
+    out_proj_alone,
+    step_and_out_proj,
+)
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from bench_decode import copy_bandwidth
 from ssmspec.ops.step_update import triton as SU
-from step_cost_probe import (D_MODEL, LAYERS, graph_us, in_proj_alone, layer, make_layer, out_proj_alone,
-                             step_and_out_proj)
 
 # Gluon's names moved between Triton 3.6 (the device) and 3.9
 _COPY = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
