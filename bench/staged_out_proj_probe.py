@@ -62,9 +62,10 @@ def _slot(a, b, c, s: gl.constexpr, NA: gl.constexpr, NB: gl.constexpr):
 @gluon.jit
 def _staged_out_proj_kernel(g_ptr, w_ptr, res_ptr, y_ptr, K, swn, eps,
                             RB: gl.constexpr, NRB: gl.constexpr, KC: gl.constexpr, NKC: gl.constexpr,
-                            NA: gl.constexpr, NB: gl.constexpr, NC: gl.constexpr, USE_PDL: gl.constexpr):
-    # tile [RB, KC]: 8 bf16 (16 bytes, one cp.async) per thread and step, 4 warps
-    L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [RB, 4 // RB], [1, 0])
+                            NA: gl.constexpr, NB: gl.constexpr, NC: gl.constexpr, USE_PDL: gl.constexpr,
+                            WARPS: gl.constexpr):
+    # tile [RB, KC]: 8 bf16 (16 bytes, one cp.async) per thread and step
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [RB, WARPS // RB], [1, 0])
     S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])  # of one [RB, KC] slot
     pid = gl.program_id(0)
     if USE_PDL:
@@ -111,21 +112,25 @@ def _three_powers(n: int) -> tuple[int, int, int]:
     return tuple(bits)
 
 
-CONFIG = {"rows": 10}
+CONFIG = {"rows": 10, "warps": 4}
+VARIANTS = [(10, 4), (10, 8), (5, 4), (20, 8)]
+"""(rows per program, warps): 256 programs of 100 KB (two per SM), 512 of 50 KB, 128 of 200 KB."""
 
 
-def staged_out_proj(gated, w, residual, eps=1e-5, rows=None):
+def staged_out_proj(gated, w, residual, eps=1e-5, rows=None, warps=None):
     """y = residual + out_proj(gated normalised); gated (1, K) bf16, w (N, K) bf16 (norm weight folded)."""
     n, k = w.shape
-    rows = rows or CONFIG["rows"]
-    kc = 1024
-    if k % kc or n % rows or rows % 2:
+    rows, warps = rows or CONFIG["rows"], warps or CONFIG["warps"]
+    rb = 2 if rows % 2 == 0 else 1
+    kc = 1024 if warps == 4 or rb == 2 else 2048  # one [rb, kc] slot: 8 elements per thread per row and pass
+    if k % kc or n % rows:
         raise ValueError(f"staged_out_proj: shape {(n, k)} / {rows} rows per program not supported")
     y = torch.empty(1, n, device=w.device, dtype=torch.bfloat16)
-    na, nb, nc = _three_powers(rows // 2 * (k // kc))
+    na, nb, nc = _three_powers(rows // rb * (k // kc))
     _staged_out_proj_kernel[(n // rows,)](
         gated, w, residual.reshape(n), y, k, w.stride(0), float(eps),
-        RB=2, NRB=rows // 2, KC=kc, NKC=k // kc, NA=na, NB=nb, NC=nc, USE_PDL=True, num_warps=4, launch_pdl=True,
+        RB=rb, NRB=rows // rb, KC=kc, NKC=k // kc, NA=na, NB=nb, NC=nc, USE_PDL=True, WARPS=warps,
+        num_warps=warps, launch_pdl=True,
     )
     return y
 
@@ -149,11 +154,12 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}; copy {bw / 1e12:.2f} TB/s; out_proj at that "
           f"rate {out_us:.2f} us", flush=True)
     # correctness against the product's out_proj (same gated input, same residual)
-    for rows in (10, 20):
-        got = staged_out_proj(layers[0]["gated"], layers[0]["out_w"], h, rows=rows).float()
+    for rows, warps in VARIANTS:
+        got = staged_out_proj(layers[0]["gated"], layers[0]["out_w"], h, rows=rows, warps=warps).float()
         want = out_proj_alone(h, layers[0]).float()
         rel = ((got - want).norm() / (want - h.float()).norm()).item()
-        print(f"staged ({rows} rows per program) vs product out_proj: rel err of the projection {rel:.2e}", flush=True)
+        print(f"staged ({rows} rows per program, {warps} warps) vs product out_proj: rel err of the projection "
+              f"{rel:.2e}", flush=True)
         assert rel < 1e-2, rel
     product_launch = SU._launch_out_proj
     rows_out = []
@@ -164,15 +170,15 @@ def main() -> int:
 
     for rep in range(2):
         row(f"layer, product out_proj [{rep}]", layer)
-        for rows in (10, 20):
-            CONFIG["rows"] = rows
+        for rows, warps in VARIANTS:
+            CONFIG.update(rows=rows, warps=warps)
             SU._launch_out_proj = _launch_staged
             try:
-                row(f"layer, staged out_proj ({rows} rows per program) [{rep}]", layer)
-                row(f"step + staged out_proj ({rows} rows) [{rep}]", step_and_out_proj)
+                row(f"layer, staged out_proj ({rows} rows per program, {warps} warps) [{rep}]", layer)
+                row(f"step + staged out_proj ({rows} rows, {warps} warps) [{rep}]", step_and_out_proj)
             finally:
                 SU._launch_out_proj = product_launch
-            row(f"staged out_proj alone, chained ({rows} rows) [{rep}]", out_proj_alone_staged)
+            row(f"staged out_proj alone, chained ({rows} rows, {warps} warps) [{rep}]", out_proj_alone_staged)
         row(f"step + product out_proj [{rep}]", step_and_out_proj)
         row(f"product out_proj alone, chained [{rep}]", out_proj_alone)
         row(f"in_proj alone, chained [{rep}]", in_proj_alone)
