@@ -28,6 +28,7 @@ from step_cost_probe import (
     layer,
     make_layer,
     out_proj_alone,
+    print_rows,
     step_and_out_proj,
 )
 from triton.experimental import gluon
@@ -122,7 +123,7 @@ def staged_out_proj(gated, w, residual, eps=1e-5, rows=None, warps=None):
     n, k = w.shape
     rows, warps = rows or CONFIG["rows"], warps or CONFIG["warps"]
     rb = 2 if rows % 2 == 0 else 1
-    kc = 1024 if warps == 4 or rb == 2 else 2048  # one [rb, kc] slot: 8 elements per thread per row and pass
+    kc = 1024  # one [rb, kc] slot; the layout spans 8 * 32 * warps // rb columns (512-1024 in VARIANTS)
     if k % kc or n % rows:
         raise ValueError(f"staged_out_proj: shape {(n, k)} / {rows} rows per program not supported")
     y = torch.empty(1, n, device=w.device, dtype=torch.bfloat16)
@@ -182,9 +183,7 @@ def main() -> int:
         row(f"step + product out_proj [{rep}]", step_and_out_proj)
         row(f"product out_proj alone, chained [{rep}]", out_proj_alone)
         row(f"in_proj alone, chained [{rep}]", in_proj_alone)
-    print(f"\n{'per layer (64 layers per graph)':<62} {'us':>7}")
-    for what, us in rows_out:
-        print(f"{what:<62} {us:7.2f}")
+    print_rows(rows_out)
     print(f"out_proj at the copy rate {out_us:.2f} us")
     return 0
 

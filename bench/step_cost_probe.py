@@ -156,10 +156,12 @@ def tree_rows(spec: str, bw: float) -> None:
         print(f"{what:<56} {us:7.2f}")
 
 
-def _print_rows(rows) -> None:
-    print(f"\n{'per layer (64 layers per graph)':<56} {'us':>7}")
+def print_rows(rows) -> None:
+    """The (what, us per layer) rows as a table, after the timings."""
+    width = max(56, *(len(what) for what, _ in rows))
+    print(f"\n{'per layer (64 layers per graph)':<{width}} {'us':>7}")
     for what, us in rows:
-        print(f"{what:<56} {us:7.2f}")
+        print(f"{what:<{width}} {us:7.2f}")
 
 
 def main() -> int:
@@ -204,7 +206,7 @@ def main() -> int:
                     GV.TUNED[(n_in, D_MODEL)] = cfg
                 row(f"layer, in_proj {what} [{rep}]", layer)
             GV.TUNED.pop((n_in, D_MODEL), None)
-        _print_rows(rows)
+        print_rows(rows)
         return 0
     for rep in range(2):
         row(f"layer (in_proj, step, out_proj) [{rep}]", layer)
@@ -215,7 +217,7 @@ def main() -> int:
         row(f"in_proj GEMV alone [{rep}]", in_proj_alone)
         row(f"out_proj GEMV alone [{rep}]", out_proj_alone)
         row(f"step kernel + out_proj [{rep}]", step_and_out_proj)
-    _print_rows(rows)
+    print_rows(rows)
     print(f"floors at the copy rate: in_proj {in_us:.2f}, out_proj {out_us:.2f}, state {state_us:.2f} us")
     return 0
 
