@@ -11,13 +11,15 @@
 // consumers by up to the ring's size across the grid-wide barriers between phases; the bus stays
 // busy while the consumers wait for the other CTAs.
 //
-// What made it work (runs 119-131, BENCHMARKS.md round 11): at most one 40 KB copy per CTA in
+// What made it work (runs 119-133, BENCHMARKS.md round 11): at most one 40 KB copy per CTA in
 // flight (IN_FLIGHT), the rest of the ring filling only with landed data. With every free slot
 // in flight, the barrier's atomics and polls and the step's loads queue behind ~20 MB of copies
 // and a deeper ring only lengthened that queue (45 us per layer, any depth); with one copy in
-// flight the stream still runs at the copy rate and a deeper ring hides more (33 us at 5 slots).
+// flight the stream still runs at the copy rate and a deeper ring hides more (33-34.5 us at 5 slots).
 // Also: the step's inputs that no phase writes are read before the barriers, and the barrier is
-// CUTLASS's release/acquire pattern without fence.sc (each fence.sc cost ~0.7 us per layer).
+// CUTLASS's release/acquire pattern without fence.sc (the two fence.sc per barrier of the first
+// version cost 1.5-3.3 us per layer). One 40 KB copy in flight is also about the least that keeps
+// the stream at the copy rate (PARTS=2: one 20 KB copy in flight lost bandwidth, run 133).
 //
 // Layer (mamba2-2.7b shape, batch 1, bf16 weights, fp32 SSM state):
 //   A  in_proj:  zx = bf16(rsqrt(mean(h^2) + eps) * (W_in h))          rows split across CTAs
@@ -50,6 +52,11 @@ constexpr int CONSUMER_WARPS = 8;
 constexpr int CONSUMERS = CONSUMER_WARPS * 32;
 constexpr int THREADS = CONSUMERS + 32;  // + one producer warp
 constexpr int CHUNKS = SEG / 8 / 32;     // 16-byte chunks of a segment per lane (10)
+#ifndef PARTS  // copies (and full barriers) per slot: 2 halves the bytes of one copy in flight
+#define PARTS 1
+#endif
+constexpr int PART_BYTES = SLOT_BYTES / PARTS;
+static_assert(SLOT_SEGS % PARTS == 0 && CONSUMER_WARPS % PARTS == 0, "whole segments and warps per part");
 constexpr int MAX_STATE_ROWS = 64;       // state rows (x channels) per CTA: the step's shared arrays
 constexpr int ROWS_PER_WARP = MAX_STATE_ROWS / CONSUMER_WARPS;
 static_assert(SEG % 256 == 0, "a segment is whole 16-byte chunks for every lane");
@@ -222,8 +229,8 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
   float* step_decay = step_dx + 64;     // exp(dt * A),
   float* step_xd = step_decay + 64;     // x * D,
   float* step_gate = step_xd + 64;      // silu(z)
-  uint64_t* full = reinterpret_cast<uint64_t*>(step_gate + 64);
-  uint64_t* empty = full + N_SLOTS;
+  uint64_t* full = reinterpret_cast<uint64_t*>(step_gate + 64);  // one per part of a slot
+  uint64_t* empty = full + N_SLOTS * PARTS;
 
   const int cta = blockIdx.x, ctas = gridDim.x;
   const int in_lo = split_lo(NIN, cta, ctas), in_hi = split_lo(NIN, cta + 1, ctas);
@@ -233,7 +240,7 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < N_SLOTS; ++i) {
-      mbar_init(full + i, 1);
+      for (int part = 0; part < PARTS; ++part) mbar_init(full + i * PARTS + part, 1);
       mbar_init(empty + i, CONSUMER_WARPS);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -248,17 +255,23 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
       auto issue = [&](const void* src, uint32_t bytes) {
         const int slot = k % N_SLOTS;
         mbar_wait(empty + slot, ((k / N_SLOTS) & 1) ^ 1);
+        for (int part = 0; part < PARTS; ++part) {  // PARTS copies per slot, each its own barrier
+          const unsigned c = k * PARTS + part;      // copies issued before this one
 #if IN_FLIGHT > 0
-        // At most IN_FLIGHT copies of this CTA in the memory system at once: the grid barrier's
-        // atomics and polls, and the step's loads, queue behind every byte in flight, so the
-        // rest of the ring fills only with landed data (wait for the copy IN_FLIGHT back).
-        if (k >= IN_FLIGHT) {
-          const unsigned back = k - IN_FLIGHT;
-          mbar_wait(full + back % N_SLOTS, (back / N_SLOTS) & 1);
-        }
+          // At most IN_FLIGHT copies of this CTA in the memory system at once: the grid
+          // barrier's atomics and polls, and the step's loads, queue behind every byte in
+          // flight, so the rest of the ring fills only with landed data (wait for the copy
+          // IN_FLIGHT back).
+          if (c >= IN_FLIGHT) {
+            const unsigned back = c - IN_FLIGHT;
+            mbar_wait(full + back % (N_SLOTS * PARTS), (back / (N_SLOTS * PARTS)) & 1);
+          }
 #endif
-        mbar_expect_tx(full + slot, bytes);
-        bulk_load(ring + slot * SLOT_BYTES, src, bytes, full + slot, policy);
+          const uint32_t lo = part * PART_BYTES, n = bytes > lo ? min(bytes - lo, (uint32_t)PART_BYTES) : 0;
+          mbar_expect_tx(full + slot * PARTS + part, n);  // an empty part completes its phase here
+          if (n) bulk_load(ring + slot * SLOT_BYTES + lo, static_cast<const unsigned char*>(src) + lo, n,
+                           full + slot * PARTS + part, policy);
+        }
         ++k;
       };
       for (int l = 0; l < n_layers; ++l) {
@@ -274,11 +287,14 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
   }
 
   unsigned k = 0, rounds = 0;  // slots consumed, grid barriers passed
-  auto acquire = [&]() -> const unsigned char* {
+  // A warp waits for the part of the slot that holds its segment (all warps: part 0, which
+  // holds the whole state slice, in the step).
+  auto acquire = [&](int part) -> const unsigned char* {
     const int slot = k % N_SLOTS;
-    mbar_wait(full + slot, (k / N_SLOTS) & 1);
+    mbar_wait(full + slot * PARTS + part, (k / N_SLOTS) & 1);
     return ring + slot * SLOT_BYTES;
   };
+  const int my_part = warp * PARTS / CONSUMER_WARPS;
   auto release = [&]() {
     __syncwarp();
     if (lane == 0) mbar_arrive(empty + (k % N_SLOTS));
@@ -322,7 +338,7 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
     load_segment(h, lane, x);
     const float r_in = rsqrtf(sum_squares(x) / D + eps);
     for (int r = in_lo; r < in_hi; r += SLOT_SEGS) {
-      const unsigned char* slot = acquire();
+      const unsigned char* slot = acquire(my_part);
       if (warp < in_hi - r) {
         const float dot = TIMED_DOT(slot + warp * SEG_BYTES, lane, x);
         if (lane == 0) zx[r + warp] = __float2bfloat16(dot * r_in);
@@ -364,7 +380,7 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
     consumers_sync();
 #endif
     {
-      const unsigned char* slot = acquire();
+      const unsigned char* slot = acquire(0);
 #ifndef NO_STEP
       const float4 Bv = reinterpret_cast<const float4*>(bc)[lane];
       const float4 Cv = reinterpret_cast<const float4*>(bc + S)[lane];
@@ -415,7 +431,7 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
     ss += sum_squares(x);
     const float r_out = rsqrtf(ss / DI + eps);
     for (int r = out_lo, i = 0; r < out_hi; r += SLOT_SEGS / 2, i += SLOT_SEGS / 2) {
-      const unsigned char* slot = acquire();
+      const unsigned char* slot = acquire(my_part);
       if ((warp >> 1) < out_hi - r) {
         const float dot = TIMED_DOT(slot + warp * SEG_BYTES, lane, x);
         if (lane == 0) partial[2 * (i + (warp >> 1)) + half] = dot;

@@ -52,11 +52,12 @@ class StreamKernel:
                         os.path.join(HERE, "stream_layers.cu")], check=True)
         self.module = cp.RawModule(path=cubin)  # held: a freed module is unloaded under its function
         self.fn = self.module.get_function("stream_layers")
-        self.smem = slots * SLOT_BYTES + (2 * S + 64 + 4 * 64) * 4 + 2 * slots * 8
+        self.smem = slots * SLOT_BYTES + (2 * S + 64 + 4 * 64) * 4 + 3 * slots * 8
         self.fn.max_dynamic_shared_size_bytes = self.smem
         self.ctas = torch.cuda.get_device_properties(0).multi_processor_count
-        if -(-D_MODEL // self.ctas) > 32 or -(-D_INNER // self.ctas) > 64:
-            raise ValueError("the kernel holds at most 32 out_proj rows and 64 state rows per CTA")
+        parts = int(dict(d.split("=") for d in defines if "=" in d).get("PARTS", 1))
+        if -(-D_MODEL // self.ctas) > 32 or -(-D_INNER // self.ctas) * S * 4 > SLOT_BYTES // parts:
+            raise ValueError("the kernel holds at most 32 out_proj rows and one slot part of state rows per CTA")
         dev = "cuda"
         # NaN-filled: a read before the write it should follow shows in the checks
         self.zx = torch.full((2 * D_INNER + 2 * S + H,), float("nan"), device=dev, dtype=torch.bfloat16)
