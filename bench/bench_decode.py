@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 import time
 
@@ -22,7 +23,7 @@ import torch
 
 from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
-from ssmspec.ops import dispatch, pdl
+from ssmspec.ops import dispatch, pdl, stream_layers
 from ssmspec.ops.gemv import triton as gemv
 from ssmspec.trees.tree import Tree
 
@@ -175,6 +176,8 @@ def main() -> int:
     ap.add_argument("--preset", default="mamba2-2.7b")
     ap.add_argument("--trees", default="3,2,1;3,4,2,1", help="tree configurations separated by ';'")
     ap.add_argument("--skip-reference", action="store_true", help="skip the slow reference-backend rows")
+    ap.add_argument("--skip-stream-layers", action="store_true",
+                    help="skip the AR row of the one-launch layer stack (ops/stream_layers; its first build takes ~1 min)")
     ap.add_argument("--skip-unfolded", action="store_true",
                     help="time only the model with its norm weights folded (models/fold.py), not also the original")
     ap.add_argument("--profile", action="store_true",
@@ -270,6 +273,25 @@ def main() -> int:
                     gemv.TUNED.clear()
                     gemv.TUNED.update(saved)
             record("AR step CUDA graph [folded, timed again after the variants]", step_graph_ms(m)[0])
+            reason = stream_layers.unsupported_reason(m, 1, torch.device("cuda"))
+            if args.skip_stream_layers or reason is not None:
+                print(f"  (one-launch layer stack not timed: {reason or '--skip-stream-layers'})")
+            else:  # ops/stream_layers: every layer in one persistent launch (opt-in in the product)
+                os.environ[stream_layers.cuda.ENV] = "1"
+                try:
+                    record("AR step CUDA graph [folded, one-launch layer stack]", step_graph_ms(m)[0])
+                    stream_layers.cuda.USE_PDL = False
+                    record("AR step CUDA graph [folded, one-launch layer stack, no PDL]", step_graph_ms(m)[0])
+                    stream_layers.cuda.USE_PDL = True
+                    record("AR step CUDA graph [folded, one-launch layer stack, again]", step_graph_ms(m)[0])
+                    cache = prefilled_cache(m, prompt, 256)
+                    a, b = step_logits[name].double(), StepGraph(m, cache)(ids).double()
+                    del cache
+                finally:
+                    del os.environ[stream_layers.cuda.ENV]
+                RESULTS["step_logits_rel_err_stream_layers"] = rel = ((a - b).norm() / a.norm()).item()
+                print(f"  step logits [one-launch layer stack] vs [folded]: rel err {rel:.2e}, same argmax "
+                      f"{bool((a.argmax(-1) == b.argmax(-1)).all())}", flush=True)
     base = step_logits.get("reference", step_logits.get("unfolded"))
     for name in variants:
         if base is not None and base is not step_logits[name]:

@@ -1,8 +1,10 @@
-"""Probe: the persistent weight-streaming layer kernel (bench/stream_layers.cu) against the product.
+"""Probe: the persistent weight-streaming layer kernel (ssmspec/ops/stream_layers/kernel.cu) against
+the product's three launches per layer.
 
 64 layers of distinct random bf16 weights at the mamba2-2.7b mixer shape (step_cost_probe's
-`make_layer`). The kernel is built with nvcc for sm_90a and launched through CuPy (both on the
-GPU machine; neither is a dependency of ssmspec). It first checks the kernel against the
+`make_layer`). The kernel is built alone with nvcc for sm_90a, once per set of its -D switches
+(seconds each, against the model path's torch extension build), and launched through CuPy (on
+the GPU machine; not a dependency of ssmspec). It first checks the kernel against the
 product's kernels (`step_cost_probe.layer`: in_proj GEMV, step, out_proj) over 1 and 4 layers
 from the same states, then times 64 layers: the product's chain in one CUDA graph, and one
 launch of the streaming kernel (plus the memset of its barrier counter), us per layer, in one
@@ -33,7 +35,7 @@ from step_cost_probe import (
     print_rows,
 )
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+KERNEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ssmspec", "ops", "stream_layers", "kernel.cu")
 SLOT_BYTES = 8 * D_MODEL * 2
 FIELDS = ("in_w", "out_w", "conv_w", "conv_b", "dt_bias", "A_log", "D", "cs", "ss")  # the kernel's `Layer`
 
@@ -48,8 +50,8 @@ class StreamKernel:
         self.slots, self.defines = slots, defines
         cubin = os.path.join(tempfile.mkdtemp(), f"stream_layers_{slots}.cubin")
         subprocess.run(["nvcc", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-diag-suppress", "177,550",
-                        f"-DN_SLOTS={slots}", *(f"-D{d}" for d in defines), "-o", cubin,
-                        os.path.join(HERE, "stream_layers.cu")], check=True)
+                        f"-DN_SLOTS={slots}", "-DPARAM_T=float", *(f"-D{d}" for d in defines), "-o", cubin, KERNEL],
+                       check=True)  # make_layer's dt_bias, A_log and D are fp32
         self.module = cp.RawModule(path=cubin)  # held: a freed module is unloaded under its function
         self.fn = self.module.get_function("stream_layers")
         self.smem = slots * SLOT_BYTES + (2 * S + 64 + 4 * 64) * 4 + 3 * slots * 8
@@ -76,7 +78,8 @@ class StreamKernel:
         assert torch.cuda.current_stream().cuda_stream != 0
         args = (np.uint64(table.data_ptr()), np.int32(n_layers), np.uint64(h.data_ptr()), np.uint64(out.data_ptr()),
                 np.uint64(self.zx.data_ptr()), np.uint64(self.g.data_ptr()), np.uint64(self.hbuf.data_ptr()),
-                np.uint64(self.counter.data_ptr()), np.float32(1e-5), np.float32(0.0), np.float32(np.inf))
+                np.uint64(self.counter.data_ptr()), np.float32(1e-5), np.float32(1e-5), np.float32(0.0),
+                np.float32(np.inf), np.uint64(0), np.uint64(0), np.int32(0), np.float32(0.0), np.uint64(0))  # no LM head
         with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
             self.fn((self.ctas,), (288,), args, shared_mem=self.smem)
 

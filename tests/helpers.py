@@ -42,6 +42,21 @@ def tiny_model(layers=("mamba", "mamba"), vocab_size: int = 64, seed: int = 0, s
     return init_weights(model, seed=seed, std=std).eval()
 
 
+def kernel_shaped_model(layers=("mamba", "mamba"), device="cpu"):
+    """The smallest bf16 model that ops/stream_layers runs: d_model 256, d_state 128, one group,
+    expand 2, norms folded."""
+    import dataclasses
+
+    from ssmspec.models import LanguageModel, MambaConfig
+    from ssmspec.models.init import init_weights
+
+    cfg = dataclasses.replace(tiny_config(layers), d_model=256,
+                              mamba=MambaConfig(n_heads=8, head_dim=64, d_state=128, n_groups=1, chunk_size=8))
+    model = init_weights(LanguageModel(cfg), seed=0, std=0.05).eval().to(device, torch.bfloat16)
+    model.fold_norm_weights_()  # after the move: folding is recorded per weight tensor
+    return model
+
+
 def run_interpreted(test_file: str) -> None:
     """Run a kernel test file in a child pytest with TRITON_INTERPRET=1 and assert that it passed.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from ..ops import dispatch
 from .attention import Attention
@@ -104,7 +104,7 @@ class LanguageModel(nn.Module):
     def device(self) -> torch.device:
         return self.embeddings.weight.device
 
-    def fold_norm_weights_(self) -> "LanguageModel":
+    def fold_norm_weights_(self) -> LanguageModel:
         """Fold the norm weights into the projections after them (models/fold.py), in place: the
         same function, and the kernel paths fuse the norms into the projections."""
         from .fold import fold_norm_weights_
@@ -210,8 +210,35 @@ class LanguageModel(nn.Module):
             _, normed = dispatch.add_rms_norm(x, h, self.norm_f.weight, self.norm_f.eps)
         return dispatch.linear(normed, self.lm_head.weight, self.lm_head.bias).float(), acts
 
+    def _stream_layers(self, input_ids: torch.Tensor):
+        """The one-launch layer stack (ops/stream_layers) when the user asked for it
+        (SSMSPEC_STREAM_LAYERS=1) and it can run this model here; else None (with one warning
+        saying why, when asked for)."""
+        from ..ops import stream_layers
+
+        if not stream_layers.enabled() or input_ids.shape[0] != 1:
+            return None
+        runner = getattr(self, "_stream_runner", None)
+        if runner is None:
+            reason = stream_layers.unsupported_reason(self, 1, input_ids.device)
+            if reason is not None:
+                import warnings
+
+                warnings.warn(f"{stream_layers.cuda.ENV}=1, but the one-launch layer stack cannot run: {reason}; "
+                              "the decode step keeps the Triton kernels", stacklevel=3)
+                runner = False
+            else:
+                runner = stream_layers.StreamLayers(self, input_ids.device)
+            self._stream_runner = runner
+        return runner or None
+
     def _fused_step(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor:
         """`step` on the kernels, same math (see `_fused_stack`). input_ids (B, 1) -> logits (B, 1, V)."""
+        runner = self._stream_layers(input_ids)
+        if runner is not None:  # every layer, the final norm and the LM head in one launch
+            logits = runner(self.embeddings(input_ids)[:, 0], cache)
+            cache.seqlen += 1
+            return logits[:, None]
 
         def run_mixer(i, layer, normed):
             if layer.kind == "mamba":
