@@ -183,18 +183,25 @@ __device__ __forceinline__ float ld_l2_bf(const __nv_bfloat16* p) {
   return __uint_as_float(static_cast<uint32_t>(ld_l2_u16(p)) << 16);
 }
 
+// The eight bf16 values of a 16-byte chunk, as fp32 (the lower address in the lower half).
+__device__ __forceinline__ void unpack8(const uint4 u, float (&out)[8]) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    out[2 * q] = bf_lo(w[q]);
+    out[2 * q + 1] = bf_hi(w[q]);
+  }
+}
+
 // The lane's CHUNKS 16-byte chunks of one segment of an L2-resident bf16 vector, as fp32.
 __device__ __forceinline__ void load_segment(const __nv_bfloat16* v, int lane, float (&out)[CHUNKS * 8]) {
   const uint4* p = reinterpret_cast<const uint4*>(v);
 #pragma unroll
   for (int j = 0; j < CHUNKS; ++j) {
-    const uint4 u = ld_l2_u4(p + lane + 32 * j);
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+    float c[8];
+    unpack8(ld_l2_u4(p + lane + 32 * j), c);
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      out[8 * j + 2 * q] = bf_lo(w[q]);
-      out[8 * j + 2 * q + 1] = bf_hi(w[q]);
-    }
+    for (int i = 0; i < 8; ++i) out[8 * j + i] = c[i];
   }
 }
 
@@ -210,13 +217,10 @@ __device__ __forceinline__ float segment_dot(const unsigned char* seg, int lane,
   float acc = 0.0f;
 #pragma unroll
   for (int j = 0; j < CHUNKS; ++j) {
-    const uint4 u = p[lane + 32 * j];
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+    float w[8];
+    unpack8(p[lane + 32 * j], w);
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      acc = fmaf(bf_lo(w[q]), x[8 * j + 2 * q], acc);
-      acc = fmaf(bf_hi(w[q]), x[8 * j + 2 * q + 1], acc);
-    }
+    for (int i = 0; i < 8; ++i) acc = fmaf(w[i], x[8 * j + i], acc);
   }
   return warp_sum(acc);
 }
@@ -488,13 +492,10 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
     const uint4* wn = reinterpret_cast<const uint4*>(norm_w);
 #pragma unroll
     for (int j = 0; j < CHUNKS; ++j) {
-      const uint4 u = wn[lane + 32 * j];
-      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+      float w[8];
+      unpack8(wn[lane + 32 * j], w);
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        x[8 * j + 2 * q] = round_bf(x[8 * j + 2 * q] * r_f * bf_lo(w[q]));
-        x[8 * j + 2 * q + 1] = round_bf(x[8 * j + 2 * q + 1] * r_f * bf_hi(w[q]));
-      }
+      for (int i = 0; i < 8; ++i) x[8 * j + i] = round_bf(x[8 * j + i] * r_f * w[i]);
     }
     for (int r = lm_lo; r < lm_hi; r += SLOT_SEGS) {
       const unsigned char* slot = acquire(my_part);
