@@ -23,7 +23,6 @@ CONSUMER_THREADS = 256
 THREADS = CONSUMER_THREADS + 32
 USE_PDL = True
 """Launch with programmatic dependent launch where ops/pdl.py does (False: for a timing A/B only)."""
-FIELDS = ("in_w", "out_w", "conv_w", "conv_b", "dt_bias", "A_log", "D", "conv_state", "ssm_state")  # kernel's Layer
 
 _LAUNCHER = r"""
 #include <torch/extension.h>
@@ -138,9 +137,10 @@ class StreamLayers:
     Mamba layer, the final norm and the LM head.
 
     `runner(h, cache)`: h (1, d_model) bf16, the embedded token -> logits (1, vocab) fp32 (a new
-    tensor); conv and SSM states of `cache` advanced in place. The table of
-    layer pointers is rebuilt when the cache's state tensors change (not while a CUDA graph is
-    being captured: run the step once before capturing, as `decoding/graphs.py` does).
+    tensor); conv and SSM states of `cache` advanced in place. The table of layer pointers is
+    rebuilt whenever a weight or state tensor is another one than when it was built (not while a
+    CUDA graph is being captured: run the step once before capturing, as `decoding/graphs.py`
+    does).
     """
 
     def __init__(self, model, device: torch.device):
@@ -163,22 +163,23 @@ class StreamLayers:
         self._key, self._table = None, None
 
     def table(self, cache) -> torch.Tensor:
-        """The device array of the kernel's `Layer` structs for this cache."""
-        key = tuple((lc.conv_state.data_ptr(), lc.ssm_state.data_ptr()) for lc in cache.layers)
-        if key != self._key:
+        """The device array of the kernel's `Layer` structs (kernel.cu, in its field order) for this model
+        and cache."""
+        per_layer = [(m.in_proj.weight, m.out_proj.weight, m.conv1d.weight, m.conv1d.bias, m.dt_bias, m.A_log, m.D,
+                      lc.conv_state, lc.ssm_state)
+                     for m, lc in zip((layer.mixer for layer in self.model.layers), cache.layers)]
+        rows = [[t.data_ptr() for t in tensors] for tensors in per_layer]
+        if rows != self._key:
             if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("stream_layers: a new cache during CUDA-graph capture; run one step first")
-            rows = []
-            for layer, lc in zip(self.model.layers, cache.layers):
-                m = layer.mixer
-                tensors = (m.in_proj.weight, m.out_proj.weight, m.conv1d.weight, m.conv1d.bias, m.dt_bias, m.A_log,
-                           m.D, lc.conv_state, lc.ssm_state)
-                if not all(t.is_contiguous() for t in tensors) or lc.ssm_state.dtype != torch.float32 \
-                        or lc.conv_state.dtype != torch.bfloat16:
-                    raise ValueError("stream_layers: weights and states must be contiguous, states fp32 / conv bf16")
-                rows.append([t.data_ptr() for t in tensors])
+                raise RuntimeError("stream_layers: new weight or state tensors during CUDA-graph capture; "
+                                   "run one step first")
+            for tensors in per_layer:
+                if not all(t.is_contiguous() for t in tensors) or tensors[-1].dtype != torch.float32 \
+                        or tensors[-2].dtype != torch.bfloat16:
+                    raise ValueError("stream_layers: weights and states must be contiguous, the SSM state fp32 and "
+                                     "the conv state bf16")
             self._table = torch.tensor(rows, dtype=torch.int64, device=self.zx.device)
-            self._key = key
+            self._key = rows
         return self._table
 
     def __call__(self, h: torch.Tensor, cache) -> torch.Tensor:
