@@ -40,23 +40,36 @@ SLOT_BYTES = 8 * D_MODEL * 2
 FIELDS = ("in_w", "out_w", "conv_w", "conv_b", "dt_bias", "A_log", "D", "cs", "ss")  # the kernel's `Layer`
 
 
-class StreamKernel:
-    """stream_layers.cu built with `slots` ring slots, launched on torch's current stream."""
+class CubinKernel:
+    """A kernel built alone with nvcc for sm_90a (each -D switch set its own cubin, in seconds) and
+    launched through CuPy on torch's current stream."""
 
-    def __init__(self, slots: int, defines: tuple[str, ...] = ()):
+    def __init__(self, source: str, name: str, defines: tuple[str, ...], smem: int):
         import cupy as cp
 
-        self.cp = cp
-        self.slots, self.defines = slots, defines
-        cubin = os.path.join(tempfile.mkdtemp(), f"stream_layers_{slots}.cubin")
+        self.cp, self.smem = cp, smem
+        cubin = os.path.join(tempfile.mkdtemp(), f"{name}.cubin")
         subprocess.run(["nvcc", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-diag-suppress", "177,550",
-                        f"-DN_SLOTS={slots}", "-DPARAM_T=float", *(f"-D{d}" for d in defines), "-o", cubin, KERNEL],
-                       check=True)  # make_layer's dt_bias, A_log and D are fp32
+                        *(f"-D{d}" for d in defines), "-o", cubin, source], check=True)
         self.module = cp.RawModule(path=cubin)  # held: a freed module is unloaded under its function
-        self.fn = self.module.get_function("stream_layers")
-        self.smem = slots * SLOT_BYTES + (2 * S + 64 + 4 * 64) * 4 + 3 * slots * 8
-        self.fn.max_dynamic_shared_size_bytes = self.smem
+        self.fn = self.module.get_function(name)
+        self.fn.max_dynamic_shared_size_bytes = smem
         self.ctas = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def launch(self, threads: int, args: tuple) -> None:
+        assert torch.cuda.current_stream().cuda_stream != 0
+        with self.cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            self.fn((self.ctas,), (threads,), args, shared_mem=self.smem)
+
+
+class StreamKernel(CubinKernel):
+    """kernel.cu built with `slots` ring slots."""
+
+    def __init__(self, slots: int, defines: tuple[str, ...] = ()):
+        self.slots, self.defines = slots, defines
+        # make_layer's dt_bias, A_log and D are fp32
+        super().__init__(KERNEL, "stream_layers", (f"N_SLOTS={slots}", "PARAM_T=float", *defines),
+                         slots * SLOT_BYTES + (2 * S + 64 + 4 * 64) * 4 + 3 * slots * 8)
         parts = int(dict(d.split("=") for d in defines if "=" in d).get("PARTS", 1))
         if -(-D_MODEL // self.ctas) > 32 or -(-D_INNER // self.ctas) * S * 4 > SLOT_BYTES // parts:
             raise ValueError("the kernel holds at most 32 out_proj rows and one slot part of state rows per CTA")
@@ -73,15 +86,12 @@ class StreamKernel:
         return torch.tensor(ptrs, dtype=torch.int64, device="cuda")
 
     def __call__(self, table: torch.Tensor, n_layers: int, h: torch.Tensor, out: torch.Tensor) -> None:
-        cp = self.cp
         self.counter.zero_()
-        assert torch.cuda.current_stream().cuda_stream != 0
         args = (np.uint64(table.data_ptr()), np.int32(n_layers), np.uint64(h.data_ptr()), np.uint64(out.data_ptr()),
                 np.uint64(self.zx.data_ptr()), np.uint64(self.g.data_ptr()), np.uint64(self.hbuf.data_ptr()),
                 np.uint64(self.counter.data_ptr()), np.float32(1e-5), np.float32(1e-5), np.float32(0.0),
                 np.float32(np.inf), np.uint64(0), np.uint64(0), np.int32(0), np.float32(0.0), np.uint64(0))  # no LM head
-        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-            self.fn((self.ctas,), (288,), args, shared_mem=self.smem)
+        self.launch(288, args)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

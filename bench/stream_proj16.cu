@@ -1,0 +1,286 @@
+// Probe: the verify's two projections for a 16-node tree (batch 1) with ops/stream_layers' weight
+// stream, on tensor cores. bench/stream_proj16_probe.py builds it, checks it against torch and
+// times it against the product's skinny GEMMs. Only the projections: per layer
+//   A  in_proj:  zx[n] = bf16(rms(h[n]) * (W_in h[n]))                  n = 0..15, rows split across CTAs
+//   C  out_proj: h'[n] = bf16(h[n] + bf16(rms(g[n]) * (W_out g[n])))     g fixed (no tree conv / scan)
+// with a grid barrier after each phase, as a verify layer would have around its tree scan.
+//
+// The weights stream as in kernel.cu: one producer thread, a ring of shared-memory slots of 8
+// weight rows, at most one slot's copies in flight. Each row is its own bulk copy into a row of
+// 2560 + 8 elements, so that ldmatrix reads 8 rows without bank conflicts. The dot products are
+// mma.sync m16n8k16: A = 16 nodes x 16 columns of the activations (held in registers for the whole
+// phase: warp w owns columns [320 w, 320 w + 320) of every slot), B = 16 columns x 8 weight rows
+// from the slot, C = 16 x 8 partial sums per warp, summed across the 8 warps through shared memory.
+// out_proj streams the first halves (columns 0..2559) of the CTA's rows, then the second halves.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#ifndef N_SLOTS
+#define N_SLOTS 4
+#endif
+#ifndef IN_FLIGHT
+#define IN_FLIGHT 1
+#endif
+
+namespace {
+
+constexpr int D = 2560, DI = 5120, NIN = 10576, NT = 16;
+constexpr int ROWS = 8;                      // weight rows per slot (mma N)
+constexpr int ROW_BYTES = D * 2;             // one in_proj row, half an out_proj row
+constexpr int ROW_STRIDE = ROW_BYTES + 16;   // padded: consecutive rows start 16 bytes apart in the banks
+constexpr int SLOT_BYTES = ROWS * ROW_STRIDE;
+constexpr int WARPS = 8, CONSUMERS = WARPS * 32, THREADS = CONSUMERS + 32;
+constexpr int KW = D / WARPS;                // columns per warp (320)
+constexpr int STEPS = KW / 16;               // mma k-steps per warp per slot (20)
+constexpr int MAX_OUT_ROWS = 32;
+static_assert(KW % 32 == 0, "k-steps in pairs (ldmatrix.x4)");
+
+__device__ __forceinline__ uint32_t saddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint64_t* b, uint32_t n) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(saddr(b)), "r"(n));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* b, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(saddr(b)), "r"(parity) : "memory");
+  }
+}
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar, uint64_t policy) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+               ::"r"(saddr(dst)), "l"(src), "r"(bytes), "r"(saddr(bar)), "l"(policy) : "memory");
+}
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory"); }
+__device__ __forceinline__ void grid_sync(unsigned* counter, unsigned round) {
+  consumers_sync();
+#ifdef NO_GRID_SYNC  // timing only (wrong results)
+  return;
+#endif
+  if (threadIdx.x == 0) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+    unsigned seen;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+    } while (seen < round * gridDim.x);
+  }
+  consumers_sync();
+}
+// Two bf16 of what another CTA wrote before the last grid barrier (L2, not hoistable).
+__device__ __forceinline__ uint32_t ld_l2_b32(const void* p) {
+  uint32_t v;
+  asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ float sq2(uint32_t u) {
+  const float lo = __uint_as_float(u << 16), hi = __uint_as_float(u & 0xffff0000u);
+  return lo * lo + hi * hi;
+}
+__device__ __forceinline__ float round_bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
+__device__ __forceinline__ int split_lo(int n, int part, int parts) { return (int)(((long long)n * part) / parts); }
+
+// The warp's A fragments (16 nodes x its 320 columns of one 2560-wide half) of x (NT rows of
+// `stride` elements), and the partial sums of squares of nodes lane/4 and lane/4 + 8.
+__device__ __forceinline__ void load_a(const __nv_bfloat16* x, int stride, int col0, int lane, uint32_t (&a)[STEPS][4],
+                                       float& sq_lo, float& sq_hi) {
+  const int m = lane >> 2, c = 2 * (lane & 3);
+#pragma unroll
+  for (int s = 0; s < STEPS; ++s) {
+    const int k = col0 + s * 16 + c;
+    a[s][0] = ld_l2_b32(x + m * stride + k);
+    a[s][1] = ld_l2_b32(x + (m + 8) * stride + k);
+    a[s][2] = ld_l2_b32(x + m * stride + k + 8);
+    a[s][3] = ld_l2_b32(x + (m + 8) * stride + k + 8);
+    sq_lo += sq2(a[s][0]) + sq2(a[s][2]);
+    sq_hi += sq2(a[s][1]) + sq2(a[s][3]);
+  }
+}
+
+// C (16 nodes x 8 rows) += A (the warp's columns) x B (the slot's 8 rows over the same columns).
+__device__ __forceinline__ void slot_mma(const unsigned char* slot, int col0, int lane, const uint32_t (&a)[STEPS][4],
+                                         float (&c)[4]) {
+  // ldmatrix.x4: threads 0-7 / 8-15 / 16-23 / 24-31 address rows 0-7 of the k-blocks +0 / +8 / +16 / +24
+  const uint32_t base = saddr(slot) + (lane & 7) * ROW_STRIDE + (col0 + (lane >> 3) * 8) * 2;
+#pragma unroll
+  for (int s = 0; s < STEPS; s += 2) {
+    uint32_t b0, b1, b2, b3;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(base + s * 32));
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[s][0]), "r"(a[s][1]), "r"(a[s][2]), "r"(a[s][3]), "r"(b0), "r"(b1));
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[s + 1][0]), "r"(a[s + 1][1]), "r"(a[s + 1][2]), "r"(a[s + 1][3]), "r"(b2), "r"(b3));
+  }
+}
+
+}  // namespace
+
+struct Layer16 {
+  const __nv_bfloat16* in_w;   // (NIN, D)
+  const __nv_bfloat16* out_w;  // (D, DI)
+};
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+stream_proj16(const Layer16* __restrict__ layers, int n_layers, const __nv_bfloat16* h_in, __nv_bfloat16* h_out,
+              const __nv_bfloat16* g, __nv_bfloat16* zx, __nv_bfloat16* hbuf, unsigned* counter, float eps) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* ring = smem;
+  float* red = reinterpret_cast<float*>(smem + N_SLOTS * SLOT_BYTES);  // [WARPS][NT][ROWS] partial C
+  float* acc = red + WARPS * NT * ROWS;                                 // [NT][MAX_OUT_ROWS] out_proj sums
+  float* sq = acc + NT * MAX_OUT_ROWS;                                  // [WARPS][NT] sums of squares
+  float* rms = sq + WARPS * NT;                                         // [NT]
+  uint64_t* full = reinterpret_cast<uint64_t*>(rms + NT);
+  uint64_t* empty = full + N_SLOTS;
+
+  const int cta = blockIdx.x, ctas = gridDim.x;
+  const int in_lo = split_lo(NIN, cta, ctas), in_hi = split_lo(NIN, cta + 1, ctas);
+  const int out_lo = split_lo(D, cta, ctas), out_hi = split_lo(D, cta + 1, ctas);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = threadIdx.x;
+  if (t == 0) {
+    for (int i = 0; i < N_SLOTS; ++i) {
+      mbar_init(full + i, 1);
+      mbar_init(empty + i, WARPS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == WARPS) {  // producer
+    if (lane == 0) {
+      uint64_t policy;
+      asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+      unsigned k = 0;
+      auto issue = [&](const __nv_bfloat16* first_row, int row_elems, int rows) {
+        const int slot = k % N_SLOTS;
+        mbar_wait(empty + slot, ((k / N_SLOTS) & 1) ^ 1);
+        if (k >= IN_FLIGHT) {  // at most IN_FLIGHT slots in flight (see ops/stream_layers/kernel.cu)
+          const unsigned back = k - IN_FLIGHT;
+          mbar_wait(full + back % N_SLOTS, (back / N_SLOTS) & 1);
+        }
+        mbar_expect_tx(full + slot, rows * ROW_BYTES);
+        for (int r = 0; r < rows; ++r)
+          bulk_load(ring + slot * SLOT_BYTES + r * ROW_STRIDE, first_row + (size_t)r * row_elems, ROW_BYTES,
+                    full + slot, policy);
+        ++k;
+      };
+      for (int l = 0; l < n_layers; ++l) {
+        const Layer16 L = layers[l];
+        for (int r = in_lo; r < in_hi; r += ROWS) issue(L.in_w + (size_t)r * D, D, min(ROWS, in_hi - r));
+        for (int half = 0; half < 2; ++half)
+          for (int r = out_lo; r < out_hi; r += ROWS)
+            issue(L.out_w + (size_t)r * DI + half * D, DI, min(ROWS, out_hi - r));
+      }
+    }
+    return;
+  }
+
+  unsigned k = 0, rounds = 0;
+  auto acquire = [&]() -> const unsigned char* {
+    mbar_wait(full + k % N_SLOTS, (k / N_SLOTS) & 1);
+    return ring + (k % N_SLOTS) * SLOT_BYTES;
+  };
+  auto release = [&]() {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + k % N_SLOTS);
+    ++k;
+  };
+  // The 16 x 8 sums of one slot: every warp's partial C through shared memory, then thread t < 128
+  // holds node t / 8, row t % 8. Returns that sum.
+  auto reduce_slot = [&](const float (&c)[4]) -> float {
+    const int m = lane >> 2, n = 2 * (lane & 3);
+    float* mine = red + warp * NT * ROWS;
+    mine[m * ROWS + n] = c[0];
+    mine[m * ROWS + n + 1] = c[1];
+    mine[(m + 8) * ROWS + n] = c[2];
+    mine[(m + 8) * ROWS + n + 1] = c[3];
+    consumers_sync();
+    float s = 0.0f;
+    if (t < NT * ROWS) {
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) s += red[w * NT * ROWS + t];
+    }
+    consumers_sync();
+    return s;
+  };
+  // 1/rms of each node from the warps' partial sums of squares (over `width` columns).
+  auto node_rms = [&](float sq_lo, float sq_hi, int width) {
+    sq_lo += __shfl_xor_sync(0xffffffffu, sq_lo, 1);
+    sq_lo += __shfl_xor_sync(0xffffffffu, sq_lo, 2);
+    sq_hi += __shfl_xor_sync(0xffffffffu, sq_hi, 1);
+    sq_hi += __shfl_xor_sync(0xffffffffu, sq_hi, 2);
+    if ((lane & 3) == 0) {
+      sq[warp * NT + (lane >> 2)] = sq_lo;
+      sq[warp * NT + (lane >> 2) + 8] = sq_hi;
+    }
+    consumers_sync();
+    if (t < NT) {
+      float s = 0.0f;
+      for (int w = 0; w < WARPS; ++w) s += sq[w * NT + t];
+      rms[t] = rsqrtf(s / width + eps);
+    }
+    consumers_sync();
+  };
+
+#ifdef NO_REDUCE  // timing only (wrong results): no cross-warp sum per slot
+#define TIMED_REDUCE(c) (c[0])
+#else
+#define TIMED_REDUCE(c) reduce_slot(c)
+#endif
+  uint32_t a[STEPS][4];
+  const int col0 = warp * KW;
+  for (int l = 0; l < n_layers; ++l) {
+    const __nv_bfloat16* h = l == 0 ? h_in : hbuf + ((l - 1) & 1) * NT * D;
+    __nv_bfloat16* h_next = l == n_layers - 1 ? h_out : hbuf + (l & 1) * NT * D;
+
+    // A: in_proj
+    float sq_lo = 0.0f, sq_hi = 0.0f;
+    load_a(h, D, col0, lane, a, sq_lo, sq_hi);
+    node_rms(sq_lo, sq_hi, D);
+    for (int r = in_lo; r < in_hi; r += ROWS) {
+      const unsigned char* slot = acquire();
+      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#ifndef NO_MMA  // timing only (wrong results)
+      slot_mma(slot, col0, lane, a, c);
+#endif
+      release();
+      const float s = TIMED_REDUCE(c);
+      if (t < NT * ROWS && r + t % ROWS < in_hi) zx[(t / ROWS) * NIN + r + t % ROWS] = __float2bfloat16(s * rms[t / ROWS]);
+    }
+    grid_sync(counter, ++rounds);
+
+    // C: out_proj of the fixed g, both halves of the CTA's rows, then the residual add
+    for (int half = 0; half < 2; ++half) {
+      if (half == 0) sq_lo = sq_hi = 0.0f;
+      load_a(g, DI, half * D + col0, lane, a, sq_lo, sq_hi);
+      for (int r = out_lo, i = 0; r < out_hi; r += ROWS, i += ROWS) {
+        const unsigned char* slot = acquire();
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#ifndef NO_MMA
+        slot_mma(slot, col0, lane, a, c);
+#endif
+        release();
+        const float s = TIMED_REDUCE(c);
+        if (t < NT * ROWS && r + t % ROWS < out_hi) {
+          float& dst = acc[(t / ROWS) * MAX_OUT_ROWS + i + t % ROWS];
+          dst = half == 0 ? s : dst + s;
+        }
+      }
+    }
+    node_rms(sq_lo, sq_hi, DI);
+    for (int e = t; e < NT * (out_hi - out_lo); e += CONSUMERS) {
+      const int n = e / (out_hi - out_lo), j = e % (out_hi - out_lo), row = out_lo + j;
+      const float o = round_bf(acc[n * MAX_OUT_ROWS + j] * rms[n]);
+      const uint32_t hv = ld_l2_b32(h + n * D + (row & ~1));  // the pair holding h[n][row]
+      const float hr = __uint_as_float((row & 1) ? (hv & 0xffff0000u) : (hv << 16));
+      h_next[n * D + row] = __float2bfloat16(hr + o);
+    }
+    if (l + 1 < n_layers) grid_sync(counter, ++rounds);
+  }
+}

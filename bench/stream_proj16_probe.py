@@ -1,0 +1,114 @@
+"""Probe: the verify's projections for 16 tree nodes with the streaming design (bench/stream_proj16.cu).
+
+64 layers of distinct random bf16 weights at the mamba2-2.7b shape (step_cost_probe's `make_layer`),
+16 nodes. Per layer: in_proj of the nodes' residual stream (norm inside), a grid barrier, out_proj
+of a fixed gated input (norm inside) plus the residual add, a grid barrier: what a verify layer
+runs around its tree conv and scan. Checks the kernel against torch over 1 and 2 layers, then
+times it against the product's two skinny GEMMs (`dispatch.norm_linear`, as
+`step_cost_probe.py --tree` times "in_proj + out_proj only"), in one process, us per layer.
+
+Run on the device from the bench directory: python3 stream_proj16_probe.py [--slots 4,3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+import torch
+from bench_decode import copy_bandwidth, median_ms
+from step_cost_probe import D_INNER, D_MODEL, LAYERS, graph_us, make_layer, print_rows
+from stream_layers_probe import CubinKernel, rel
+
+NODES, EPS = 16, 1e-5
+N_IN = 2 * D_INNER + 2 * 128 + 80
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stream_proj16.cu")
+
+
+class Proj16Kernel(CubinKernel):
+    def __init__(self, slots: int, defines: tuple[str, ...] = ()):
+        self.slots, self.defines = slots, defines
+        smem = slots * 8 * (D_MODEL * 2 + 16) + (8 * NODES * 8 + NODES * 32 + 8 * NODES + NODES) * 4 + 2 * slots * 8
+        super().__init__(SOURCE, "stream_proj16", (f"N_SLOTS={slots}", *defines), smem)
+        self.zx = torch.full((NODES, N_IN), float("nan"), device="cuda", dtype=torch.bfloat16)
+        self.hbuf = torch.full((2, NODES, D_MODEL), float("nan"), device="cuda", dtype=torch.bfloat16)
+        self.counter = torch.zeros(1, device="cuda", dtype=torch.int32)
+
+    def __call__(self, table, n_layers, h, g, out):
+        self.counter.zero_()
+        self.launch(288, (np.uint64(table.data_ptr()), np.int32(n_layers), np.uint64(h.data_ptr()),
+                          np.uint64(out.data_ptr()), np.uint64(g.data_ptr()), np.uint64(self.zx.data_ptr()),
+                          np.uint64(self.hbuf.data_ptr()), np.uint64(self.counter.data_ptr()), np.float32(EPS)))
+
+
+def reference(layers, h, g):
+    """torch, fp32 math with the kernel's roundings: (the last layer's zx, the output)."""
+    gf = g.float()
+    rg = torch.rsqrt(gf.pow(2).mean(-1, keepdim=True) + EPS)
+    for L in layers:
+        hf = h.float()
+        zx = ((hf @ L["in_w"].float().T) * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS)).bfloat16()
+        o = ((gf @ L["out_w"].float().T) * rg).bfloat16()
+        h = (hf + o.float()).bfloat16()
+    return zx, h
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--slots", default="4,3", help="ring depths to build, check and time")
+    ap.add_argument("--timing-variants", default="",
+                    help="';'-separated sets of build switches timed but not checked, e.g. 'NO_GRID_SYNC;NO_MMA;"
+                         "NO_REDUCE;IN_FLIGHT=2', built with the first --slots")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    from ssmspec.ops import dispatch
+
+    dispatch.set_backend("triton")
+    bw = copy_bandwidth()
+    layers = [make_layer("cuda", torch.bfloat16) for _ in range(LAYERS)]
+    h = torch.randn(NODES, D_MODEL, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(NODES, D_INNER, device="cuda", dtype=torch.bfloat16)
+    floor_us = (layers[0]["in_w"].numel() + layers[0]["out_w"].numel()) * 2 / bw * 1e6
+    print(f"{torch.cuda.get_device_name()}; copy {bw / 1e12:.2f} TB/s; in_proj + out_proj weights per layer at that "
+          f"rate {floor_us:.1f} us", flush=True)
+    table = torch.tensor([[L["in_w"].data_ptr(), L["out_w"].data_ptr()] for L in layers], dtype=torch.int64,
+                         device="cuda")
+    kernels = [Proj16Kernel(int(s)) for s in args.slots.split(",")]
+    for kernel in kernels:
+        for n in (1, 2):
+            out = torch.empty_like(h)
+            torch.cuda.synchronize()
+            kernel(table, n, h, g, out)
+            torch.cuda.synchronize()
+            zx_ref, h_ref = reference(layers[:n], h, g)
+            errs = rel(kernel.zx, zx_ref), rel(out, h_ref)
+            print(f"  {n} layer(s), {kernel.slots} slots: rel err zx {errs[0]:.2e}, output {errs[1]:.2e}", flush=True)
+            if not (errs[0] < 1e-2 and errs[1] < 1e-2):
+                raise SystemExit("the 16-node streaming projections do not match torch")
+
+    for variant in filter(None, args.timing_variants.split(";")):
+        kernels.append(Proj16Kernel(kernels[0].slots, tuple(variant.split(","))))
+
+    def projections(x, L):  # the product's verify projections (step_cost_probe --tree's "in_proj + out_proj only")
+        dispatch.norm_linear(x, L["in_w"], None, 1, EPS)
+        return dispatch.norm_linear(g[None], L["out_w"], None, 1, EPS, residual=x)
+
+    rows = []
+    for rep in range(2):
+        rows.append((f"product: skinny in_proj + out_proj, 16 nodes (CUDA graph) [{rep}]",
+                     graph_us(projections, layers, h[None])))
+        print(f"  {rows[-1][0]:<60} {rows[-1][1]:7.2f} us", flush=True)
+        for kernel in kernels:
+            out = torch.empty_like(h)
+            us = median_ms(lambda k=kernel, o=out: k(table, LAYERS, h, g, o), iters=50) * 1000 / LAYERS
+            what = f"streaming, tensor cores, {kernel.slots} slots" + "".join(f", {d}" for d in kernel.defines)
+            rows.append((f"{what} [{rep}]", us))
+            print(f"  {rows[-1][0]:<60} {rows[-1][1]:7.2f} us", flush=True)
+    print_rows(rows)
+    print(f"in_proj + out_proj weights at the copy rate: {floor_us:.2f} us per layer")
+    return 0
+
+
+if __name__ == "__main__":
+    with torch.cuda.stream(torch.cuda.Stream()):  # a real stream handle for CuPy (not the legacy 0)
+        raise SystemExit(main())
