@@ -50,7 +50,7 @@ class CubinKernel:
         self.cp, self.smem = cp, smem
         cubin = os.path.join(tempfile.mkdtemp(), f"{name}.cubin")
         subprocess.run(["nvcc", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-diag-suppress", "177,550",
-                        *(f"-D{d}" for d in defines), "-o", cubin, source], check=True)
+                        f"-I{os.path.dirname(KERNEL)}", *(f"-D{d}" for d in defines), "-o", cubin, source], check=True)
         self.module = cp.RawModule(path=cubin)  # held: a freed module is unloaded under its function
         self.fn = self.module.get_function(name)
         self.fn.max_dynamic_shared_size_bytes = smem
@@ -97,6 +97,23 @@ class StreamKernel(CubinKernel):
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def timed_rows(product_label: str, product_us, kernels, label, run) -> None:
+    """Two rounds in one process, each timing the product (product_us() -> us per layer), then
+    run(kernel) for every kernel (one launch of LAYERS layers, median of 50); prints the table."""
+    rows = []
+
+    def add(what: str, us: float) -> None:
+        rows.append((what, us))
+        print(f"  {what:<60} {us:7.2f} us", flush=True)
+
+    for rep in range(2):
+        add(f"{product_label} [{rep}]", product_us())
+        for kernel in kernels:
+            us = median_ms(lambda k=kernel: run(k), iters=50) * 1000 / LAYERS
+            add(label(kernel) + "".join(f", {d}" for d in kernel.defines) + f" [{rep}]", us)
+    print_rows(rows)
 
 
 def check(kernel: StreamKernel, layers, h, n: int) -> None:
@@ -151,17 +168,9 @@ def main() -> int:
             check(kernel, layers, h, n)
     for variant in filter(None, args.timing_variants.split(";")):
         kernels.append(StreamKernel(kernels[0].slots, tuple(variant.split(","))))
-    rows = []
-    for rep in range(2):
-        rows.append((f"product: in_proj GEMV, step, out_proj (CUDA graph) [{rep}]", graph_us(layer, layers, h)))
-        print(f"  {rows[-1][0]:<60} {rows[-1][1]:7.2f} us", flush=True)
-        for kernel in kernels:
-            table, out = kernel.table(layers), torch.empty_like(h)
-            us = median_ms(lambda k=kernel, t=table, o=out: k(t, LAYERS, h, o), iters=50) * 1000 / LAYERS
-            what = f"streaming, {kernel.slots} slots of 40 KB" + "".join(f", {d}" for d in kernel.defines)
-            rows.append((f"{what} [{rep}]", us))
-            print(f"  {rows[-1][0]:<60} {rows[-1][1]:7.2f} us", flush=True)
-    print_rows(rows)
+    args_of = {k: (k.table(layers), torch.empty_like(h)) for k in kernels}
+    timed_rows("product: in_proj GEMV, step, out_proj (CUDA graph)", lambda: graph_us(layer, layers, h), kernels,
+               lambda k: f"streaming, {k.slots} slots of 40 KB", lambda k: k(args_of[k][0], LAYERS, h, args_of[k][1]))
     print(f"at the copy rate (weights + state): {floor_us:.2f} us per layer")
     return 0
 

@@ -15,6 +15,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "pipeline.cuh"  // ssmspec/ops/stream_layers
+
 #ifndef N_SLOTS
 #define N_SLOTS 4
 #endif
@@ -35,27 +37,6 @@ constexpr int STEPS = KW / 16;               // mma k-steps per warp per slot (2
 constexpr int MAX_OUT_ROWS = 32;
 static_assert(KW % 32 == 0, "k-steps in pairs (ldmatrix.x4)");
 
-__device__ __forceinline__ uint32_t saddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbar_init(uint64_t* b, uint32_t n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(saddr(b)), "r"(n));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* b, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(b)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(b)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(saddr(b)), "r"(parity) : "memory");
-  }
-}
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar, uint64_t policy) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-               ::"r"(saddr(dst)), "l"(src), "r"(bytes), "r"(saddr(bar)), "l"(policy) : "memory");
-}
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory"); }
 __device__ __forceinline__ void grid_sync(unsigned* counter, unsigned round) {
   consumers_sync();
@@ -105,7 +86,7 @@ __device__ __forceinline__ void load_a(const __nv_bfloat16* x, int stride, int c
 __device__ __forceinline__ void slot_mma(const unsigned char* slot, int col0, int lane, const uint32_t (&a)[STEPS][4],
                                          float (&c)[4]) {
   // ldmatrix.x4: threads 0-7 / 8-15 / 16-23 / 24-31 address rows 0-7 of the k-blocks +0 / +8 / +16 / +24
-  const uint32_t base = saddr(slot) + (lane & 7) * ROW_STRIDE + (col0 + (lane >> 3) * 8) * 2;
+  const uint32_t base = smem_addr(slot) + (lane & 7) * ROW_STRIDE + (col0 + (lane >> 3) * 8) * 2;
 #pragma unroll
   for (int s = 0; s < STEPS; s += 2) {
     uint32_t b0, b1, b2, b3;

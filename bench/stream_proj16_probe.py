@@ -16,9 +16,9 @@ import os
 
 import numpy as np
 import torch
-from bench_decode import copy_bandwidth, median_ms
-from step_cost_probe import D_INNER, D_MODEL, LAYERS, graph_us, make_layer, print_rows
-from stream_layers_probe import CubinKernel, rel
+from bench_decode import copy_bandwidth
+from step_cost_probe import D_INNER, D_MODEL, LAYERS, graph_us, make_layer
+from stream_layers_probe import CubinKernel, rel, timed_rows
 
 NODES, EPS = 16, 1e-5
 N_IN = 2 * D_INNER + 2 * 128 + 80
@@ -93,18 +93,10 @@ def main() -> int:
         dispatch.norm_linear(x, L["in_w"], None, 1, EPS)
         return dispatch.norm_linear(g[None], L["out_w"], None, 1, EPS, residual=x)
 
-    rows = []
-    for rep in range(2):
-        rows.append((f"product: skinny in_proj + out_proj, 16 nodes (CUDA graph) [{rep}]",
-                     graph_us(projections, layers, h[None])))
-        print(f"  {rows[-1][0]:<60} {rows[-1][1]:7.2f} us", flush=True)
-        for kernel in kernels:
-            out = torch.empty_like(h)
-            us = median_ms(lambda k=kernel, o=out: k(table, LAYERS, h, g, o), iters=50) * 1000 / LAYERS
-            what = f"streaming, tensor cores, {kernel.slots} slots" + "".join(f", {d}" for d in kernel.defines)
-            rows.append((f"{what} [{rep}]", us))
-            print(f"  {rows[-1][0]:<60} {rows[-1][1]:7.2f} us", flush=True)
-    print_rows(rows)
+    outs = {k: torch.empty_like(h) for k in kernels}
+    timed_rows("product: skinny in_proj + out_proj, 16 nodes (CUDA graph)",
+               lambda: graph_us(projections, layers, h[None]), kernels,
+               lambda k: f"streaming, tensor cores, {k.slots} slots", lambda k: k(table, LAYERS, h, g, outs[k]))
     print(f"in_proj + out_proj weights at the copy rate: {floor_us:.2f} us per layer")
     return 0
 

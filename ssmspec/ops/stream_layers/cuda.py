@@ -129,7 +129,7 @@ def _module(d_model: int, n_heads: int, head_dim: int, conv_k: int, param_fp32: 
              f"-DPARAM_T={'float' if param_fp32 else '__nv_bfloat16'}"]
     name = f"ssmspec_stream_layers_{d_model}_{n_heads}_{head_dim}_{conv_k}_{'f32' if param_fp32 else 'bf16'}"
     return load_inline(name=name, cpp_sources=_DECLARATION, cuda_sources=source, functions=["launch"],
-                       extra_cuda_cflags=flags)
+                       extra_cuda_cflags=flags, extra_include_paths=[os.path.dirname(os.path.abspath(__file__))])
 
 
 class StreamLayers:
