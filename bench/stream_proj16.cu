@@ -29,7 +29,11 @@ namespace {
 constexpr int D = 2560, DI = 5120, NIN = 10576, NT = 16;
 constexpr int ROWS = 8;                      // weight rows per slot (mma N)
 constexpr int ROW_BYTES = D * 2;             // one in_proj row, half an out_proj row
+#ifdef WHOLE_SLOT_COPY  // timing: in_proj slots as one copy of contiguous rows (bank conflicts in ldmatrix)
+constexpr int ROW_STRIDE = ROW_BYTES;
+#else
 constexpr int ROW_STRIDE = ROW_BYTES + 16;   // padded: consecutive rows start 16 bytes apart in the banks
+#endif
 constexpr int SLOT_BYTES = ROWS * ROW_STRIDE;
 constexpr int WARPS = 8, CONSUMERS = WARPS * 32, THREADS = CONSUMERS + 32;
 constexpr int KW = D / WARPS;                // columns per warp (320)
@@ -146,6 +150,13 @@ stream_proj16(const Layer16* __restrict__ layers, int n_layers, const __nv_bfloa
           mbar_wait(full + back % N_SLOTS, (back / N_SLOTS) & 1);
         }
         mbar_expect_tx(full + slot, rows * ROW_BYTES);
+#ifdef WHOLE_SLOT_COPY
+        if (row_elems == D) {
+          bulk_load(ring + slot * SLOT_BYTES, first_row, rows * ROW_BYTES, full + slot, policy);
+          ++k;
+          return;
+        }
+#endif
         for (int r = 0; r < rows; ++r)
           bulk_load(ring + slot * SLOT_BYTES + r * ROW_STRIDE, first_row + (size_t)r * row_elems, ROW_BYTES,
                     full + slot, policy);
@@ -222,7 +233,10 @@ stream_proj16(const Layer16* __restrict__ layers, int n_layers, const __nv_bfloa
 
     // A: in_proj
     float sq_lo = 0.0f, sq_hi = 0.0f;
-    load_a(h, D, col0, lane, a, sq_lo, sq_hi);
+#ifdef NO_A_RELOAD  // timing only (wrong results): the activations loaded in the first layer only
+    if (l == 0)
+#endif
+      load_a(h, D, col0, lane, a, sq_lo, sq_hi);
     node_rms(sq_lo, sq_hi, D);
     for (int r = in_lo; r < in_hi; r += ROWS) {
       const unsigned char* slot = acquire();
@@ -239,7 +253,10 @@ stream_proj16(const Layer16* __restrict__ layers, int n_layers, const __nv_bfloa
     // C: out_proj of the fixed g, both halves of the CTA's rows, then the residual add
     for (int half = 0; half < 2; ++half) {
       if (half == 0) sq_lo = sq_hi = 0.0f;
-      load_a(g, DI, half * D + col0, lane, a, sq_lo, sq_hi);
+#ifdef NO_A_RELOAD
+      if (l == 0)
+#endif
+        load_a(g, DI, half * D + col0, lane, a, sq_lo, sq_hi);
       for (int r = out_lo, i = 0; r < out_hi; r += ROWS, i += ROWS) {
         const unsigned char* slot = acquire();
         float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
