@@ -7,7 +7,8 @@ runs around its tree conv and scan. Checks the kernel against torch over 1 and 2
 times it against the product's two skinny GEMMs (`dispatch.norm_linear`, as
 `step_cost_probe.py --tree` times "in_proj + out_proj only"), in one process, us per layer.
 
-Run on the device from the bench directory: python3 stream_proj16_probe.py [--slots 4,3]
+Run on the device from the bench directory: python3 stream_proj16_probe.py [--slots "3,3:ACT_SMEM"]
+    [--timing-variants "ACT_SMEM,NO_GRID_SYNC;NO_A_RELOAD"]
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stream_proj16
 class Proj16Kernel(CubinKernel):
     def __init__(self, slots: int, defines: tuple[str, ...] = ()):
         self.slots, self.defines = slots, defines
-        smem = slots * 8 * (D_MODEL * 2 + 16) + (8 * NODES * 8 + NODES * 32 + 8 * NODES + NODES) * 4 + 2 * slots * 8
+        smem = (slots * 8 * (D_MODEL * 2 + 16) + (8 * NODES * 8 + NODES * 32 + 8 * NODES + NODES) * 4 + 2 * slots * 8
+                + 16 + NODES * (D_MODEL * 2 + 16))  # the activations' barrier and rows (ACT_SMEM)
         super().__init__(SOURCE, "stream_proj16", (f"N_SLOTS={slots}", *defines), smem)
         self.zx = torch.full((NODES, N_IN), float("nan"), device="cuda", dtype=torch.bfloat16)
         self.hbuf = torch.full((2, NODES, D_MODEL), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -55,7 +57,8 @@ def reference(layers, h, g):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--slots", default="4,3", help="ring depths to build, check and time")
+    ap.add_argument("--slots", default="3,3:ACT_SMEM,2:ACT_SMEM",
+                    help="ring depths to build, check and time, each with optional build switches after a colon")
     ap.add_argument("--timing-variants", default="",
                     help="';'-separated sets of build switches timed but not checked, e.g. 'NO_GRID_SYNC;NO_MMA;"
                          "NO_REDUCE;IN_FLIGHT=2', built with the first --slots")
@@ -73,7 +76,10 @@ def main() -> int:
           f"rate {floor_us:.1f} us", flush=True)
     table = torch.tensor([[L["in_w"].data_ptr(), L["out_w"].data_ptr()] for L in layers], dtype=torch.int64,
                          device="cuda")
-    kernels = [Proj16Kernel(int(s)) for s in args.slots.split(",")]
+    kernels = []
+    for spec in args.slots.split(","):  # "3" or "3:ACT_SMEM"
+        slots, _, defines = spec.partition(":")
+        kernels.append(Proj16Kernel(int(slots), tuple(filter(None, defines.split("+")))))
     for kernel in kernels:
         for n in (1, 2):
             out = torch.empty_like(h)
@@ -82,7 +88,7 @@ def main() -> int:
             torch.cuda.synchronize()
             zx_ref, h_ref = reference(layers[:n], h, g)
             errs = rel(kernel.zx, zx_ref), rel(out, h_ref)
-            print(f"  {n} layer(s), {kernel.slots} slots: rel err zx {errs[0]:.2e}, output {errs[1]:.2e}", flush=True)
+            print(f"  {n} layer(s), {kernel.slots} slots {kernel.defines}: rel err zx {errs[0]:.2e}, output {errs[1]:.2e}", flush=True)
             if not (errs[0] < 1e-2 and errs[1] < 1e-2):
                 raise SystemExit("the 16-node streaming projections do not match torch")
 
