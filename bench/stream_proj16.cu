@@ -13,7 +13,8 @@
 // from the slot, C = 16 x 8 partial sums per warp, summed across the 8 warps through shared memory.
 // out_proj streams the first halves (columns 0..2559) of the CTA's rows, then the second halves.
 // ACT_SMEM: the activations come into shared memory by bulk copies after each barrier and the A
-// fragments from there by ldmatrix (run 146: 40.2 against 52.5 us per layer with register A).
+// fragments from there by ldmatrix (run 146: 40.2 against 52.5 us per layer with register A);
+// ACT_MCAST: clusters of 2 CTAs, each fetching half the nodes and multicasting them (run 147: 39.0-39.8).
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -138,7 +139,12 @@ struct Layer16 {
   const __nv_bfloat16* out_w;  // (D, DI)
 };
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+#ifdef ACT_MCAST  // clusters of 2 CTAs share each activation fetch (TMA multicast); needs ACT_SMEM
+#define CLUSTER_DIMS __cluster_dims__(2, 1, 1)
+#else
+#define CLUSTER_DIMS
+#endif
+extern "C" __global__ void __launch_bounds__(THREADS, 1) CLUSTER_DIMS
 stream_proj16(const Layer16* __restrict__ layers, int n_layers, const __nv_bfloat16* h_in, __nv_bfloat16* h_out,
               const __nv_bfloat16* g, __nv_bfloat16* zx, __nv_bfloat16* hbuf, unsigned* counter, float eps) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -162,9 +168,14 @@ stream_proj16(const Layer16* __restrict__ layers, int n_layers, const __nv_bfloa
       mbar_init(empty + i, WARPS);
     }
     mbar_init(act_bar, 1);
+    mbar_init(act_bar + 1, 2);  // ACT_MCAST: both CTAs of the cluster are done reading act
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+#ifdef ACT_MCAST  // the barriers are initialised in both CTAs before any remote arrive or multicast
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
   __syncthreads();
+#endif
 
   if (warp == WARPS) {  // producer
     if (lane == 0) {
@@ -255,6 +266,26 @@ stream_proj16(const Layer16* __restrict__ layers, int n_layers, const __nv_bfloa
   unsigned act_phase = 0;
   auto load_act = [&](const __nv_bfloat16* src, int stride, bool reset_sq) {
     consumers_sync();  // every warp is done reading the previous activations (and sq)
+#ifdef ACT_MCAST
+    if (t == 0) {  // each CTA fetches half the nodes and multicasts them to both CTAs of its cluster
+      uint32_t rank, peer_free;
+      asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(peer_free) : "r"(smem_addr(act_bar + 1)), "r"(rank ^ 1));
+      mbar_arrive(act_bar + 1);  // this CTA no longer reads act ...
+      asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(peer_free) : "memory");  // ... tell the peer
+      mbar_wait(act_bar + 1, act_phase);  // and the peer no longer reads its act either
+      uint64_t keep;
+      asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep));
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+      mbar_expect_tx(act_bar, NT * ROW_BYTES);  // all 16 rows land here, half of them from the peer
+      const uint16_t both = 3;
+      for (int n = rank * (NT / 2); n < (rank + 1) * (NT / 2); ++n)
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster.L2::cache_hint"
+                     " [%0], [%1], %2, [%3], %4, %5;"
+                     ::"r"(smem_addr(act + n * ROW_STRIDE)), "l"(src + (size_t)n * stride), "r"(ROW_BYTES),
+                       "r"(smem_addr(act_bar)), "h"(both), "l"(keep) : "memory");
+    }
+#else
     if (t == 0) {
       uint64_t keep;  // every CTA reads the same activations: keep them in L2
       asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep));
@@ -262,6 +293,7 @@ stream_proj16(const Layer16* __restrict__ layers, int n_layers, const __nv_bfloa
       mbar_expect_tx(act_bar, NT * ROW_BYTES);
       for (int n = 0; n < NT; ++n) bulk_load(act + n * ROW_STRIDE, src + (size_t)n * stride, ROW_BYTES, act_bar, keep);
     }
+#endif
     if (reset_sq && t < NT) sq[t] = 0.0f;
     mbar_wait(act_bar, act_phase);
     act_phase ^= 1;

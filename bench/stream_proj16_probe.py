@@ -8,7 +8,8 @@ times it against the product's two skinny GEMMs (`dispatch.norm_linear`, as
 `step_cost_probe.py --tree` times "in_proj + out_proj only"), in one process, us per layer.
 
 Run on the device from the bench directory: python3 stream_proj16_probe.py [--slots "3,3:ACT_SMEM"]
-    [--timing-variants "ACT_SMEM,NO_GRID_SYNC;NO_A_RELOAD"]
+    [--timing-variants "ACT_SMEM,NO_GRID_SYNC;NO_A_RELOAD"]  (switches within a --slots entry joined by '+',
+    e.g. "3:ACT_SMEM+ACT_MCAST")
 """
 from __future__ import annotations
 
