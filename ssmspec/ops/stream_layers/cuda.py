@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import sys
 
 import torch
 
@@ -128,6 +129,9 @@ def _module(d_model: int, n_heads: int, head_dim: int, conv_k: int, param_fp32: 
              f"-DHEAD_DIM={head_dim}", "-DD_STATE=128", f"-DCONV_K={conv_k}", f"-DN_SLOTS={SLOTS}",
              f"-DPARAM_T={'float' if param_fp32 else '__nv_bfloat16'}"]
     name = f"ssmspec_stream_layers_{d_model}_{n_heads}_{head_dim}_{conv_k}_{'f32' if param_fp32 else 'bf16'}"
+    # A first build takes about a minute with no output of its own: say what the wait is.
+    print(f"ssmspec: loading the one-launch decode kernel {name} (built on first use on this machine, ~1 min; "
+          "cached under TORCH_EXTENSIONS_DIR)", file=sys.stderr, flush=True)
     return load_inline(name=name, cpp_sources=_DECLARATION, cuda_sources=source, functions=["launch"],
                        extra_cuda_cflags=flags, extra_include_paths=[os.path.dirname(os.path.abspath(__file__))])
 
