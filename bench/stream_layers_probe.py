@@ -70,9 +70,8 @@ class StreamKernel(CubinKernel):
         # make_layer's dt_bias, A_log and D are fp32
         super().__init__(KERNEL, "stream_layers", (f"N_SLOTS={slots}", "PARAM_T=float", *defines),
                          slots * SLOT_BYTES + (2 * S + 64 + 4 * 64) * 4 + 3 * slots * 8)
-        parts = int(dict(d.split("=") for d in defines if "=" in d).get("PARTS", 1))
-        if -(-D_MODEL // self.ctas) > 32 or -(-D_INNER // self.ctas) * S * 4 > SLOT_BYTES // parts:
-            raise ValueError("the kernel holds at most 32 out_proj rows and one slot part of state rows per CTA")
+        if -(-D_MODEL // self.ctas) > 32 or -(-D_INNER // self.ctas) * S * 4 > SLOT_BYTES:
+            raise ValueError("the kernel holds at most 32 out_proj rows and one slot of state rows per CTA")
         dev = "cuda"
         # NaN-filled: a read before the write it should follow shows in the checks
         self.zx = torch.full((2 * D_INNER + 2 * S + H,), float("nan"), device=dev, dtype=torch.bfloat16)
@@ -145,7 +144,7 @@ def check(kernel: StreamKernel, layers, h, n: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--slots", default="5;4;5:IN_FLIGHT=0;5:STORE_AFTER_ARRIVE",
+    ap.add_argument("--slots", default="5;4;5:IN_FLIGHT=0",
                     help="';'-separated ring depths to build, check and time, each with optional build switches "
                          "after a colon (e.g. 5:IN_FLIGHT=0)")
     ap.add_argument("--timing-variants", default="",

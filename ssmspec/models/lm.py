@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+import torch.nn as nn
 
 from ..ops import dispatch
 from .attention import Attention
@@ -104,7 +104,7 @@ class LanguageModel(nn.Module):
     def device(self) -> torch.device:
         return self.embeddings.weight.device
 
-    def fold_norm_weights_(self) -> LanguageModel:
+    def fold_norm_weights_(self) -> "LanguageModel":
         """Fold the norm weights into the projections after them (models/fold.py), in place: the
         same function, and the kernel paths fuse the norms into the projections."""
         from .fold import fold_norm_weights_

@@ -20,7 +20,8 @@
 // Also: the step's inputs that no phase writes are read before the barriers, and the barrier is
 // CUTLASS's release/acquire pattern without fence.sc (the two fence.sc per barrier of the first
 // version cost 1.5-3.3 us per layer). One 40 KB copy in flight is also about the least that keeps
-// the stream at the copy rate (PARTS=2: one 20 KB copy in flight lost bandwidth, run 133).
+// the stream at the copy rate (one 20 KB copy in flight lost bandwidth, run 133). Storing the
+// state after the barrier's arrive was no faster (runs 131-132); both variants are in the history.
 //
 // Layer (mamba2-2.7b shape, batch 1, bf16 weights, fp32 SSM state):
 //   A  in_proj:  zx = bf16(rsqrt(mean(h^2) + eps) * (W_in h))          rows split across CTAs
@@ -66,11 +67,6 @@ constexpr int CONSUMER_WARPS = 8;
 constexpr int CONSUMERS = CONSUMER_WARPS * 32;
 constexpr int THREADS = CONSUMERS + 32;  // + one producer warp
 constexpr int CHUNKS = SEG / 8 / 32;     // 16-byte chunks of a segment per lane (10)
-#ifndef PARTS  // copies (and full barriers) per slot: 2 halves the bytes of one copy in flight
-#define PARTS 1
-#endif
-constexpr int PART_BYTES = SLOT_BYTES / PARTS;
-static_assert(SLOT_SEGS % PARTS == 0 && CONSUMER_WARPS % PARTS == 0, "whole segments and warps per part");
 constexpr int MAX_STATE_ROWS = 64;       // state rows (x channels) per CTA: the step's shared arrays
 constexpr int ROWS_PER_WARP = MAX_STATE_ROWS / CONSUMER_WARPS;
 static_assert(SEG % 256 == 0, "a segment is whole 16-byte chunks for every lane");
@@ -92,11 +88,11 @@ struct Layer {
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory"); }
 
 // Every CTA's consumers arrive; returns once all gridDim.x CTAs have arrived `round` times. The
-// counter only grows within a launch (the caller zeroes it before each launch). The bar.sync
-// orders the CTA's writes before thread 0's release add, and the acquire poll plus the second
-// bar.sync orders the other CTAs' writes before this CTA's reads (as CUTLASS's grid barrier
-// does). No fence.sc (__threadfence): FENCE_SC puts the first probe's two back, for timing.
-__device__ __forceinline__ void grid_arrive(unsigned* counter) {
+// counter only grows within a launch and the kernel's end resets it. The bar.sync orders the
+// CTA's writes before thread 0's release add, and the acquire poll plus the second bar.sync
+// orders the other CTAs' writes before this CTA's reads (as CUTLASS's grid barrier does). No
+// fence.sc (__threadfence): FENCE_SC puts the first probe's two back, for timing.
+__device__ __forceinline__ void grid_sync(unsigned* counter, unsigned round) {
   consumers_sync();
 #ifndef NO_GRID_SYNC  // timing only (wrong results): what the barriers cost
   if (threadIdx.x == 0) {
@@ -104,12 +100,6 @@ __device__ __forceinline__ void grid_arrive(unsigned* counter) {
     __threadfence();
 #endif
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
-  }
-#endif
-}
-__device__ __forceinline__ void grid_wait(unsigned* counter, unsigned round) {
-#ifndef NO_GRID_SYNC
-  if (threadIdx.x == 0) {
     const unsigned target = round * gridDim.x;
     unsigned seen;
     do {
@@ -119,12 +109,8 @@ __device__ __forceinline__ void grid_wait(unsigned* counter, unsigned round) {
     __threadfence();
 #endif
   }
-#endif
   consumers_sync();
-}
-__device__ __forceinline__ void grid_sync(unsigned* counter, unsigned round) {
-  grid_arrive(counter);
-  grid_wait(counter, round);
+#endif
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -225,7 +211,7 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
   float* step_xd = step_decay + 64;     // x * D,
   float* step_gate = step_xd + 64;      // silu(z)
   uint64_t* full = reinterpret_cast<uint64_t*>(step_gate + 64);  // one per part of a slot
-  uint64_t* empty = full + N_SLOTS * PARTS;
+  uint64_t* empty = full + N_SLOTS;
 
   const int cta = blockIdx.x, ctas = gridDim.x;
   const int in_lo = split_lo(NIN, cta, ctas), in_hi = split_lo(NIN, cta + 1, ctas);
@@ -240,7 +226,7 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   if (threadIdx.x == 0) {
     for (int i = 0; i < N_SLOTS; ++i) {
-      for (int part = 0; part < PARTS; ++part) mbar_init(full + i * PARTS + part, 1);
+      mbar_init(full + i, 1);
       mbar_init(empty + i, CONSUMER_WARPS);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -255,23 +241,17 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
       auto issue = [&](const void* src, uint32_t bytes) {
         const int slot = k % N_SLOTS;
         mbar_wait(empty + slot, ((k / N_SLOTS) & 1) ^ 1);
-        for (int part = 0; part < PARTS; ++part) {  // PARTS copies per slot, each its own barrier
-          const unsigned c = k * PARTS + part;      // copies issued before this one
 #if IN_FLIGHT > 0
-          // At most IN_FLIGHT copies of this CTA in the memory system at once: the grid
-          // barrier's atomics and polls, and the step's loads, queue behind every byte in
-          // flight, so the rest of the ring fills only with landed data (wait for the copy
-          // IN_FLIGHT back).
-          if (c >= IN_FLIGHT) {
-            const unsigned back = c - IN_FLIGHT;
-            mbar_wait(full + back % (N_SLOTS * PARTS), (back / (N_SLOTS * PARTS)) & 1);
-          }
-#endif
-          const uint32_t lo = part * PART_BYTES, n = bytes > lo ? min(bytes - lo, (uint32_t)PART_BYTES) : 0;
-          mbar_expect_tx(full + slot * PARTS + part, n);  // an empty part completes its phase here
-          if (n) bulk_load(ring + slot * SLOT_BYTES + lo, static_cast<const unsigned char*>(src) + lo, n,
-                           full + slot * PARTS + part, policy);
+        // At most IN_FLIGHT copies of this CTA in the memory system at once: the grid barrier's
+        // atomics and polls, and the step's loads, queue behind every byte in flight, so the
+        // rest of the ring fills only with landed data (wait for the copy IN_FLIGHT back).
+        if (k >= IN_FLIGHT) {
+          const unsigned back = k - IN_FLIGHT;
+          mbar_wait(full + back % N_SLOTS, (back / N_SLOTS) & 1);
         }
+#endif
+        mbar_expect_tx(full + slot, bytes);
+        bulk_load(ring + slot * SLOT_BYTES, src, bytes, full + slot, policy);
         ++k;
       };
       for (int l = 0; l < n_layers; ++l) {
@@ -289,14 +269,11 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
   }
 
   unsigned k = 0, rounds = 0;  // slots consumed, grid barriers passed
-  // A warp waits for the part of the slot that holds its segment (all warps: part 0, which
-  // holds the whole state slice, in the step).
-  auto acquire = [&](int part) -> const unsigned char* {
+  auto acquire = [&]() -> const unsigned char* {
     const int slot = k % N_SLOTS;
-    mbar_wait(full + slot * PARTS + part, (k / N_SLOTS) & 1);
+    mbar_wait(full + slot, (k / N_SLOTS) & 1);
     return ring + slot * SLOT_BYTES;
   };
-  const int my_part = warp * PARTS / CONSUMER_WARPS;
   auto release = [&]() {
     __syncwarp();
     if (lane == 0) mbar_arrive(empty + (k % N_SLOTS));
@@ -341,7 +318,7 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
     load_segment(h, lane, x);
     const float r_in = rsqrtf(sum_squares(x) / D + eps_in);
     for (int r = in_lo; r < in_hi; r += SLOT_SEGS) {
-      const unsigned char* slot = acquire(my_part);
+      const unsigned char* slot = acquire();
       if (warp < in_hi - r) {
         const float dot = TIMED_DOT(slot + warp * SEG_BYTES, lane, x);
         if (lane == 0) zx[r + warp] = __float2bfloat16(dot * r_in);
@@ -383,13 +360,10 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
     consumers_sync();
 #endif
     {
-      const unsigned char* slot = acquire(0);
+      const unsigned char* slot = acquire();
 #ifndef NO_STEP
       const float4 Bv = reinterpret_cast<const float4*>(bc)[lane];
       const float4 Cv = reinterpret_cast<const float4*>(bc + S)[lane];
-#ifdef STORE_AFTER_ARRIVE
-      float4 kept[ROWS_PER_WARP];  // the new states, stored only after the barrier's arrive
-#endif
 #pragma unroll
       for (int j = 0; j < ROWS_PER_WARP; ++j) {
         const int i = warp + j * CONSUMER_WARPS;
@@ -402,28 +376,13 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
           st.w = st.w * decay + dx * Bv.w;
           const float y = warp_sum(st.x * Cv.x + st.y * Cv.y + st.z * Cv.z + st.w * Cv.w) + step_xd[i];
           if (lane == 0) gbuf[st_lo + i] = __float2bfloat16(round_bf(y) * step_gate[i]);
-#ifdef STORE_AFTER_ARRIVE
-          kept[j] = st;
-#else
           __stcs(reinterpret_cast<float4*>(L.ssm_state + (size_t)(st_lo + i) * S) + lane, st);
-#endif
         }
       }
 #endif
       release();
-      // STORE_AFTER_ARRIVE: the arrive's release covers g only, and the 20 KB of state stores go
-      // out after it, so the barrier does not wait for them to drain (their next reader is the
-      // next token's launch). Measured no faster (run 131).
-      grid_arrive(counter);
-#if !defined(NO_STEP) && defined(STORE_AFTER_ARRIVE)
-#pragma unroll
-      for (int j = 0; j < ROWS_PER_WARP; ++j) {
-        const int i = warp + j * CONSUMER_WARPS;
-        if (i < st_hi - st_lo) __stcs(reinterpret_cast<float4*>(L.ssm_state + (size_t)(st_lo + i) * S) + lane, kept[j]);
-      }
-#endif
     }
-    grid_wait(counter, ++rounds);
+    grid_sync(counter, ++rounds);
 
     // C: out_proj. Warp w takes half (w & 1) of row (w >> 1) of each slot; the lane holds its
     // chunks of that half of g and the whole g's 1/rms.
@@ -434,7 +393,7 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
     ss += sum_squares(x);
     const float r_out = rsqrtf(ss / DI + eps_out);
     for (int r = out_lo, i = 0; r < out_hi; r += SLOT_SEGS / 2, i += SLOT_SEGS / 2) {
-      const unsigned char* slot = acquire(my_part);
+      const unsigned char* slot = acquire();
       if ((warp >> 1) < out_hi - r) {
         const float dot = TIMED_DOT(slot + warp * SEG_BYTES, lane, x);
         if (lane == 0) partial[2 * (i + (warp >> 1)) + half] = dot;
@@ -473,7 +432,7 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
       for (int i = 0; i < 8; ++i) x[8 * j + i] = round_bf(x[8 * j + i] * r_f * w[i]);
     }
     for (int r = lm_lo; r < lm_hi; r += SLOT_SEGS) {
-      const unsigned char* slot = acquire(my_part);
+      const unsigned char* slot = acquire();
       if (warp < lm_hi - r) {
         const float dot = TIMED_DOT(slot + warp * SEG_BYTES, lane, x);
         if (lane == 0) logits[r + warp] = round_bf(dot);
