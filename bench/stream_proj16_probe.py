@@ -30,18 +30,58 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stream_proj16
 class Proj16Kernel(CubinKernel):
     def __init__(self, slots: int, defines: tuple[str, ...] = ()):
         self.slots, self.defines = slots, defines
-        smem = (slots * 8 * (D_MODEL * 2 + 16) + (8 * NODES * 8 + NODES * 32 + 8 * NODES + NODES) * 4 + 2 * slots * 8
-                + 16 + NODES * (D_MODEL * 2 + 16))  # the activations' barrier and rows (ACT_SMEM)
+        row = D_MODEL * 2 + (64 if "ACT_REG" in defines else 16)  # a padded slot row (ROW_STRIDE)
+        smem = (slots * (9 if "IN9" in defines else 8) * row + 8 * NODES * 4 + (8 * NODES * 8 + NODES * 48 + 8 * NODES + NODES) * 4 + 2 * slots * 8
+                + 4 * 8 + NODES * 4 + (NODES * row if "ACT_SMEM" in defines else 0))  # + the barriers and rows
         super().__init__(SOURCE, "stream_proj16", (f"N_SLOTS={slots}", *defines), smem)
         self.zx = torch.full((NODES, N_IN), float("nan"), device="cuda", dtype=torch.bfloat16)
         self.hbuf = torch.full((2, NODES, D_MODEL), float("nan"), device="cuda", dtype=torch.bfloat16)
         self.counter = torch.zeros(1, device="cuda", dtype=torch.int32)
+        # TRACE builds: TRACE_N globaltimer stamps per layer and CTA (see stream_proj16.cu)
+        self.trace = torch.zeros((LAYERS, self.ctas, TRACE_N), device="cuda", dtype=torch.int64)
 
     def __call__(self, table, n_layers, h, g, out):
         self.counter.zero_()
         self.launch(288, (np.uint64(table.data_ptr()), np.int32(n_layers), np.uint64(h.data_ptr()),
                           np.uint64(out.data_ptr()), np.uint64(g.data_ptr()), np.uint64(self.zx.data_ptr()),
-                          np.uint64(self.hbuf.data_ptr()), np.uint64(self.counter.data_ptr()), np.float32(EPS)))
+                          np.uint64(self.hbuf.data_ptr()), np.uint64(self.counter.data_ptr()), np.float32(EPS),
+                          np.uint64(self.trace.data_ptr())))
+
+
+TRACE_N = 10
+
+
+def report_trace(kernel: Proj16Kernel) -> None:
+    """Where a layer's time goes, from a TRACE build's stamps (us, layers 1..62, over CTAs):
+    per phase the mean and the max over CTAs, each barrier's arrival spread, and which CTAs
+    arrive last (with their in_proj row counts: 80 or 81 of 10576 over 132 CTAs)."""
+    tr = kernel.trace.cpu().double().numpy()[1:-1] / 1000.0  # (layers, ctas, TRACE_N) in us
+    ctas = tr.shape[1]
+    stamps = tr[:, :, :8]
+    flat = np.sort(np.unique(stamps[:, 0, :].ravel()))
+    print(f"  trace: {kernel.defines}; globaltimer step (smallest gap between distinct stamps of CTA 0) "
+          f"{np.diff(flat)[np.diff(flat) > 0].min() * 1000:.0f} ns", flush=True)
+    rows = np.array([(N_IN * (c + 1)) // ctas - (N_IN * c) // ctas for c in range(ctas)])
+    spans = [("fetch h (act landed - layer start)", 0, 1), ("in_proj slots", 1, 2), ("barrier 1 wait", 2, 3),
+             ("fetch g0", 3, 4), ("out_proj half 0 + fetch g1", 4, 5), ("out_proj half 1 + residual", 5, 6),
+             ("barrier 2 wait", 6, 7)]
+    for what, a, b in spans:
+        d = stamps[:, :, b] - stamps[:, :, a]
+        print(f"    {what:<40} mean {d.mean():6.2f}  max over CTAs (mean over layers) {d.max(1).mean():6.2f}")
+    layer = np.diff(stamps[:, :, 0], axis=0)
+    print(f"    {'layer (start to next start)':<40} mean {layer.mean():6.2f}")
+    for name, idx in (("barrier 1", 2), ("barrier 2", 6)):
+        arr = stamps[:, :, idx]
+        spread = arr.max(1) - np.median(arr, 1)
+        exit_ = stamps[:, :, idx + 1].min(1) - arr.max(1)
+        last = arr.argmax(1)
+        late81 = (rows[last] == rows.max()).mean()
+        print(f"    {name}: last arrival - median {spread.mean():5.2f} us (max {spread.max():5.2f}); first exit - last "
+              f"arrival {exit_.mean():5.2f} us; last CTA has {rows.max()} in_proj rows in {late81:.0%} of layers "
+              f"({(rows == rows.max()).sum()} of {ctas} CTAs do); most often last: CTAs "
+              f"{np.bincount(last, minlength=ctas).argsort()[::-1][:6].tolist()}")
+    print(f"    producer per layer: ring full {tr[:, :, 8].mean():6.2f} us, waiting on the copy in flight "
+          f"{tr[:, :, 9].mean():6.2f} us (means over CTAs)", flush=True)
 
 
 def reference(layers, h, g):
@@ -63,6 +103,9 @@ def main() -> int:
     ap.add_argument("--timing-variants", default="",
                     help="';'-separated sets of build switches timed but not checked, e.g. 'NO_GRID_SYNC;NO_MMA;"
                          "NO_REDUCE;IN_FLIGHT=2', built with the first --slots")
+    ap.add_argument("--trace", default="",
+                    help="';'-separated --slots entries to build with TRACE, run once after a warm-up, and report "
+                         "where each layer's time goes (e.g. '3:ACT_SMEM+ACT_MCAST')")
     args = ap.parse_args()
     torch.manual_seed(0)
     from ssmspec.ops import dispatch
@@ -95,6 +138,15 @@ def main() -> int:
 
     for variant in filter(None, args.timing_variants.split(";")):
         kernels.append(Proj16Kernel(kernels[0].slots, tuple(variant.split(","))))
+
+    for spec in filter(None, args.trace.split(";")):
+        slots, _, defines = spec.partition(":")
+        kernel = Proj16Kernel(int(slots), (*filter(None, defines.split("+")), "TRACE"))
+        out = torch.empty_like(h)
+        for _ in range(3):
+            kernel(table, LAYERS, h, g, out)
+        torch.cuda.synchronize()
+        report_trace(kernel)
 
     def projections(x, L):  # the product's verify projections (step_cost_probe --tree's "in_proj + out_proj only")
         dispatch.norm_linear(x, L["in_w"], None, 1, EPS)
