@@ -9,7 +9,8 @@
 //   C  out_proj: h'[n] = bf16(h[n] + bf16(rms(g[n]) * (W_out g[n])))   pairs of CTAs, split-K
 // It also writes what the replay reads afterwards: zx (the pre-conv inputs), the conv's x and B, dt.
 //
-// What the projections' design rests on (runs 142-154, bench/stream_proj16.cu until ROUND12_CLEANUP):
+// What the projections' design rests on (runs 142-154, with bench/stream_proj16.cu, removed after
+// commit 903bc29; PROJ_ONLY below measures the design it arrived at):
 // - the weights stream as in kernel.cu: one producer thread, a ring of shared-memory slots of 8 rows
 //   copied one bulk copy per row into padded rows, at most one slot's copies in flight;
 // - the nodes' activations go straight from L2 into the tensor cores' A fragments, 16-byte loads,
@@ -18,12 +19,9 @@
 // - out_proj's rows are split across pairs of CTAs (clusters of 2), each CTA streaming one half of
 //   the columns, so it needs one half of g; the pair adds its partial sums through distributed
 //   shared memory (OUT_SPLITK).
-// L2_PREFETCH_OUT: the producer prefetches the CTA's out_proj rows into L2 (cp.async.bulk.prefetch)
-// once it has issued its in_proj slots, so that HBM keeps streaming through the barriers and M;
-// L2_PREFETCH_IN=r: likewise the first r in_proj rows of the next layer after the out_proj slots.
 // Switches: PROJ_ONLY (no M phase, g fixed: the projections alone, run 154's 31.2-31.8 us per
-// layer); TRACE (globaltimer stamps per layer and CTA: where the time goes); NO_GRID_SYNC (timing
-// only, wrong results).
+// layer); TRACE (globaltimer stamps per layer and CTA: where the time goes); NO_GRID_SYNC and
+// M_NO_CONV (timing only, wrong results: no grid barriers; M without the conv's arithmetic).
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -95,9 +93,6 @@ __device__ __forceinline__ float round_bf(float v) { return __bfloat162float(__f
 __device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.0f + __expf(-v)); }
 __device__ __forceinline__ float softplus(float v) { return v > 20.0f ? v : log1pf(__expf(v)); }  // torch's threshold
 __device__ __forceinline__ int split_lo(int n, int part, int parts) { return (int)(((long long)n * part) / parts); }
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
 __device__ __forceinline__ unsigned long long now_ns() {
   unsigned long long v;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
@@ -305,14 +300,7 @@ stream_verify16(const VerifyLayer* __restrict__ layers, int n_layers, const int*
       for (int l = 0; l < n_layers; ++l) {
         const VerifyLayer L = layers[l];
         for (int r = in_lo; r < in_hi; r += ROWS) issue(L.in_w + (size_t)r * D, D, min(ROWS, in_hi - r));
-#ifdef L2_PREFETCH_OUT  // out_proj's rows into L2 now, so that HBM streams them while the consumers wait for M
-        for (int r = out_lo; r < out_hi; ++r) prefetch_l2(L.out_w + (size_t)r * DI + rank * D, ROW_BYTES);
-#endif
         for (int r = out_lo; r < out_hi; r += ROWS) issue(L.out_w + (size_t)r * DI + rank * D, DI, min(ROWS, out_hi - r));
-#ifdef L2_PREFETCH_IN  // the first L2_PREFETCH_IN of the next layer's in_proj rows, over the barrier after out_proj
-        if (l + 1 < n_layers)
-          for (int r = in_lo; r < min(in_hi, in_lo + L2_PREFETCH_IN); ++r) prefetch_l2(layers[l + 1].in_w + (size_t)r * D, ROW_BYTES);
-#endif
 #ifdef TRACE
         trace[((size_t)l * ctas + cta) * TRACE_N + 8] = ring_full_ns;
         trace[((size_t)l * ctas + cta) * TRACE_N + 9] = in_flight_ns;
@@ -451,10 +439,6 @@ stream_verify16(const VerifyLayer* __restrict__ layers, int n_layers, const int*
     STAMP(3);
 
 #ifndef PROJ_ONLY
-#ifndef M_REPS  // timing only: M run M_REPS times per layer (the stamps are the last run's): cold against warm
-#define M_REPS 1
-#endif
-    for (int m_rep = 0; m_rep < M_REPS; ++m_rep)
     if (has_head) {
       // M1: the head's conv inputs (x channels, B, C), z and dt_raw of every node, 16-byte pieces
       constexpr int X_PIECES = P / 8, BC_PIECES = 2 * S / 8, Z_PIECES = P / 8;
@@ -521,11 +505,7 @@ stream_verify16(const VerifyLayer* __restrict__ layers, int n_layers, const int*
         }
       }
       const float A = hp[1];
-#ifdef M_NO_DT  // timing only (wrong results)
-      if (t < 0) {
-#else
       if (t < NT) {
-#endif
         const float dt = fminf(fmaxf(softplus(dtraw[t] + hp[0]), dt_min), dt_max);
         dts[t] = dt;
         out.dt[((size_t)l * NT + t) * H + head] = dt;

@@ -208,7 +208,7 @@ class Mamba2Mixer(nn.Module):
     def folded_residual_verify(self, h: torch.Tensor, cache: MambaLayerCache, parents: torch.Tensor,
                                pre_norm_eps: float, h_sq: torch.Tensor | None = None):
         """h + verify(pre_norm(h)) with both norms' weights folded into in_proj and out_proj
-        (models/fold.py), on the kernels: the pre-norm and the tree conv inside in_proj, the time step and the gate
+        (models/fold.py), on the kernels: the pre-norm inside in_proj, the time step and the gate
         inside the tree scan, the gated norm and the residual add inside out_proj.
 
         h_sq: h's partial sums of squares from its producer, or None (ops/gemv `norm_linear`);
@@ -216,11 +216,9 @@ class Mamba2Mixer(nn.Module):
         h (B, N, D) -> (B, N, D), its partial sums of squares (or None), and the activations
         for `replay`. h itself may be overwritten by the output (the residual add in place)."""
         c = self.cfg
-        # in_proj and the tree conv of its xBC columns (one launch on the skinny GEMM)
-        zxbcdt, xBC_conv = dispatch.norm_linear_tree_conv(h, self.in_proj.weight, self.in_proj.bias, 1, pre_norm_eps,
-                                                          h_sq, c.d_inner, cache.conv_state, self.conv_weight,
-                                                          self.conv1d.bias, parents)
+        zxbcdt = dispatch.norm_linear(h, self.in_proj.weight, self.in_proj.bias, 1, pre_norm_eps, x_sq=h_sq)
         z, xBC, dt_raw = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
+        xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
         x, B, C = self._split_conv_out(xBC_conv)
         norm_groups = c.d_inner // self.norm.group_size
         gated, dt, g_sq = dispatch.tree_scan_gated(x, dt_raw, self.dt_bias, c.dt_min, c.dt_max, self.A, B, C, self.D,

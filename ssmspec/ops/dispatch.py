@@ -22,7 +22,7 @@ from .step_update.naive import (
     naive_rms_norm,
     naive_time_step,
 )
-from .tree_conv.naive import naive_norm_linear_tree_conv, naive_tree_conv
+from .tree_conv.naive import naive_tree_conv
 from .tree_scan.naive import naive_tree_scan, naive_tree_scan_gated
 
 BACKENDS = ("auto", "reference", "triton")
@@ -32,7 +32,6 @@ _REFERENCE = {
     "tree_scan": naive_tree_scan,
     "tree_scan_gated": naive_tree_scan_gated,
     "tree_conv": naive_tree_conv,
-    "norm_linear_tree_conv": naive_norm_linear_tree_conv,
     "replay_states": naive_replay_states,
     "replay_states_layers": naive_replay_states_layers,
     "chunk_scan": naive_chunk_scan,
@@ -51,7 +50,6 @@ _TRITON = {
     "tree_scan": ("ssmspec.ops.tree_scan.triton", "tree_scan"),
     "tree_scan_gated": ("ssmspec.ops.tree_scan.triton", "tree_scan_gated"),
     "tree_conv": ("ssmspec.ops.tree_conv.triton", "tree_conv"),
-    "norm_linear_tree_conv": ("ssmspec.ops.tree_conv.triton", "norm_linear_tree_conv"),
     "replay_states": ("ssmspec.ops.state_replay.triton", "replay_states"),
     "replay_states_layers": ("ssmspec.ops.state_replay.triton", "replay_states_layers"),
     "mamba_step": ("ssmspec.ops.step_update.triton", "mamba_step"),
@@ -125,14 +123,6 @@ def tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, 
 
 def tree_conv(xBC, conv_state, weight, bias, parents, activation="silu"):
     return resolve("tree_conv", xBC.device)(xBC, conv_state, weight, bias, parents, activation)
-
-
-def norm_linear_tree_conv(x, weight, bias, norm_groups, eps, x_sq, conv_offset, conv_state, conv_weight, conv_bias,
-                          parents):
-    """The verify's in_proj (`norm_linear`) and the tree conv (silu) of its output columns
-    [conv_offset, conv_offset + C): (projection, conv output) (see `naive_norm_linear_tree_conv`)."""
-    return resolve("norm_linear_tree_conv", x.device)(x, weight, bias, norm_groups, eps, x_sq, conv_offset,
-                                                      conv_state, conv_weight, conv_bias, parents)
 
 
 def replay_states(conv_state, ssm_state, xBC, x, dt, A, B, path, path_len):

@@ -138,33 +138,3 @@ def test_replay_states_layers_in_cuda_graph_gpu(batch, monkeypatch):
         for i in range(n_layers):
             assert torch.equal(conv[i], c_want[i]), f"layer {i} conv_state after lengths {lens[:batch]}"
             assert_close(ssm[i], s_want[i], atol=1e-5, rtol=1e-5, name=f"layer {i} ssm_state {lens[:batch]}")
-
-
-@pytest.mark.parametrize("tree_name", list(TREES))
-@pytest.mark.parametrize("batch", [1, 4])
-def test_norm_linear_tree_conv_gpu(tree_name, batch):
-    """in_proj with the tree conv in the skinny GEMM's epilogue, against norm_linear then tree_conv
-    (the kernels) and the reference, at the mamba2-2.7b in_proj shape, bf16."""
-    from ssmspec.ops.gemv import triton as G
-    from ssmspec.ops.tree_conv.naive import naive_norm_linear_tree_conv
-    from ssmspec.ops.tree_conv.triton import norm_linear_tree_conv, tree_conv
-
-    tree = TREES[tree_name]
-    d_model, n_out = 2560, D_INNER + CONV_DIM + H
-    x = torch.randn(batch, tree.num_nodes, d_model, device=DEV, dtype=torch.bfloat16)
-    args = (x, (torch.randn(n_out, d_model, device=DEV) / d_model**0.5).bfloat16(), None, 1, 1e-5, None, D_INNER,
-            torch.randn(batch, CONV_DIM, K - 1, device=DEV, dtype=torch.bfloat16),
-            (torch.randn(CONV_DIM, K, device=DEV) / 2).bfloat16(), torch.randn(CONV_DIM, device=DEV).bfloat16(),
-            tree.parents_tensor(DEV))
-    fused = G.skinny_rows(batch * tree.num_nodes, n_out, d_model)
-    _poison(batch * tree.num_nodes * (n_out + CONV_DIM) * 2)
-    y, conv = norm_linear_tree_conv(*args)
-    y_two = G.norm_linear(*args[:5])
-    conv_two = tree_conv(y_two[..., D_INNER:D_INNER + CONV_DIM], *args[7:11])
-    want_y, want_conv = naive_norm_linear_tree_conv(*args)
-    assert torch.equal(y, y_two), "the projection differs from norm_linear's"
-    # bf16 outputs: the fused conv sums its taps in another order than tree_conv (fp32), so a few
-    # elements may round to the neighbouring bf16 value
-    exact = (conv == conv_two).float().mean().item()
-    assert exact >= (0.98 if fused else 1.0), f"only {exact:.4f} of the conv's outputs equal tree_conv's"
-    assert _rel(conv, conv_two) < 2e-3 and _rel(conv, want_conv) < 1e-2 and _rel(y, want_y) < 1e-2

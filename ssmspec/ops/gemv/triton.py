@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -359,59 +358,6 @@ def _rstd_from_parts(sq_ptr, offs_m, mask_m, group, n_parts, group_size, eps, NO
     return tl.rsqrt(tl.sum(parts, axis=1) / group_size + eps)
 
 
-class ConvEpilogue(NamedTuple):
-    """The packed tree's causal conv of a column range of the skinny GEMM's output, applied in its
-    epilogue (`skinny_linear(tree_conv=...)`; ops/tree_conv `norm_linear_tree_conv` builds it).
-    Columns [offset, offset + C) of the output are the conv's inputs, for rows = batch x tree nodes."""
-
-    offset: int
-    weight: torch.Tensor  # (C, K) depthwise taps, weight[:, -1] on the current token
-    bias: torch.Tensor | None  # (C,)
-    state: torch.Tensor  # (B, C, K-1) the prefix's last K-1 inputs, oldest first
-    parents: torch.Tensor  # (N,) int, -1 for the root, parents first
-    out: torch.Tensor  # (B*N, C) rows of the conv's output (silu applied)
-
-
-@triton.jit
-def _tree_conv_epilogue(out, offs_m, mask_m, offs_n, conv_ptr, scm, conv_lo, conv_n, cw_ptr, swc, swk, cb_ptr,
-                        cs_ptr, ssb, ssc, ssk, par_ptr, n_tree, HAS_CB: tl.constexpr, KC: tl.constexpr,
-                        IEEE: tl.constexpr):
-    """silu(conv) of the output tile's columns in [conv_lo, conv_lo + conv_n), as ops/tree_conv's
-    kernel computes it: each row (batch b, tree node i) convolves over i's path, then the cached
-    inputs once the path passes the root. The tile holds every node of the tree, so tap j's inputs
-    are a row gather of the tile: a 0/1 selection matrix times it on the tensor cores (exact: one
-    term per row). Tap j is summed in order j = 0..K-1 in fp32, then the bias and silu."""
-    ch = offs_n - conv_lo
-    mask_c = (ch >= 0) & (ch < conv_n)
-    ch = tl.where(mask_c, ch, 0)
-    node = offs_m % n_tree
-    first = offs_m - node  # the row of this batch's root
-    batch = offs_m // n_tree
-    cur = tl.where(mask_m, node, -1)
-    back = tl.zeros_like(cur)
-    acc = tl.zeros(out.shape, dtype=tl.float32)
-    for j in tl.static_range(KC):
-        in_tree = cur >= 0
-        sel = (in_tree[:, None] & (offs_m[None, :] == (first + cur)[:, None])).to(out.dtype)
-        if IEEE:
-            window = tl.dot(sel, out, input_precision="ieee")
-        else:
-            window = tl.dot(sel, out)
-        # past the root: cached input K-2-back, rounded to the inputs' dtype as the reference does
-        cached = tl.load(cs_ptr + batch[:, None] * ssb + ch[None, :] * ssc + ((KC - 2) - back)[:, None] * ssk,
-                         mask=(mask_m & ~in_tree)[:, None] & mask_c[None, :], other=0.0)
-        window += cached.to(out.dtype).to(tl.float32)
-        w = tl.load(cw_ptr + ch * swc + (KC - 1 - j) * swk, mask=mask_c, other=0.0).to(tl.float32)
-        acc += window * w[None, :]
-        back = tl.where(in_tree, back, back + 1)
-        cur = tl.where(in_tree, tl.load(par_ptr + tl.where(in_tree, cur, 0), mask=in_tree, other=-1).to(tl.int32), -1)
-    if HAS_CB:
-        acc += tl.load(cb_ptr + ch, mask=mask_c, other=0.0).to(tl.float32)[None, :]
-    acc = acc * tl.sigmoid(acc)
-    tl.store(conv_ptr + offs_m[:, None] * scm + ch[None, :], acc.to(conv_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_c[None, :])
-
-
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr,
                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -419,9 +365,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
                    xsq_ptr=None, n_xparts=1, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0,
                    BLOCK_Q: tl.constexpr = 16, ysq_ptr=None, WRITE_SQ: tl.constexpr = False,
                    BALANCED: tl.constexpr = False, ACT: tl.constexpr = 0, w_desc=None, TMA: tl.constexpr = 0,
-                   PRE: tl.constexpr = 0, TREE_CONV: tl.constexpr = False, conv_ptr=None, scm=0, conv_lo=0,
-                   conv_n=0, cw_ptr=None, swc=0, swk=0, cb_ptr=None, HAS_CB: tl.constexpr = False, cs_ptr=None,
-                   ssb=0, ssc=0, ssk=0, par_ptr=None, n_tree=1, KC: tl.constexpr = 4):
+                   PRE: tl.constexpr = 0):
     # USE_PDL (a config's seventh entry): launched early, waiting at the start. In the pointer-load
     # sweep of round 2 early-launched instances ran 1.4x slower back to back (13.7 -> 20.5 us at 8
     # rows: they held their pipelines' shared memory while waiting); inside the tree iteration the
@@ -436,8 +380,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
     # weight rows; with fixed BLOCK_N-wide tiles, 160 tiles on 132 SMs leave 28 SMs twice the work.
     # PRE (TMA 1 or 2, one norm group at most): the first PRE weight boxes are loaded before the
     # PDL wait, while the kernel before still runs (weights are never written).
-    # TREE_CONV: the verify's tree conv of the output columns [conv_lo, conv_lo + conv_n) in the
-    # epilogue (_tree_conv_epilogue; ConvEpilogue), so that it needs no launch of its own.
     if USE_PDL:
         gdc_launch_dependents()
         if PRE == 0:
@@ -506,9 +448,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
             of = of * tl.sigmoid(of)
         out = of.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :], out, mask=mask)
-    if TREE_CONV:
-        _tree_conv_epilogue(out, offs_m, mask_m, offs_n, conv_ptr, scm, conv_lo, conv_n, cw_ptr, swc, swk, cb_ptr,
-                            cs_ptr, ssb, ssc, ssk, par_ptr, n_tree, HAS_CB, KC, IEEE)
     if WRITE_SQ:  # of the stored (rounded) values, as the next norm reads them
         of = tl.where(mask, out.to(tl.float32), 0.0)
         tl.store(ysq_ptr + offs_m * tl.num_programs(0) + tl.program_id(0), tl.sum(of * of, axis=1), mask=mask_m)
@@ -597,19 +536,15 @@ SKINNY_ACTIVATIONS = {"relu": 1, "relu2": 2, "silu": 3}
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None,
                   residual: torch.Tensor | None = None, norm_groups: int = 0, eps: float = 0.0,
-                  x_sq: torch.Tensor | None = None, return_sq: bool = False, activation: str | None = None,
-                  tree_conv: ConvEpilogue | None = None):
+                  x_sq: torch.Tensor | None = None, return_sq: bool = False, activation: str | None = None):
     """x (..., K) with M rows in all, weight (N, K) -> (..., N) for small M (any M works; the
     tile pads M up to a power of two >= 16, so it pays only for few rows). norm_groups, residual,
     x_sq, return_sq and activation (one of SKINNY_ACTIVATIONS, in the epilogue) as in
     `norm_linear`: with x_sq the norm scales each group's dot products inside the GEMM, without
-    it the norm kernel runs first. tree_conv: also the tree conv of a column range into
-    tree_conv.out, in the epilogue (no residual, activation or return_sq with it)."""
+    it the norm kernel runs first."""
     if activation is not None and (activation not in SKINNY_ACTIVATIONS or residual is not None or return_sq):
         raise ValueError(f"skinny_linear: activation {activation!r} needs no residual, no return_sq and one of "
                          f"{sorted(SKINNY_ACTIVATIONS)}")
-    if tree_conv is not None and (residual is not None or return_sq or activation is not None):
-        raise ValueError("skinny_linear: tree_conv takes no residual, return_sq or activation")
     n, k = weight.shape
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
@@ -652,16 +587,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     # norm group, K covering them); else none
     pre = early - 1 if (early > 1 and w_desc is not None and tma in (1, 2) and norm_groups <= 1
                         and k >= (early - 1) * block_k) else 0
-    conv_args = {}
-    if tree_conv is not None:
-        c = tree_conv
-        conv_args = dict(
-            TREE_CONV=True, conv_ptr=c.out, scm=c.out.stride(0), conv_lo=c.offset, conv_n=c.weight.shape[0],
-            cw_ptr=c.weight, swc=c.weight.stride(0), swk=c.weight.stride(1),
-            cb_ptr=c.bias if c.bias is not None else c.weight, HAS_CB=c.bias is not None,
-            cs_ptr=c.state, ssb=c.state.stride(0), ssc=c.state.stride(1), ssk=c.state.stride(2),
-            par_ptr=c.parents, n_tree=c.parents.shape[0], KC=c.weight.shape[1],
-        )
     _skinny_kernel[(grid,)](
         rows, weight, bias if bias is not None else weight, y, m, n, k, rows.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
@@ -673,8 +598,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         BLOCK_Q=max(16, triton.next_power_of_2(x_sq.shape[-1])) if use_parts else 16,
         ysq_ptr=y_sq, WRITE_SQ=return_sq, BALANCED=bool(per_sm),
         ACT=SKINNY_ACTIVATIONS[activation] if activation else 0,
-        w_desc=w_desc, TMA=tma if w_desc is not None else 0, PRE=pre, **conv_args,
-        **({"launch_pdl": True} if use_pdl else {}),
+        w_desc=w_desc, TMA=tma if w_desc is not None else 0, PRE=pre, **({"launch_pdl": True} if use_pdl else {}),
     )
     y = y.reshape(tuple(x.shape[:-1]) + (n,))
     return (y, y_sq) if return_sq else y

@@ -74,34 +74,3 @@ def naive_tree_conv(
     elif activation is not None:
         raise ValueError(f"unsupported conv activation {activation!r}")
     return out.to(xBC.dtype)
-
-
-def naive_norm_linear_tree_conv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    norm_groups: int,
-    eps: float,
-    x_sq: torch.Tensor | None,
-    conv_offset: int,
-    conv_state: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    parents: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The verify's in_proj and the tree conv of its xBC columns: `naive_norm_linear`, then
-    `naive_tree_conv` (silu) of output columns [conv_offset, conv_offset + C), C = conv_weight's rows.
-
-    Args:
-        x: (B, N, K) the tree nodes' residual stream; weight (P, K), bias (P,) or None: in_proj
-            with the pre-norm's weight folded in; norm_groups, eps, x_sq: as `naive_norm_linear`.
-        conv_state (B, C, K-1), conv_weight (C, K), conv_bias (C,) or None, parents (N,): as
-            `naive_tree_conv`.
-    Returns:
-        the projection (B, N, P) and the conv's output (B, N, C), both in the projection's dtype.
-    """
-    from ..gemv.naive import naive_norm_linear
-
-    y = naive_norm_linear(x, weight, bias, norm_groups, eps, x_sq=x_sq)
-    channels = conv_weight.shape[0]
-    return y, naive_tree_conv(y[..., conv_offset:conv_offset + channels], conv_state, conv_weight, conv_bias, parents)

@@ -4,9 +4,6 @@ One program per (batch row, block of nodes, block of channels). Each node's wind
 walking its parent chain K-1 steps in the kernel (K is tiny and a compile-time constant), so the
 window indices of `conv_window_indices` are never built on the host: `parents` stays on the
 device and nothing syncs.
-
-`norm_linear_tree_conv` is the verify's in_proj with this conv in the skinny GEMM's epilogue
-(ops/gemv `ConvEpilogue`): one launch fewer per Mamba layer where the skinny GEMM runs.
 """
 from __future__ import annotations
 
@@ -130,46 +127,3 @@ def tree_conv(
         BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_K=triton.next_power_of_2(kernel_size), num_warps=warps, **_pdl_args(out.device),
     )
     return out
-
-
-FUSE_WITH_IN_PROJ = True
-"""Benchmarks set this False to time the verify with the tree conv as its own launch."""
-
-
-def norm_linear_tree_conv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    norm_groups: int,
-    eps: float,
-    x_sq: torch.Tensor | None,
-    conv_offset: int,
-    conv_state: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    parents: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The verify's in_proj and the tree conv of its xBC columns; same contract as
-    `naive_norm_linear_tree_conv`. Where the skinny GEMM takes the projection (ops/gemv
-    `skinny_rows`), the conv runs in its epilogue, since every program holds all the tree's rows
-    of its columns; otherwise `norm_linear`, then `tree_conv`.
-
-    On the H100 at the mamba2-2.7b shape the verify layer without the conv's launch measured
-    38.8-39.4 against 40.6 us (bench/stream_verify16_probe.py, run 163)."""
-    from ..gemv import triton as G
-
-    batch, n, k = x.shape
-    channels, kernel_size = conv_weight.shape
-    rows = batch * n
-    fused = (FUSE_WITH_IN_PROJ and G.ENABLED and rows > 1 and G.skinny_rows(rows, *weight.shape, weight.element_size())
-             and weight.stride(-1) == 1 and kernel_size >= 2 and conv_offset + channels <= weight.shape[0]
-             and tuple(conv_state.shape) == (batch, channels, kernel_size - 1) and tuple(parents.shape) == (n,)
-             and (x.device.type == "cuda" or G._interpreting()) and not (norm_groups and k % norm_groups))
-    if not fused:
-        y = G.norm_linear(x, weight, bias, norm_groups, eps, x_sq=x_sq)
-        return y, tree_conv(y[..., conv_offset:conv_offset + channels], conv_state, conv_weight, conv_bias, parents)
-    dtype = torch.result_type(x, weight)
-    conv = torch.empty(rows, channels, device=x.device, dtype=dtype)
-    epilogue = G.ConvEpilogue(conv_offset, conv_weight, conv_bias, conv_state, parents, conv)
-    y = G.skinny_linear(x, weight, bias, norm_groups=norm_groups, eps=eps, x_sq=x_sq, tree_conv=epilogue)
-    return y, conv.view(batch, n, channels)
