@@ -125,3 +125,41 @@ def naive_tree_scan_gated(
         groups = B.shape[2]
         return g, dt, g.float().unflatten(-1, (groups, -1)).pow(2).sum(-1).reshape(-1, groups, 1)
     return g, dt
+
+
+def naive_tree_conv_scan_gated(
+    xBC: torch.Tensor,
+    conv_state: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    dt_raw: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_min: float,
+    dt_max: float,
+    A: torch.Tensor,
+    D: torch.Tensor | None,
+    z: torch.Tensor,
+    parents: torch.Tensor,
+    initial_state: torch.Tensor,
+    n_groups: int,
+    return_sq: bool = False,
+):
+    """The verify's tree conv, then `naive_tree_scan_gated` on its output's x, B and C.
+
+    Args:
+        xBC: (B, N, C) the conv's inputs, C = H*P + 2*G*S; conv_state (B, C, K-1), conv_weight
+            (C, K), conv_bias (C,) or None: as `naive_tree_conv` (silu); n_groups: G.
+        the rest: as `naive_tree_scan_gated` (x, B and C come from the conv).
+    Returns:
+        the conv's output (B, N, C) in xBC's dtype, then `naive_tree_scan_gated`'s outputs.
+    """
+    from ..tree_conv.naive import naive_tree_conv
+
+    conv = naive_tree_conv(xBC, conv_state, conv_weight, conv_bias, parents)
+    heads, d_state = A.shape[0], initial_state.shape[-1]
+    d_inner = conv.shape[-1] - 2 * n_groups * d_state
+    x, B, C = conv.split([d_inner, n_groups * d_state, n_groups * d_state], dim=-1)
+    out = naive_tree_scan_gated(x.unflatten(-1, (heads, d_inner // heads)), dt_raw, dt_bias, dt_min, dt_max, A,
+                                B.unflatten(-1, (n_groups, d_state)), C.unflatten(-1, (n_groups, d_state)), D, z,
+                                parents, initial_state, return_sq=return_sq)
+    return (conv, *out)
