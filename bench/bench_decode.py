@@ -25,7 +25,6 @@ from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch, pdl, stream_layers
 from ssmspec.ops.gemv import triton as gemv
-from ssmspec.ops.tree_scan import triton as tree_scan_kernels
 from ssmspec.trees.tree import Tree
 
 RESULTS: dict = {}
@@ -316,14 +315,6 @@ def main() -> int:
                 record(f"  same, cuBLAS projections [{tree.num_nodes} nodes, {name}]",
                        time_tree_iteration(m, prompt, tree, vocab)["ms"])
                 gemv.ENABLED = True
-                if m.layers[0].kind == "mamba" and tree.num_nodes <= tree_scan_kernels.FUSE_CONV_MAX_NODES:
-                    # round 12: the tree conv inside the scan's programs, against its own launch (as before)
-                    tree_scan_kernels.FUSE_CONV = False
-                    record(f"  same, tree conv as its own launch [{tree.num_nodes} nodes, {name}]",
-                           time_tree_iteration(m, prompt, tree, vocab)["ms"])
-                    tree_scan_kernels.FUSE_CONV = True
-                    record(f"  same, again with the conv in the scan [{tree.num_nodes} nodes, {name}]",
-                           time_tree_iteration(m, prompt, tree, vocab)["ms"])
                 if m.layers[0].kind == "mamba":  # the layer projections' skinny GEMMs with TMA weight loads
                     shapes = [tuple(m.layers[0].mixer.in_proj.weight.shape), tuple(m.layers[0].mixer.out_proj.weight.shape)]
                     table = gemv.SKINNY_TUNED if tree.num_nodes <= gemv.SKINNY_MAX_ROWS else gemv.SKINNY_WIDE

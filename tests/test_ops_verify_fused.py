@@ -74,18 +74,6 @@ def _gated_args(v, clamp, parents, with_D=True):
             parents, v["initial_state"])
 
 
-def _conv_scan_args(v, clamp, parents, kernel_size=4, bias=True, with_D=True):
-    """tree_conv_scan_gated's arguments: the conv's inputs xBC, its state and taps, then as
-    _gated_args without x, B and C (n_groups last)."""
-    batch, conv_dim = v["xBC"].shape[0], v["xBC"].shape[-1]
-    g = torch.Generator().manual_seed(conv_dim * 10 + kernel_size)
-    return (v["xBC"], torch.randn(batch, conv_dim, kernel_size - 1, generator=g).to(v["xBC"].dtype),
-            (torch.randn(conv_dim, kernel_size, generator=g) / 2).to(v["xBC"].dtype),
-            torch.randn(conv_dim, generator=g).to(v["xBC"].dtype) if bias else None,
-            v["dt_raw"], v["dt_bias"], *clamp, v["A"], v["D"] if with_D else None, v["z"], parents,
-            v["initial_state"], v["B"].shape[2])
-
-
 def _replay_args(r):
     return (r["conv_state"], r["ssm_state"], r["xBC"], r["x"], r["dt"], r["A"], r["B"], r["path"], r["path_len"])
 
@@ -158,30 +146,9 @@ if not INTERPRETED:
         naive_replay_ssm_state(ssm, r["x"], r["dt"], r["A"], r["B"], r["path"], r["path_len"])
         assert torch.equal(r["conv_state"], conv) and torch.equal(r["ssm_state"], ssm)
 
-    def test_naive_tree_conv_scan_gated_is_conv_then_gated_scan():
-        from ssmspec.ops.tree_conv.naive import naive_tree_conv
-        from ssmspec.ops.tree_scan.naive import naive_tree_conv_scan_gated
-
-        tree = TREES["uneven 3,4,2,1"]
-        parents = tree.parents_tensor()
-        v = _verify_inputs(2, tree.num_nodes, 6, 12, 10, 2)
-        args = _conv_scan_args(v, CLAMPS[0], parents)
-        conv, g, dt, sq = naive_tree_conv_scan_gated(*args, return_sq=True)
-        want_conv = naive_tree_conv(v["xBC"], args[1], args[2], args[3], parents)
-        x, B, C = want_conv.split([72, 20, 20], dim=-1)
-        want = naive_tree_scan_gated(x.unflatten(-1, (6, 12)), v["dt_raw"], v["dt_bias"], *CLAMPS[0], v["A"],
-                                     B.unflatten(-1, (2, 10)), C.unflatten(-1, (2, 10)), v["D"], v["z"], parents,
-                                     v["initial_state"], return_sq=True)
-        assert torch.equal(conv, want_conv)
-        for got, ref in zip((g, dt, sq), want):
-            assert torch.equal(got, ref)
-
     def test_dispatch_reference_backend_runs_the_references():
         from ssmspec.ops import dispatch
-        from ssmspec.ops.tree_scan.naive import naive_tree_conv_scan_gated
 
-        assert dispatch._REFERENCE["tree_conv_scan_gated"] is naive_tree_conv_scan_gated
-        assert dispatch._TRITON["tree_conv_scan_gated"] == ("ssmspec.ops.tree_scan.triton", "tree_conv_scan_gated")
         assert dispatch._REFERENCE["tree_scan_gated"] is naive_tree_scan_gated
         assert dispatch._REFERENCE["replay_states"] is naive_replay_states
         assert dispatch._REFERENCE["replay_states_layers"] is naive_replay_states_layers
@@ -223,41 +190,6 @@ else:
         batch, heads, groups = shape[0], shape[1], shape[4]
         assert sq.shape == (batch * tree.num_nodes, groups, heads // groups)
         assert_close(sq.sum(-1, keepdim=True), want_sq, atol=1e-3, rtol=1e-4, name=f"sq {tree_name}")
-
-    @pytest.mark.parametrize("tree_name", list(TREES))
-    @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-    @pytest.mark.parametrize("kernel_size,bias", [(4, True), (3, False)], ids=["K4", "K3-nobias"])
-    def test_tree_conv_scan_gated_matches_reference(tree_name, shape, kernel_size, bias, nan_outputs, monkeypatch):
-        """The conv inside the scan's programs (no tree_conv launch up to FUSE_CONV_MAX_NODES nodes),
-        against conv then scan."""
-        from ssmspec.ops.tree_conv import triton as TC
-        from ssmspec.ops.tree_scan.naive import naive_tree_conv_scan_gated
-
-        tree = TREES[tree_name]
-        if tree.num_nodes <= TS.FUSE_CONV_MAX_NODES:  # larger trees take the conv's own launch
-            monkeypatch.setattr(TC, "tree_conv", lambda *a, **k: pytest.fail("the fused path launched tree_conv"))
-        v = _verify_inputs(shape[0], tree.num_nodes, *shape[1:])
-        args = _conv_scan_args(v, CLAMPS[0], tree.parents_tensor(), kernel_size, bias)
-        conv, g, dt, sq = TS.tree_conv_scan_gated(*args, return_sq=True)
-        want_conv, want_g, want_dt, want_sq = naive_tree_conv_scan_gated(*args, return_sq=True)
-        assert_close(conv, want_conv, atol=1e-5, rtol=1e-5, name=f"conv {tree_name}")
-        assert_close(dt, want_dt, atol=1e-6, rtol=1e-6, name=f"dt {tree_name}")
-        assert_close(g, want_g, atol=1e-4, rtol=1e-4, name=f"g {tree_name}")
-        assert_close(sq.sum(-1, keepdim=True), want_sq, atol=1e-3, rtol=1e-4, name=f"sq {tree_name}")
-
-    def test_tree_conv_scan_gated_unfused_routes(nan_outputs, monkeypatch):
-        """Past FUSE_CONV_MAX_NODES nodes, or switched off, the conv is its own launch: same results."""
-        from ssmspec.ops.tree_scan.naive import naive_tree_conv_scan_gated
-
-        tree = TREES["binary 2,2,2"]
-        v = _verify_inputs(2, tree.num_nodes, 6, 12, 10, 2)
-        args = _conv_scan_args(v, CLAMPS[1], tree.parents_tensor(), with_D=False)
-        want = naive_tree_conv_scan_gated(*args)
-        for setting in (("FUSE_CONV", False), ("FUSE_CONV_MAX_NODES", tree.num_nodes - 1)):
-            with monkeypatch.context() as m:
-                m.setattr(TS, *setting)
-                for got, ref, tol in zip(TS.tree_conv_scan_gated(*args), want, (1e-5, 1e-4, 1e-6)):
-                    assert_close(got, ref, atol=tol, rtol=tol, name=str(setting))
 
     def test_tree_scan_gated_without_D_contiguous_inputs_two_P_blocks(nan_outputs):
         """P = 72: two P-block programs per head (the second partial), only the first stores dt."""

@@ -208,8 +208,8 @@ class Mamba2Mixer(nn.Module):
     def folded_residual_verify(self, h: torch.Tensor, cache: MambaLayerCache, parents: torch.Tensor,
                                pre_norm_eps: float, h_sq: torch.Tensor | None = None):
         """h + verify(pre_norm(h)) with both norms' weights folded into in_proj and out_proj
-        (models/fold.py), on the kernels: the pre-norm inside in_proj, the tree conv, the time step and
-        the gate inside the tree scan, the gated norm and the residual add inside out_proj.
+        (models/fold.py), on the kernels: the pre-norm inside in_proj, the time step and the gate
+        inside the tree scan, the gated norm and the residual add inside out_proj.
 
         h_sq: h's partial sums of squares from its producer, or None (ops/gemv `norm_linear`);
         the gated value's come from the scan, so neither norm needs a launch of its own.
@@ -218,11 +218,11 @@ class Mamba2Mixer(nn.Module):
         c = self.cfg
         zxbcdt = dispatch.norm_linear(h, self.in_proj.weight, self.in_proj.bias, 1, pre_norm_eps, x_sq=h_sq)
         z, xBC, dt_raw = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
-        xBC_conv, gated, dt, g_sq = dispatch.tree_conv_scan_gated(
-            xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, dt_raw, self.dt_bias, c.dt_min, c.dt_max, self.A,
-            self.D, z, parents, cache.ssm_state, c.n_groups, return_sq=True)
+        xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
         x, B, C = self._split_conv_out(xBC_conv)
         norm_groups = c.d_inner // self.norm.group_size
+        gated, dt, g_sq = dispatch.tree_scan_gated(x, dt_raw, self.dt_bias, c.dt_min, c.dt_max, self.A, B, C, self.D,
+                                                   z, parents, cache.ssm_state, return_sq=True)
         if g_sq.shape[1] != norm_groups:  # norm groups other than the SSM groups: the norm reduces itself
             g_sq = None
         out, out_sq = dispatch.norm_linear(gated, self.out_proj.weight, self.out_proj.bias, norm_groups,

@@ -23,7 +23,7 @@ from .step_update.naive import (
     naive_time_step,
 )
 from .tree_conv.naive import naive_tree_conv
-from .tree_scan.naive import naive_tree_conv_scan_gated, naive_tree_scan, naive_tree_scan_gated
+from .tree_scan.naive import naive_tree_scan, naive_tree_scan_gated
 
 BACKENDS = ("auto", "reference", "triton")
 _backend = "auto"
@@ -31,7 +31,6 @@ _backend = "auto"
 _REFERENCE = {
     "tree_scan": naive_tree_scan,
     "tree_scan_gated": naive_tree_scan_gated,
-    "tree_conv_scan_gated": naive_tree_conv_scan_gated,
     "tree_conv": naive_tree_conv,
     "replay_states": naive_replay_states,
     "replay_states_layers": naive_replay_states_layers,
@@ -50,7 +49,6 @@ _REFERENCE = {
 _TRITON = {
     "tree_scan": ("ssmspec.ops.tree_scan.triton", "tree_scan"),
     "tree_scan_gated": ("ssmspec.ops.tree_scan.triton", "tree_scan_gated"),
-    "tree_conv_scan_gated": ("ssmspec.ops.tree_scan.triton", "tree_conv_scan_gated"),
     "tree_conv": ("ssmspec.ops.tree_conv.triton", "tree_conv"),
     "replay_states": ("ssmspec.ops.state_replay.triton", "replay_states"),
     "replay_states_layers": ("ssmspec.ops.state_replay.triton", "replay_states_layers"),
@@ -121,15 +119,6 @@ def tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, 
     return_sq g's sums of squares per group for out_proj's norm (see `naive_tree_scan_gated`)."""
     return resolve("tree_scan_gated", x.device)(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents,
                                                 initial_state, return_sq=return_sq)
-
-
-def tree_conv_scan_gated(xBC, conv_state, conv_weight, conv_bias, dt_raw, dt_bias, dt_min, dt_max, A, D, z, parents,
-                         initial_state, n_groups, return_sq=False):
-    """The verify's tree conv (silu), time step, tree scan and gate: (conv output, g, dt[, sq])
-    (see `naive_tree_conv_scan_gated`)."""
-    return resolve("tree_conv_scan_gated", xBC.device)(xBC, conv_state, conv_weight, conv_bias, dt_raw, dt_bias, dt_min,
-                                                       dt_max, A, D, z, parents, initial_state, n_groups,
-                                                       return_sq=return_sq)
 
 
 def tree_conv(xBC, conv_state, weight, bias, parents, activation="silu"):

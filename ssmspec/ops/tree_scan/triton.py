@@ -14,8 +14,6 @@ parent chain, so `parents` stays a device tensor and nothing syncs with the host
 time step softplus(dt_raw + dt_bias), clamped, is computed per node inside each program (every
 P block of a head recomputes its head's N values, cheaper than a launch), and the output is
 gated by silu(z) and stored in z's dtype. Two launches fewer per Mamba layer.
-`tree_conv_scan_gated` also takes the tree conv in (CONV): each program convolves the inputs it
-reads, as ops/tree_conv's kernel would, and stores them for the replay; one more launch fewer.
 """
 from __future__ import annotations
 
@@ -42,28 +40,6 @@ def _ancestors(par_ptr, offs_n, mask_n, N, anc):
 
 
 @triton.jit
-def _tree_conv_tile(pre_base, srow, cols, ch, mask_c, src, slot, live_nj, offs_j, cw_ptr, swc, swk, cb_ptr, cs_base,
-                    scc, sck, KC: tl.constexpr, HAS_CB: tl.constexpr):
-    """silu(tree conv) of one (nodes, channels) tile, as ops/tree_conv's kernel computes it (same
-    operations in the same order): src[n, j] / slot[n, j] is tap j's tree node / cached-input slot
-    (-1 where the other applies); cols are the channels' offsets from pre_base (pre-conv inputs,
-    rows srow apart), ch their conv channels (taps, bias and cached inputs)."""
-    live = live_nj[:, :, None] & mask_c[None, None, :]
-    w = tl.load(cw_ptr + ch[None, :] * swc + (KC - 1 - offs_j)[:, None] * swk,
-                mask=(offs_j < KC)[:, None] & mask_c[None, :], other=0.0).to(tl.float32)  # (taps, channels)
-    from_state = tl.load(cs_base + ch[None, None, :] * scc + slot[:, :, None] * sck, mask=live & (slot >= 0)[:, :, None],
-                         other=0.0)
-    window = from_state.to(pre_base.dtype.element_ty).to(tl.float32)
-    window += tl.load(pre_base + src[:, :, None] * srow + cols[None, None, :], mask=live & (src >= 0)[:, :, None],
-                      other=0.0).to(tl.float32)
-    acc = tl.sum(window * w[None, :, :], axis=1)
-    if HAS_CB:
-        acc += tl.load(cb_ptr + ch, mask=mask_c, other=0.0).to(tl.float32)[None, :]
-    acc = acc * tl.sigmoid(acc)
-    return acc.to(pre_base.dtype.element_ty)
-
-
-@triton.jit
 def _tree_scan_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, par_ptr, h0_ptr, y_ptr,
     bias_ptr, z_ptr, dt_out_ptr, dt_min, dt_max,
@@ -81,9 +57,6 @@ def _tree_scan_kernel(
     PRECISION: tl.constexpr, ONE_CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     sq_ptr=None, WRITE_SQ: tl.constexpr = False,
-    CONV: tl.constexpr = False, cw_ptr=None, swc=0, swk=0, cb_ptr=None, HAS_CB: tl.constexpr = False,
-    cs_ptr=None, scb=0, scc=0, sck=0, conv_ptr=None, sob=0, son=0, b_ch0=0, c_ch0=0,
-    KC: tl.constexpr = 4, BLOCK_KC: tl.constexpr = 4,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
@@ -116,20 +89,6 @@ def _tree_scan_kernel(
         D = tl.load(D_ptr + h).to(tl.float32)
     if FUSED:
         dt_b = tl.load(bias_ptr + h).to(tl.float32)
-    if CONV:  # each node's conv window, as ops/tree_conv's kernel walks it (see _tree_conv_tile)
-        offs_j = tl.arange(0, BLOCK_KC)
-        cur = tl.where(mask_n, offs_n, -1)
-        back = tl.zeros([BLOCK_N], dtype=tl.int32)
-        src = tl.full([BLOCK_N, BLOCK_KC], -1, tl.int32)
-        slot = tl.full([BLOCK_N, BLOCK_KC], -1, tl.int32)
-        for j in tl.static_range(KC):
-            in_tree = cur >= 0
-            tap = (offs_j == j)[None, :]
-            src = tl.where(tap & in_tree[:, None], cur[:, None], src)
-            slot = tl.where(tap & ~in_tree[:, None], ((KC - 2) - back)[:, None], slot)
-            back = tl.where(in_tree, back, back + 1)
-            cur = tl.where(in_tree, tl.load(par_ptr + cur, mask=in_tree, other=-1).to(tl.int32), -1)
-        live_nj = mask_n[:, None] & (offs_j < KC)[None, :]
     if USE_PDL:  # wait for the previous kernel before reading activations or writing anything
         gdc_wait()
 
@@ -143,28 +102,12 @@ def _tree_scan_kernel(
         # than either loading it at the gate or holding it in fp32).
         zm = tl.load(z_ptr + b * szb + offs_n[:, None] * szn + (h * P + offs_p[None, :]) * szc, mask=mask_np,
                      other=0.0)
-    if CONV:  # x, B and C are the conv's inputs: convolve them here (ONE_CHUNK only) and store the outputs
-        cs_base = cs_ptr + b * scb
-        mask_sc = offs_s < S
-        xm = _tree_conv_tile(x_ptr + b * sxb + h * sxh, sxn, offs_p * sxp, h * P + offs_p, mask_p, src, slot, live_nj,
-                             offs_j, cw_ptr, swc, swk, cb_ptr, cs_base, scc, sck, KC, HAS_CB)
-        Cm = _tree_conv_tile(C_base, sCn, offs_s * sCs, c_ch0 + g * S + offs_s, mask_sc, src, slot, live_nj, offs_j,
-                             cw_ptr, swc, swk, cb_ptr, cs_base, scc, sck, KC, HAS_CB)
-        Bm = _tree_conv_tile(B_base, sBn, offs_s * sBs, b_ch0 + g * S + offs_s, mask_sc, src, slot, live_nj, offs_j,
-                             cw_ptr, swc, swk, cb_ptr, cs_base, scc, sck, KC, HAS_CB)
-        out_base = conv_ptr + b * sob + offs_n[:, None] * son
-        tl.store(out_base + (h * P + offs_p)[None, :], xm, mask=mask_np)
-        if (h % heads_per_group == 0) & (pid_p == 0):  # the group's B and C, once
-            mask_ns = mask_n[:, None] & mask_sc[None, :]
-            tl.store(out_base + (b_ch0 + g * S + offs_s)[None, :], Bm, mask=mask_ns)
-            tl.store(out_base + (c_ch0 + g * S + offs_s)[None, :], Cm, mask=mask_ns)
-    else:
-        xm = tl.load(x_ptr + b * sxb + h * sxh + offs_n[:, None] * sxn + offs_p[None, :] * sxp, mask=mask_np,
-                     other=0.0)
-        if ONE_CHUNK:
-            mask_ns = mask_n[:, None] & (offs_s < S)[None, :]
-            Cm = tl.load(C_base + offs_n[:, None] * sCn + offs_s[None, :] * sCs, mask=mask_ns, other=0.0)
-            Bm = tl.load(B_base + offs_n[:, None] * sBn + offs_s[None, :] * sBs, mask=mask_ns, other=0.0)
+    xm = tl.load(x_ptr + b * sxb + h * sxh + offs_n[:, None] * sxn + offs_p[None, :] * sxp, mask=mask_np,
+                 other=0.0)
+    if ONE_CHUNK:
+        mask_ns = mask_n[:, None] & (offs_s < S)[None, :]
+        Cm = tl.load(C_base + offs_n[:, None] * sCn + offs_s[None, :] * sCs, mask=mask_ns, other=0.0)
+        Bm = tl.load(B_base + offs_n[:, None] * sBn + offs_s[None, :] * sBs, mask=mask_ns, other=0.0)
     if FUSED:
         # dt_ptr is dt_raw: the time step of every node here (padding lanes stay 0), stored for
         # replay by the P-block-0 program.
@@ -351,11 +294,10 @@ def _block_p(head_dim: int) -> int:
     return SCAN_BLOCK_P or min(64, max(16, triton.next_power_of_2(head_dim)))
 
 
-def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None, sq=None, conv=None):
+def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None, sq=None):
     """Run `_tree_scan_kernel` into y (B, N, H, P); fused = (dt_bias, dt_min, dt_max, z, dt_out)
     makes dt the raw time step and y the gated output (tree_scan_gated); sq receives the gated
-    output's partial sums of squares; conv = (conv_state, weight, bias, out): x, B and C are the
-    tree conv's inputs, convolved in the kernel into out (tree_conv_scan_gated; one S chunk)."""
+    output's partial sums of squares."""
     if precision is None:
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
     batch, n, heads, head_dim = x.shape
@@ -382,85 +324,5 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
         BLOCK_N=block_n, BLOCK_P=block_p, BLOCK_S=block_s,
         PRECISION=precision, ONE_CHUNK=block_s >= d_state,
         num_warps=SCAN_WARPS or (4 if block_n <= 32 else 8), **_pdl_args(y.device),
-        sq_ptr=sq, WRITE_SQ=sq is not None, **_conv_args(conv, x, B, block_s, d_state),
+        sq_ptr=sq, WRITE_SQ=sq is not None,
     )
-
-
-def _conv_args(conv, x, B, block_s: int, d_state: int) -> dict:
-    if conv is None:
-        return {}
-    if block_s < d_state:
-        raise ValueError("tree_conv_scan_gated: the fused conv needs the state in one chunk")
-    state, weight, bias, out = conv
-    d_inner = x.shape[2] * x.shape[3]
-    return dict(CONV=True, cw_ptr=weight, swc=weight.stride(0), swk=weight.stride(1),
-                cb_ptr=bias if bias is not None else weight, HAS_CB=bias is not None, cs_ptr=state,
-                scb=state.stride(0), scc=state.stride(1), sck=state.stride(2), conv_ptr=out, sob=out.stride(0),
-                son=out.stride(1), b_ch0=d_inner, c_ch0=d_inner + B.shape[2] * d_state, KC=weight.shape[1],
-                BLOCK_KC=triton.next_power_of_2(weight.shape[1]))
-
-
-FUSE_CONV = True
-"""Benchmarks set this False to time the verify with the tree conv as its own launch."""
-FUSE_CONV_MAX_NODES = 32
-"""Trees up to this many nodes take the conv inside the scan (one S chunk; at 64 nodes the scan's
-program already fills an SM's registers)."""
-
-
-def tree_conv_scan_gated(
-    xBC: torch.Tensor,
-    conv_state: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    dt_raw: torch.Tensor,
-    dt_bias: torch.Tensor,
-    dt_min: float,
-    dt_max: float,
-    A: torch.Tensor,
-    D: torch.Tensor | None,
-    z: torch.Tensor,
-    parents: torch.Tensor,
-    initial_state: torch.Tensor,
-    n_groups: int,
-    precision: str | None = None,
-    return_sq: bool = False,
-):
-    """The verify's tree conv, time step, tree scan and gate; same contract as
-    `naive_tree_conv_scan_gated`. Up to FUSE_CONV_MAX_NODES nodes (the state in one chunk) the
-    conv runs inside the scan's programs: each convolves its head's x channels and the group's B
-    and C (the group's first head's program stores them), one launch fewer per Mamba layer.
-    Otherwise `tree_conv`, then `tree_scan_gated`."""
-    from ..tree_conv.triton import tree_conv
-
-    batch, n, conv_dim = xBC.shape
-    heads = A.shape[0]
-    d_state = initial_state.shape[-1]
-    d_inner = conv_dim - 2 * n_groups * d_state
-    head_dim = d_inner // heads
-
-    def split(t):
-        x, B, C = t.split([d_inner, n_groups * d_state, n_groups * d_state], dim=-1)
-        return x.unflatten(-1, (heads, head_dim)), B.unflatten(-1, (n_groups, d_state)), C.unflatten(-1, (n_groups, d_state))
-
-    block_n = max(16, triton.next_power_of_2(n))
-    block_s = SCAN_BLOCK_S or min(128 if block_n <= 32 else 64, max(16, triton.next_power_of_2(d_state)))
-    fused = (FUSE_CONV and n <= FUSE_CONV_MAX_NODES and block_s >= d_state and conv_weight.shape[1] >= 2
-             and tuple(conv_state.shape) == (batch, conv_dim, conv_weight.shape[1] - 1))
-    if not fused:
-        conv = tree_conv(xBC, conv_state, conv_weight, conv_bias, parents)
-        x, B, C = split(conv)
-        return (conv, *tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, initial_state,
-                                       precision=precision, return_sq=return_sq))
-    x, B, C = split(xBC)
-    _check_tree_scan_shapes(x, dt_raw, A, B, C, D, parents, initial_state, op="tree_conv_scan_gated")
-    conv = torch.empty(batch, n, conv_dim, device=xBC.device, dtype=xBC.dtype)
-    g = torch.empty(batch, n, heads * head_dim, device=xBC.device, dtype=z.dtype)
-    dt = torch.empty(batch, n, heads, device=xBC.device, dtype=torch.float32)
-    sq = None
-    if return_sq:
-        parts = heads // n_groups * triton.cdiv(head_dim, _block_p(head_dim))
-        sq = torch.empty(batch * n, n_groups, parts, device=xBC.device, dtype=torch.float32)
-    _launch(x, dt_raw, A, B, C, D, parents, initial_state, g.view(batch, n, heads, head_dim), precision,
-            fused=(dt_bias, float(dt_min), float(dt_max), z, dt), sq=sq,
-            conv=(conv_state, conv_weight, conv_bias, conv))
-    return (conv, g, dt, sq) if return_sq else (conv, g, dt)
