@@ -17,12 +17,21 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
+// Waits for the phase of `parity` to complete. kClusterAcquire: with acquire at cluster scope, for a
+// barrier that another CTA of the cluster arrives on (bench/stream_verify16.cu's pair handshake).
+template <bool kClusterAcquire = false>
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done = 0;
   while (!done) {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    if constexpr (kClusterAcquire) {
+      asm volatile(
+          "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+          : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    } else {
+      asm volatile(
+          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+          : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    }
   }
 }
 // One bulk copy global -> shared, completing `bytes` of the barrier's transaction count. Weights
