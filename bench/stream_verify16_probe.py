@@ -10,7 +10,7 @@ and B, dt, the gated g and the layer output), then both are timed over 64 layers
 us per layer: the product as one CUDA graph, the kernel as one launch.
 
 Run on the device from the bench directory:
-    python3 stream_verify16_probe.py [--variants "PROJ_ONLY;NO_GRID_SYNC"] [--trace ";PROJ_ONLY"]
+    python3 stream_verify16_probe.py [--variants "PROJ_ONLY;NO_GRID_SYNC;N_SLOTS=3"] [--trace ";PROJ_ONLY"]
 """
 from __future__ import annotations
 
@@ -39,11 +39,14 @@ SPANS = (("fetch h (act landed - layer start)", 0, 1), ("in_proj slots", 1, 2), 
 
 class VerifyKernel(CubinKernel):
     def __init__(self, nodes: int, defines: tuple[str, ...] = ()):
+        # a variant may set the ring depth ("N_SLOTS=3"); the default is SLOTS
+        self.slots = next((int(d.split("=")[1]) for d in defines if d.startswith("N_SLOTS=")), SLOTS)
         self.defines = defines
         row = D_MODEL * 2 + 64
         m_phase = (16 * 72 + 16 * 144 + 16 * 20 + 16 * 3 + 4 + 16 + 16 * 4) * 4 + (19 * 320 + 16 * 64 + 2 * 16 * 160 + 320 * 8) * 2
-        smem = SLOTS * 8 * row + (8 * 16 * 8 + 16 * 48 + 8 * 16 + 2 * 16) * 4 + m_phase + (2 * SLOTS + 1) * 8
-        super().__init__(SOURCE, "stream_verify16", (f"N_SLOTS={SLOTS}", *defines), smem)
+        smem = self.slots * 8 * row + (8 * 16 * 8 + 16 * 48 + 8 * 16 + 2 * 16) * 4 + m_phase + (2 * self.slots + 1) * 8
+        super().__init__(SOURCE, "stream_verify16", (f"N_SLOTS={self.slots}",
+                                                     *(d for d in defines if not d.startswith("N_SLOTS="))), smem)
         dev, bf = "cuda", torch.bfloat16
         # NaN-filled: a read before the write it should follow shows in the checks
         self.zx = torch.full((LAYERS, nodes, N_IN), float("nan"), device=dev, dtype=bf)
@@ -170,7 +173,7 @@ def main() -> int:
     outs = {k: torch.empty_like(h[0]) for k in kernels}
     timed_rows("product: verify layer (in_proj, tree conv, gated scan, out_proj)",
                lambda: graph_us(lambda x, L: layer_ref(x, L)[0], layers, h), kernels,
-               lambda k: f"streaming verify, {SLOTS} slots", lambda k: k(table, LAYERS, parents, h[0], outs[k]))
+               lambda k: f"streaming verify, {k.slots} slots", lambda k: k(table, LAYERS, parents, h[0], outs[k]))
     no_conv = product_layer(parents.long(), conv_launch=False)
     for rep in range(2):
         print(f"product without the tree conv's launch (timing only) [{rep}]: "
