@@ -18,21 +18,21 @@ NT, D, LAYERS = 16, 2560, 64
 SOURCE = r"""
 extern "C" __global__ void partials(float* out, int layers, int reduce) {
   // this CTA's partial: NT x D floats as float4, 256 threads
-  const int n4 = %(NT)d * %(D)d / 4;
+  const int n4 = NT * DM / 4;
   for (int l = 0; l < layers; ++l) {
-    float4* dst = reinterpret_cast<float4*>(out + (size_t)l * %(NT)d * %(D)d * (reduce ? 1 : gridDim.x))
+    float4* dst = reinterpret_cast<float4*>(out + (size_t)l * NT * DM * (reduce ? 1 : gridDim.x))
                   + (reduce ? 0 : (size_t)blockIdx.x * n4);
     for (int i = threadIdx.x; i < n4; i += blockDim.x) {
       const float4 v = make_float4(1.0f, 2.0f, 3.0f, (float)blockIdx.x);
       if (reduce)
-        asm volatile("red.global.add.v4.f32 [%%0], {%%1, %%2, %%3, %%4};"
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};"
                      ::"l"(dst + i), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
       else
         dst[i] = v;
     }
   }
 }
-""" % {"NT": NT, "D": D}
+"""
 
 
 def time_us(fn, reps: int = 20) -> float:
@@ -50,13 +50,16 @@ def time_us(fn, reps: int = 20) -> float:
 
 
 def main() -> int:
-    kernel = cp.RawKernel(SOURCE, "partials", options=("-arch=sm_90a",))
+    kernel = cp.RawKernel(SOURCE, "partials", options=("-arch=sm_90a", f"-DNT={NT}", f"-DDM={D}"))
     print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}; {NT} x {D} fp32 partial per CTA, {LAYERS} layers")
     for ctas in (40, 80, 132):
         reduced = cp.zeros(LAYERS * NT * D, dtype=cp.float32)
         private = cp.zeros(LAYERS * NT * D * ctas, dtype=cp.float32)
-        red_us = time_us(lambda: kernel((ctas,), (256,), (reduced, np.int32(LAYERS), np.int32(1)))) / LAYERS
-        st_us = time_us(lambda: kernel((ctas,), (256,), (private, np.int32(LAYERS), np.int32(0)))) / LAYERS
+        def run(out, reduce, ctas=ctas):
+            kernel((ctas,), (256,), (out, np.int32(LAYERS), np.int32(reduce)))
+
+        red_us = time_us(lambda out=reduced: run(out, 1)) / LAYERS
+        st_us = time_us(lambda out=private: run(out, 0)) / LAYERS
         reduced[:] = 0
         kernel((ctas,), (256,), (reduced, np.int32(1), np.int32(1)))
         want = np.array([1.0, 2.0, 3.0, sum(range(ctas))], dtype=np.float32) * np.array([ctas, ctas, ctas, 1])

@@ -21,10 +21,9 @@ import os
 import numpy as np
 import torch
 from bench_decode import copy_bandwidth
+from ssmspec.trees.tree import Tree
 from step_cost_probe import D_INNER, D_MODEL, LAYERS, H, S, graph_us, make_layer
 from stream_layers_probe import CubinKernel, rel, timed_rows
-
-from ssmspec.trees.tree import Tree
 
 TREE, EPS, SLOTS = (3, 2, 1), 1e-5, 4
 CONV = D_INNER + 2 * S
