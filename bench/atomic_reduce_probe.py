@@ -7,12 +7,15 @@ Each of `ctas` CTAs (one per head) adds a (16 nodes x 2560) fp32 partial into on
 reductions). Against: the same bytes stored once per CTA into CTA-private buffers (st.global.v4),
 which is what the traffic would cost without the reduction. Prints us per layer.
 
-Run on the device from the bench directory: python3 atomic_reduce_probe.py
+Timed as bench_decode.py times a call (`median_ms`). Run on the device from the bench directory:
+python3 atomic_reduce_probe.py
 """
 from __future__ import annotations
 
 import cupy as cp
 import numpy as np
+import torch
+from bench_decode import median_ms
 
 NT, D, LAYERS = 16, 2560, 64
 SOURCE = r"""
@@ -35,32 +38,20 @@ extern "C" __global__ void partials(float* out, int layers, int reduce) {
 """
 
 
-def time_us(fn, reps: int = 20) -> float:
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    fn()
-    cp.cuda.Device().synchronize()
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop) * 1000)
-    return float(np.median(times))
-
-
 def main() -> int:
     kernel = cp.RawKernel(SOURCE, "partials", options=("-arch=sm_90a", f"-DNT={NT}", f"-DDM={D}"))
     print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}; {NT} x {D} fp32 partial per CTA, {LAYERS} layers")
     for ctas in (40, 80, 132):
         reduced = cp.zeros(LAYERS * NT * D, dtype=cp.float32)
         private = cp.zeros(LAYERS * NT * D * ctas, dtype=cp.float32)
-        def run(out, reduce, ctas=ctas):
-            kernel((ctas,), (256,), (out, np.int32(LAYERS), np.int32(reduce)))
+        def run(out, reduce, ctas=ctas):  # on torch's stream, which median_ms times
+            with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+                kernel((ctas,), (256,), (out, np.int32(LAYERS), np.int32(reduce)))
 
-        red_us = time_us(lambda out=reduced: run(out, 1)) / LAYERS
-        st_us = time_us(lambda out=private: run(out, 0)) / LAYERS
+        red_us = median_ms(lambda out=reduced: run(out, 1), iters=20) * 1000 / LAYERS
+        st_us = median_ms(lambda out=private: run(out, 0), iters=20) * 1000 / LAYERS
         reduced[:] = 0
+        cp.cuda.Device().synchronize()
         kernel((ctas,), (256,), (reduced, np.int32(1), np.int32(1)))
         want = np.array([1.0, 2.0, 3.0, sum(range(ctas))], dtype=np.float32) * np.array([ctas, ctas, ctas, 1])
         got = cp.asnumpy(reduced[:4])
@@ -70,4 +61,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with torch.cuda.stream(torch.cuda.Stream()):  # a real stream handle for CuPy (not the legacy 0)
+        raise SystemExit(main())

@@ -226,6 +226,11 @@ stream_verify16(const VerifyLayer* __restrict__ layers, int n_layers, const int*
   uint64_t* full = reinterpret_cast<uint64_t*>(cb + MC);
   uint64_t* empty = full + N_SLOTS;
   uint64_t* pair_bar = empty + N_SLOTS;  // the peer's out_proj sums are ready / it is done reading ours
+  {  // the probe sizes the dynamic shared memory from this layout: stop at once if the two disagree
+    uint32_t size;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(size));
+    if (reinterpret_cast<unsigned char*>(pair_bar + 1) - smem > size) __trap();
+  }
 
   const int cta = blockIdx.x, ctas = gridDim.x, rank = cta & 1;
   const int in_lo = split_lo(NIN, cta, ctas), in_hi = split_lo(NIN, cta + 1, ctas);
