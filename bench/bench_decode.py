@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from ssmspec.decoding.generate import PENDING_SLOTS
 from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch, pdl, stream_layers
@@ -58,8 +59,8 @@ def param_bytes(model) -> int:
     return total
 
 
-def prefilled_cache(model, prompt: torch.Tensor, max_len: int):
-    cache = model.new_cache(prompt.shape[0], max_len)
+def prefilled_cache(model, prompt: torch.Tensor, max_len: int, pending: int = 0):
+    cache = model.new_cache(prompt.shape[0], max_len, pending=pending)
     with torch.inference_mode():
         model(prompt, cache, last_only=True)
     return cache
@@ -107,29 +108,51 @@ def profile_top(fn, label: str, reps: int = 5, rows: int = 14) -> dict:
     return {"label": label, "kernel_ms": total / 1000, "top": [(name, t, count) for t, count, name in events[:rows]]}
 
 
-def time_tree_iteration(model, prompt, tree: Tree, vocab: int) -> dict:
+def time_tree_iteration(model, prompt, tree: Tree, vocab: int, pending: int = PENDING_SLOTS) -> dict:
     """One greedy tree iteration (verify + device-side accept + replay) as a CUDA graph, timed
-    from the same prefilled state every time (the cache restore outside the timed region)."""
-    cache = prefilled_cache(model, prompt, 256)
-    root = int(prompt[0, -1])
-    tokens, chain = tree_tokens_following(model, cache, root, tree, vocab)
-    seqlen_before = int(cache.seqlen[0])
-    g = GreedyTreeGraph(model, cache, tree)
-    out, n = g(tokens)
-    produced = out[0, : int(n[0])].tolist()
-    info = {"accepted": int(n[0]) - 1, "greedy_chain_matches": produced == chain[: len(produced)],
-            "cache_advanced": int(cache.seqlen[0]) - seqlen_before}
-    snapshot = cache.clone()
+    from a fixed state each time (the cache restore outside the timed region).
 
-    def iteration():
-        cache.copy_(snapshot)  # same start every time
+    With pending slots (the product's fast path; models/cache.py) an iteration's cost depends on
+    where it falls in the slots' cycle: most append their accepted inputs, one in a cycle flushes
+    them into the states. So the iterations of one whole cycle are run for real first, each with
+    tokens whose first-child path is the target's greedy continuation from that iteration's
+    state (every iteration accepts its full depth, the fastest the slots fill), and each is then
+    timed from its own snapshot; "ms" is their mean, the steady-state cost per iteration."""
+    cache = prefilled_cache(model, prompt, 256, pending)
+    root = int(prompt[0, -1])
+    g = GreedyTreeGraph(model, cache, tree)
+    positions = []  # (snapshot, tokens) of each iteration of one cycle
+    info = {"accepted": [], "greedy_chain_matches": True, "cache_advanced": [], "pending_counts": []}
+    while True:
+        tokens, chain = tree_tokens_following(model, cache, root, tree, vocab)
+        positions.append((cache.clone(), tokens))
+        seqlen_before = int(cache.seqlen[0])
+        out, n = g(tokens)
+        produced = out[0, : int(n[0])].tolist()
+        info["accepted"].append(int(n[0]) - 1)
+        info["greedy_chain_matches"] &= produced == chain[: len(produced)]
+        info["cache_advanced"].append(int(cache.seqlen[0]) - seqlen_before)
+        count = 0 if cache.pending_count is None else int(cache.pending_count[0])
+        info["pending_counts"].append(count)
+        root = produced[-1]
+        if count == 0 or len(positions) > 64:  # flushed (or no slots): the cycle is complete
+            break
+    medians = []
+    for snapshot, tokens in positions:
+        for _ in range(5):
+            cache.copy_(snapshot)
+            g(tokens)
+        times = restored_call_times(lambda snapshot=snapshot: cache.copy_(snapshot), lambda tokens=tokens: g(tokens), 50)
+        medians.append(times[len(times) // 2])
+        info.setdefault("ms_p10_p90", (times[5], times[45]))
+    info["ms"] = sum(medians) / len(medians)
+    info["ms_each"] = medians
+    snapshot, tokens = positions[-1]
+
+    def iteration():  # the flushing iteration (the last of the cycle), from its own state
+        cache.copy_(snapshot)
         g(tokens)
 
-    for _ in range(5):
-        iteration()
-    times = restored_call_times(lambda: cache.copy_(snapshot), lambda: g(tokens), 50)
-    info["ms"] = times[len(times) // 2]
-    info["ms_p10_p90"] = (times[5], times[45])
     info["iteration"] = iteration
     return info
 
@@ -180,6 +203,8 @@ def main() -> int:
                     help="skip the AR row of the one-launch layer stack (ops/stream_layers; its first build takes ~1 min)")
     ap.add_argument("--skip-unfolded", action="store_true",
                     help="time only the model with its norm weights folded (models/fold.py), not also the original")
+    ap.add_argument("--pending", type=int, default=PENDING_SLOTS,
+                    help="pending input slots of the tree iterations' caches (models/cache.py; 0: none)")
     ap.add_argument("--profile", action="store_true",
                     help="print per-kernel device time of the graphs (after all timings: the profiler slows later replays)")
     ap.add_argument("--out", default=None)
@@ -306,14 +331,21 @@ def main() -> int:
     for spec in args.trees.split(";"):
         tree = Tree.from_config(tuple(int(v) for v in spec.split(",")))
         for name, m in variants.items():
-            info = time_tree_iteration(m, prompt, tree, vocab)
+            info = time_tree_iteration(m, prompt, tree, vocab, args.pending)
             record(f"verify+accept+replay graph [{tree.num_nodes} nodes, {name}]", info["ms"], ratio_to_ar=info["ms"] / ar_ms)
+            if len(info["ms_each"]) > 1:
+                print(f"    mean over a cycle of {len(info['ms_each'])} iterations of {args.pending} pending slots: "
+                      + ", ".join(f"{t:.3f}" for t in info["ms_each"]) + " ms (the last flushes)", flush=True)
+                record(f"  flushing iteration only [{tree.num_nodes} nodes, {name}]", info["ms_each"][-1])
             if args.profile and name == "folded":
                 to_profile.append((info["iteration"], f"tree iteration [{tree.num_nodes} nodes, {name}] (+ cache restore copy)"))
             if name == "folded":
+                plain = time_tree_iteration(m, prompt, tree, vocab, pending=0)
+                record(f"  same, no pending slots (states written every iteration) [{tree.num_nodes} nodes, {name}]",
+                       plain["ms"])
                 gemv.ENABLED = False
                 record(f"  same, cuBLAS projections [{tree.num_nodes} nodes, {name}]",
-                       time_tree_iteration(m, prompt, tree, vocab)["ms"])
+                       time_tree_iteration(m, prompt, tree, vocab, args.pending)["ms"])
                 gemv.ENABLED = True
                 if m.layers[0].kind == "mamba":  # the layer projections' skinny GEMMs with TMA weight loads
                     shapes = [tuple(m.layers[0].mixer.in_proj.weight.shape), tuple(m.layers[0].mixer.out_proj.weight.shape)]
@@ -322,7 +354,7 @@ def main() -> int:
                     for tma_cfg in ((64, 128, 4, 4, 0, 2), (32, 256, 4, 4, 0, 1)):
                         table.update({s: tma_cfg for s in shapes})
                         record(f"  same, skinny TMA {tma_cfg} [{tree.num_nodes} nodes, {name}]",
-                               time_tree_iteration(m, prompt, tree, vocab)["ms"])
+                               time_tree_iteration(m, prompt, tree, vocab, args.pending)["ms"])
                     restore_entries(table, saved)
                     if table is gemv.SKINNY_TUNED and shapes[0] == (10576, 2560):
                         # mamba2-2.7b with round 8's entries: no boxes preloaded, the LM head without PDL
@@ -330,10 +362,10 @@ def main() -> int:
                         saved = {s_: table.get(s_) for s_ in (shapes[0], lm_shape)}
                         table.update({shapes[0]: (64, 128, 4, 4, 0, 2, 1), lm_shape: (64, 128, 4, 4, 0, 2)})
                         record(f"  same, round 8's in_proj and LM head configs [{tree.num_nodes} nodes, {name}]",
-                               time_tree_iteration(m, prompt, tree, vocab)["ms"])
+                               time_tree_iteration(m, prompt, tree, vocab, args.pending)["ms"])
                         restore_entries(table, saved)
                         record(f"  same, again with this round's [{tree.num_nodes} nodes, {name}]",
-                               time_tree_iteration(m, prompt, tree, vocab)["ms"])
+                               time_tree_iteration(m, prompt, tree, vocab, args.pending)["ms"])
             tree_rows.append({"tree": spec, "nodes": tree.num_nodes, "variant": name, "ms": info["ms"],
                               "ratio": info["ms"] / ar_ms, "accepted": info["accepted"],
                               "greedy_chain_matches": info["greedy_chain_matches"],

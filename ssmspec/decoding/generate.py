@@ -112,6 +112,11 @@ class _Output:
         return self.finish_reason is not None
 
 
+PENDING_SLOTS = 32
+"""Pending input slots per Mamba layer of the fast path's cache: the SSM states are written back
+once every few tree iterations instead of after each (0: after each)."""
+
+
 class _FastPath:
     """The target's decode calls as CUDA graphs: one per step, one per tree iteration.
 
@@ -123,7 +128,9 @@ class _FastPath:
 
     def __init__(self, target: LanguageModel, max_len: int, capture: bool):
         self.target, self.capture = target, capture
-        self.cache = target.new_cache(1, max_len)
+        # The tree iterations keep their accepted tokens' SSM inputs in pending slots instead of
+        # writing every layer's state back each iteration (ReplaySSM; models/cache.py).
+        self.cache = target.new_cache(1, max_len, pending=PENDING_SLOTS)
         self.step_graph = None
         self.tree_graphs: dict = {}
 

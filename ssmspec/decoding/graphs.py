@@ -58,6 +58,7 @@ class StepGraph:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (B, 1) -> logits (B, 1, V) (a static buffer)."""
+        self.model.settle(self.cache)  # pending inputs of tree iterations into the states (not captured)
         self.ids.copy_(ids)
         self.graph.replay()
         return self.logits
@@ -117,4 +118,7 @@ class GreedyTreeGraph:
                 self._iteration()
         else:
             self.graph.replay()
+            # the captured replay may have left pending inputs (models/cache.py): a later step
+            # must flush them first
+            self.cache.pending_dirty = self.cache.pending_count is not None
         return self.out_tokens, self.out_len

@@ -115,19 +115,46 @@ class LanguageModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embeddings.weight.dtype
 
-    def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> ModelCache:
-        """An empty cache for `batch` rows; attention layers hold up to max_len positions."""
+    def new_cache(self, batch: int, max_len: int, device=None, dtype=None, pending: int = 0) -> ModelCache:
+        """An empty cache for `batch` rows; attention layers hold up to max_len positions.
+
+        pending: slots per Mamba layer for committed inputs that the SSM state has not absorbed
+        (ReplaySSM, models/cache.py): `replay` then writes the state only when the slots would
+        overflow. 0 (or a model without Mamba layers): the state absorbs every replay."""
         device = device or self.device
         dtype = dtype or self.dtype
+        if pending < 0:
+            raise ValueError(f"pending slots must be >= 0, got {pending}")
+        if not any(layer.kind == "mamba" for layer in self.layers):
+            pending = 0
         layers = []
         for layer in self.layers:
             if layer.kind == "mamba":
-                layers.append(layer.mixer.new_cache(batch, device, dtype))
+                layers.append(layer.mixer.new_cache(batch, device, dtype, pending))
             elif layer.kind == "attention":
                 layers.append(layer.mixer.new_cache(batch, max_len, device, dtype))
             else:
                 layers.append(None)
-        return ModelCache(layers, torch.zeros(batch, dtype=torch.long, device=device))
+        count = torch.zeros(batch, dtype=torch.long, device=device) if pending else None
+        return ModelCache(layers, torch.zeros(batch, dtype=torch.long, device=device), count)
+
+    def settle(self, cache: ModelCache) -> None:
+        """Flush the cache's pending inputs into the SSM states (one launch on the kernels), so
+        that every state holds all of its tokens; nothing to do when it keeps none. The paths
+        that read the states directly (step, forward) call it first."""
+        if cache.pending_count is None or not cache.pending_dirty:
+            return
+        mamba = [i for i, layer in enumerate(self.layers) if layer.kind == "mamba"]
+        dispatch.settle_pending_layers([cache.layers[i].ssm_state for i in mamba],
+                                       [self.layers[i].mixer.A for i in mamba], self._pending_lists(cache, mamba))
+        cache.pending_count.zero_()
+        cache.pending_dirty = False
+
+    @staticmethod
+    def _pending_lists(cache: ModelCache, mamba: list[int]):
+        """The pending inputs of the Mamba layers `mamba` as the replay ops take them."""
+        views = [cache.pending_inputs(i) for i in mamba]
+        return [v[0] for v in views], [v[1] for v in views], [v[2] for v in views], cache.pending_count
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm_f(h)).float()
@@ -142,6 +169,8 @@ class LanguageModel(nn.Module):
         Returns:
             logits (B, T, V) in fp32.
         """
+        if cache is not None:
+            self.settle(cache)
         h = self.embeddings(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer.norm(h)
@@ -158,6 +187,7 @@ class LanguageModel(nn.Module):
 
     def step(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor:
         """One token per row: input_ids (B, 1) -> logits (B, 1, V); cache advanced by one."""
+        self.settle(cache)
         if (not torch.is_grad_enabled() and dispatch.uses_kernel("add_rms_norm", input_ids.device)
                 and self.config.d_model <= _ADD_NORM_MAX_DIM):
             return self._fused_step(input_ids, cache)
@@ -279,7 +309,7 @@ class LanguageModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer.norm(h)
             if layer.kind == "mamba":
-                x, a = layer.mixer.verify(x, cache.layers[i], parents)
+                x, a = layer.mixer.verify(x, cache.layers[i], parents, cache.pending_inputs(i))
             elif layer.kind == "attention":
                 x, a = layer.mixer.verify(x, cache.layers[i], cache.seqlen, depth, mask)
             else:
@@ -297,31 +327,41 @@ class LanguageModel(nn.Module):
 
         def run_mixer(i, layer, normed):
             if layer.kind == "mamba":
-                return layer.mixer.verify(normed, cache.layers[i], parents)
+                return layer.mixer.verify(normed, cache.layers[i], parents, cache.pending_inputs(i))
             if layer.kind == "attention":
                 return layer.mixer.verify(normed, cache.layers[i], cache.seqlen, depth, mask)
             return _mlp_through_dispatch(layer.mixer, normed), None
 
         def run_folded(i, layer, h, h_sq):
             if layer.kind == "mamba":
-                return layer.mixer.folded_residual_verify(h, cache.layers[i], parents, layer.norm.eps, h_sq)
+                return layer.mixer.folded_residual_verify(h, cache.layers[i], parents, layer.norm.eps, h_sq,
+                                                          cache.pending_inputs(i))
             return *_folded_mlp_residual(layer.mixer, h, layer.norm.eps, h_sq), None
 
         logits, acts = self._fused_stack(self.embeddings(tokens), run_mixer, run_folded)
         return logits, TreeActivations(acts)
 
     def replay(self, cache: ModelCache, acts: TreeActivations, path: torch.Tensor, path_len: torch.Tensor) -> None:
-        """Advance the cache along the accepted path: (B, M) node indices (root first), (B,) lengths."""
+        """Advance the cache along the accepted path: (B, M) node indices (root first), (B,) lengths.
+
+        With pending slots (new_cache(pending=...)) the SSM states take the path's inputs into
+        the slots instead, and absorb them all only when a next path of width M might not fit."""
         mamba = [i for i, layer in enumerate(self.layers) if layer.kind == "mamba"]
+        pending = self._pending_lists(cache, mamba) if mamba and cache.pending_count is not None else None
         if mamba:  # every Mamba layer in one call: one launch on the kernels instead of one per layer
             states = [cache.layers[i] for i in mamba]
             saved = [acts.layers[i] for i in mamba]
             dispatch.replay_states_layers(
                 [s.conv_state for s in states], [s.ssm_state for s in states], [a.xBC for a in saved],
                 [a.x for a in saved], [a.dt for a in saved], [self.layers[i].mixer.A for i in mamba],
-                [a.B for a in saved], path, path_len,
+                [a.B for a in saved], path, path_len, pending,
             )
         for i, layer in enumerate(self.layers):
             if layer.kind == "attention":
                 layer.mixer.replay(cache.layers[i], acts.layers[i], cache.seqlen, path, path_len)
-        cache.seqlen += path_len.to(cache.seqlen.dtype)
+        if pending is None:
+            cache.seqlen += path_len.to(cache.seqlen.dtype)
+        else:  # one launch: seqlen and the pending count (0 where the replay flushed)
+            dispatch.advance_positions(cache.seqlen, cache.pending_count, path_len, path.shape[1],
+                                       cache.pending_capacity)
+            cache.pending_dirty = True

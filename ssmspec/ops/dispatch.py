@@ -13,7 +13,12 @@ import torch
 from .chunk_scan.naive import naive_chunk_scan
 from .gemv.naive import naive_linear, naive_norm_linear
 from .greedy_accept.naive import naive_greedy_accept
-from .state_replay.naive import naive_replay_states, naive_replay_states_layers
+from .state_replay.naive import (
+    naive_advance_positions,
+    naive_replay_states,
+    naive_replay_states_layers,
+    naive_settle_pending_layers,
+)
 from .step_update.naive import (
     naive_add_rms_norm,
     naive_gated_rms_norm,
@@ -34,6 +39,8 @@ _REFERENCE = {
     "tree_conv": naive_tree_conv,
     "replay_states": naive_replay_states,
     "replay_states_layers": naive_replay_states_layers,
+    "settle_pending_layers": naive_settle_pending_layers,
+    "advance_positions": naive_advance_positions,
     "chunk_scan": naive_chunk_scan,
     "mamba_step": naive_mamba_step,
     "mamba_step_out": naive_mamba_step_out,
@@ -52,6 +59,8 @@ _TRITON = {
     "tree_conv": ("ssmspec.ops.tree_conv.triton", "tree_conv"),
     "replay_states": ("ssmspec.ops.state_replay.triton", "replay_states"),
     "replay_states_layers": ("ssmspec.ops.state_replay.triton", "replay_states_layers"),
+    "settle_pending_layers": ("ssmspec.ops.state_replay.triton", "settle_pending_layers"),
+    "advance_positions": ("ssmspec.ops.state_replay.triton", "advance_positions"),
     "mamba_step": ("ssmspec.ops.step_update.triton", "mamba_step"),
     "mamba_step_out": ("ssmspec.ops.step_update.triton", "mamba_step_out"),
     "rms_norm": ("ssmspec.ops.step_update.triton", "rms_norm"),
@@ -110,29 +119,45 @@ def uses_kernel(op: str, device: torch.device) -> bool:
     return resolve(op, device) is not _REFERENCE[op]
 
 
-def tree_scan(x, dt, A, B, C, D, parents, initial_state):
-    return resolve("tree_scan", x.device)(x, dt, A, B, C, D, parents, initial_state)
+def tree_scan(x, dt, A, B, C, D, parents, initial_state, pending=None):
+    """pending: the cache's pending inputs between initial_state and the root, or None."""
+    if pending is None:
+        return resolve("tree_scan", x.device)(x, dt, A, B, C, D, parents, initial_state)
+    return resolve("tree_scan", x.device)(x, dt, A, B, C, D, parents, initial_state, pending=pending)
 
 
-def tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, initial_state, return_sq=False):
+def tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, initial_state, return_sq=False,
+                    pending=None):
     """Time step, tree scan and silu(z) gate of the verify path: returns (g, dt), and with
     return_sq g's sums of squares per group for out_proj's norm (see `naive_tree_scan_gated`)."""
     return resolve("tree_scan_gated", x.device)(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents,
-                                                initial_state, return_sq=return_sq)
+                                                initial_state, return_sq=return_sq, pending=pending)
 
 
 def tree_conv(xBC, conv_state, weight, bias, parents, activation="silu"):
     return resolve("tree_conv", xBC.device)(xBC, conv_state, weight, bias, parents, activation)
 
 
-def replay_states(conv_state, ssm_state, xBC, x, dt, A, B, path, path_len):
-    """replay_conv_state and replay_ssm_state of one layer (one launch with kernels)."""
-    return resolve("replay_states", x.device)(conv_state, ssm_state, xBC, x, dt, A, B, path, path_len)
+def replay_states(conv_state, ssm_state, xBC, x, dt, A, B, path, path_len, pending=None):
+    """replay_conv_state and replay_ssm_state of one layer (one launch with kernels); with
+    pending inputs the SSM replay appends to them or flushes (state_replay/naive.py)."""
+    return resolve("replay_states", x.device)(conv_state, ssm_state, xBC, x, dt, A, B, path, path_len, pending)
 
 
-def replay_states_layers(conv_states, ssm_states, xBCs, xs, dts, As, Bs, path, path_len):
+def replay_states_layers(conv_states, ssm_states, xBCs, xs, dts, As, Bs, path, path_len, pending=None):
     """replay_states of every Mamba layer (lists, one entry per layer; one launch with kernels)."""
-    return resolve("replay_states_layers", path.device)(conv_states, ssm_states, xBCs, xs, dts, As, Bs, path, path_len)
+    return resolve("replay_states_layers", path.device)(conv_states, ssm_states, xBCs, xs, dts, As, Bs, path, path_len,
+                                                        pending)
+
+
+def settle_pending_layers(ssm_states, As, pending):
+    """Flush every layer's pending inputs into its SSM state (one launch with kernels)."""
+    return resolve("settle_pending_layers", pending[3].device)(ssm_states, As, pending)
+
+
+def advance_positions(seqlen, count, path_len, width, capacity):
+    """seqlen += path_len; the pending count grows by it, or drops to 0 where the replay flushed."""
+    return resolve("advance_positions", seqlen.device)(seqlen, count, path_len, width, capacity)
 
 
 def chunk_scan(x, dt, A, B, C, D, chunk_size=64, initial_state=None):

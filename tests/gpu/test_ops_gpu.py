@@ -121,11 +121,14 @@ def test_mamba_step_gpu(batch):
     assert torch.equal(cs2, cs)
 
 
+@pytest.mark.parametrize("pending", [0, 8], ids=["plain-cache", "pending-slots"])
 @pytest.mark.parametrize("variant", ["tiny", "tiny-folded", "P16-hybrid-folded"])
-def test_greedy_fast_path_equals_reference_token_for_token(variant, monkeypatch):
+def test_greedy_fast_path_equals_reference_token_for_token(variant, pending, monkeypatch):
     """fp32 tiny model: the CUDA-graph step and the greedy tree graph (Triton) reproduce the
     reference path's greedy tokens exactly. folded: norm weights folded into the projections
-    (models/fold.py), so the norms and residual adds run inside the projections."""
+    (models/fold.py), so the norms and residual adds run inside the projections. pending: the
+    tree iterations keep their inputs in pending slots (models/cache.py), and the step graph
+    that continues after them flushes them first."""
     from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
     from ssmspec.ops import dispatch
 
@@ -151,7 +154,7 @@ def test_greedy_fast_path_equals_reference_token_for_token(variant, monkeypatch)
         finally:
             dispatch.set_backend("auto")
 
-    want = reference_greedy(24)
+    want = reference_greedy(32)
     dispatch.set_backend("triton")
     try:
         cache = model.new_cache(1, 64)
@@ -165,7 +168,7 @@ def test_greedy_fast_path_equals_reference_token_for_token(variant, monkeypatch)
         assert got == want
         # tree iterations: drafts whose first-child path is the greedy continuation
         tree = Tree.from_config((2, 2, 1))
-        cache = model.new_cache(1, 64)
+        cache = model.new_cache(1, 64, pending=pending)
         with torch.no_grad():
             model(prompt, cache, last_only=True)
         g = GreedyTreeGraph(model, cache, tree)
@@ -179,6 +182,14 @@ def test_greedy_fast_path_equals_reference_token_for_token(variant, monkeypatch)
             out, n = g(tokens)
             produced += out[0, : int(n[0])].tolist()
         assert produced[:20] == want[:20]
+        if pending:
+            assert cache.pending_dirty
+        graph = StepGraph(model, cache)  # steps after the tree iterations, on the same cache
+        tok = torch.tensor([[produced[-1]]], device=DEV)
+        while len(produced) < 30:
+            tok = graph(tok).argmax(-1)
+            produced.append(int(tok))
+        assert produced[:30] == want[:30]
     finally:
         dispatch.set_backend("auto")
 

@@ -138,3 +138,86 @@ def test_replay_states_layers_in_cuda_graph_gpu(batch, monkeypatch):
         for i in range(n_layers):
             assert torch.equal(conv[i], c_want[i]), f"layer {i} conv_state after lengths {lens[:batch]}"
             assert_close(ssm[i], s_want[i], atol=1e-5, rtol=1e-5, name=f"layer {i} ssm_state {lens[:batch]}")
+
+
+def _pending_slots(batch, capacity, counts):
+    """bf16 pending x and B, fp32 dt, as a cache holds them, and each row's count."""
+    return (torch.randn(batch, capacity, H, P, device=DEV, dtype=torch.bfloat16),
+            torch.rand(batch, capacity, H, device=DEV) * 0.1,
+            torch.randn(batch, capacity, G, S, device=DEV, dtype=torch.bfloat16) * 0.3,
+            torch.tensor(counts, device=DEV))
+
+
+@pytest.mark.parametrize("tree_name", list(TREES))
+@pytest.mark.parametrize("capacity", [16, 32])
+def test_tree_scan_gated_with_pending_gpu(tree_name, capacity):
+    """The scan that reads pending inputs (models/cache.py) against the reference, rows with
+    none, some and all slots valid."""
+    from ssmspec.ops.tree_scan.naive import naive_tree_scan_gated
+    from ssmspec.ops.tree_scan.triton import tree_scan_gated
+
+    tree = TREES[tree_name]
+    v = _layer_inputs(3, tree.num_nodes)
+    pending = _pending_slots(3, capacity, [0, capacity // 2 + 1, capacity])
+    args = (v["x"], v["dt_raw"], v["dt_bias"], 0.0, math.inf, v["A"], v["B"], v["C"], v["D"], v["z"],
+            tree.parents_tensor(DEV), v["h0"])
+    want_g, _ = naive_tree_scan_gated(*args, pending=pending)
+    plain_g, _ = naive_tree_scan_gated(*args)
+    _poison(want_g.numel() * 2)
+    g, _ = tree_scan_gated(*args, pending=pending)
+    assert torch.isfinite(g).all() and _rel(g, want_g) < 5e-3, f"rel err {_rel(g, want_g):.2e}"
+    assert _rel(g[0], plain_g[0]) < 5e-3 and _rel(want_g[1], plain_g[1]) > 1e-2  # the slots matter
+
+
+def test_deferred_replay_layers_in_cuda_graph_gpu():
+    """All layers' deferred replay and the count update, captured once and replayed over several
+    iterations (appends and flushes decided on the device), then a settle: the states equal
+    plain replays of the same paths."""
+    from ssmspec.ops.state_replay import triton as SR
+    from ssmspec.ops.state_replay.naive import naive_replay_states_layers
+
+    tree, n_layers, batch, capacity = TREES["16: 3,4"], 3, 2, 8
+    n = tree.num_nodes
+    acts = [_layer_inputs(batch, n) for _ in range(n_layers)]
+    dts = [torch.rand(batch, n, H, device=DEV) * 0.1 for _ in range(n_layers)]
+    path = torch.tensor([tree.path(n - 1)] * batch, device=DEV)  # (B, 3)
+    m = path.shape[1]
+    path_len = torch.full((batch,), m, device=DEV)
+    conv = [torch.randn(batch, CONV_DIM, K - 1, device=DEV, dtype=torch.bfloat16) for _ in range(n_layers)]
+    ssm = [torch.randn(batch, H, P, S, device=DEV) for _ in range(n_layers)]
+    slots = [_pending_slots(batch, capacity, [0] * batch) for _ in range(n_layers)]
+    count, seqlen = slots[0][3], torch.zeros(batch, dtype=torch.long, device=DEV)
+    pending = ([s[0] for s in slots], [s[1] for s in slots], [s[2] for s in slots], count)
+
+    def iteration(conv_states, ssm_states, pend):
+        SR.replay_states_layers(conv_states, ssm_states, [a["xBC"] for a in acts], [a["x"] for a in acts], dts,
+                                [a["A"] for a in acts], [a["B"] for a in acts], path, path_len, pend)
+        if pend is not None:
+            SR.advance_positions(seqlen, pend[3], path_len, m, capacity)
+
+    side = torch.cuda.Stream()  # compile outside the capture, on copies
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        scratch = ([t.clone() for t in pending[0]], [t.clone() for t in pending[1]], [t.clone() for t in pending[2]],
+                   count.clone())
+        iteration([c.clone() for c in conv], [h.clone() for h in ssm], scratch)
+    torch.cuda.current_stream().wait_stream(side)
+    seqlen.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        iteration(conv, ssm, pending)
+    c_want, s_want = [c.clone() for c in conv], [h.clone() for h in ssm]
+    counts = []
+    for lens in ([m, 1], [2, m], [m, m], [1, 0], [m, 2]):
+        path_len.copy_(torch.tensor(lens, device=DEV))
+        graph.replay()
+        naive_replay_states_layers(c_want, s_want, [a["xBC"] for a in acts], [a["x"] for a in acts], dts,
+                                   [a["A"] for a in acts], [a["B"] for a in acts], path, path_len)
+        torch.cuda.synchronize()
+        counts.append(count.tolist())
+        for i in range(n_layers):
+            assert torch.equal(conv[i], c_want[i]), f"layer {i} conv_state after lengths {lens}"
+    assert any(c == 0 for row in counts for c in row) and max(c for row in counts for c in row) > 0, counts
+    SR.settle_pending_layers(ssm, [a["A"] for a in acts], pending)
+    for i in range(n_layers):
+        assert_close(ssm[i], s_want[i], atol=1e-4, rtol=1e-4, name=f"layer {i} ssm_state")

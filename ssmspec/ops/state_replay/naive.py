@@ -1,4 +1,10 @@
-"""Plain-torch reference of activation replay (verification never writes the state)."""
+"""Plain-torch reference of activation replay (verification never writes the state).
+
+With pending inputs (ReplaySSM; models/cache.py) the replay of the SSM state is deferred: the
+accepted path's (x, dt, B) are appended to the pending slots, and the state absorbs the slots
+and the path only when the next path might not fit (a flush). `pending` arguments are
+(x (B, L, H, P), dt (B, L, H), B (B, L, G, S), count (B,)): slots [0, count) of each row hold the committed inputs that the state has not absorbed, oldest first.
+"""
 from __future__ import annotations
 
 import torch
@@ -60,6 +66,68 @@ def naive_replay_conv_state(
     conv_state.copy_(extended[rows, take].transpose(1, 2))
 
 
+def flush_rows(count: torch.Tensor, path_len: torch.Tensor, width: int, capacity: int,
+               force: bool = False) -> torch.Tensor:
+    """(B,) bool: rows whose replay of path_len tokens (of a path `width` wide) flushes the pending
+    inputs into the state, because the next path of that width might not fit in the slots."""
+    steps = path_len.long().clamp(max=width)
+    flush = count.long() + steps + width > capacity
+    return flush | force
+
+
+def naive_pending_state(ssm_state: torch.Tensor, A: torch.Tensor, pending) -> torch.Tensor:
+    """The state after the pending inputs: ssm_state advanced over slots [0, count) of
+    `pending` (x, dt, B, count); a new fp32 tensor, ssm_state is not written."""
+    x, dt, B, count = pending
+    batch, capacity = x.shape[:2]
+    slots = torch.arange(capacity, device=x.device).expand(batch, capacity)
+    state = ssm_state.float().clone()
+    naive_replay_ssm_state(state, x, dt, A, B, slots, count.long().clamp(0, capacity))
+    return state
+
+
+def naive_replay_ssm_deferred(
+    ssm_state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    path: torch.Tensor,
+    path_len: torch.Tensor,
+    pending,
+    force: bool = False,
+) -> None:
+    """The SSM half of a replay with pending inputs: per row, either append the path's inputs to
+    the pending slots, or (a flush, see `flush_rows`) advance the state over the pending slots
+    and then the path. The positions (seqlen, count) are advanced afterwards by
+    `naive_advance_positions`, with the same flush rule."""
+    px, pdt, pB, count = pending
+    width, capacity = path.shape[1], px.shape[1]
+    flush = flush_rows(count, path_len, width, capacity, force)
+    for b in range(path.shape[0]):
+        rows = slice(b, b + 1)
+        if bool(flush[b]):
+            state = naive_pending_state(ssm_state[rows], A, (px[rows], pdt[rows], pB[rows], count[rows]))
+            naive_replay_ssm_state(state, x[rows], dt[rows], A, B[rows], path[rows], path_len[rows])
+            ssm_state[rows] = state
+            continue
+        n, start = min(int(path_len[b]), width), int(count[b])
+        nodes = path[b, :n]
+        px[b, start:start + n] = x[b, nodes].to(px.dtype)
+        pdt[b, start:start + n] = dt[b, nodes].to(pdt.dtype)
+        pB[b, start:start + n] = B[b, nodes].to(pB.dtype)
+
+
+def naive_advance_positions(seqlen: torch.Tensor, count: torch.Tensor, path_len: torch.Tensor, width: int,
+                            capacity: int) -> None:
+    """After a replay with pending inputs: rows that flushed have no pending inputs left, the
+    others n more (their path's); every row's seqlen advances by its path length n. In place."""
+    flush = flush_rows(count, path_len, width, capacity)
+    steps = path_len.long().clamp(max=width)
+    count.copy_(torch.where(flush, torch.zeros_like(count), count + steps.to(count.dtype)))
+    seqlen += steps.to(seqlen.dtype)
+
+
 def naive_replay_states(
     conv_state: torch.Tensor,
     ssm_state: torch.Tensor,
@@ -70,8 +138,10 @@ def naive_replay_states(
     B: torch.Tensor,
     path: torch.Tensor,
     path_len: torch.Tensor,
+    pending=None,
 ) -> None:
-    """Both replays of one Mamba layer: `naive_replay_conv_state`, then `naive_replay_ssm_state`.
+    """Both replays of one Mamba layer: `naive_replay_conv_state`, then `naive_replay_ssm_state`
+    (or, with `pending`, `naive_replay_ssm_deferred`; positions are not advanced here).
 
     Args:
         conv_state: (B, C, K-1) oldest first, updated in place.
@@ -83,7 +153,10 @@ def naive_replay_states(
         path_len: (B,) int.
     """
     naive_replay_conv_state(conv_state, xBC, path, path_len)
-    naive_replay_ssm_state(ssm_state, x, dt, A, B, path, path_len)
+    if pending is None:
+        naive_replay_ssm_state(ssm_state, x, dt, A, B, path, path_len)
+    else:
+        naive_replay_ssm_deferred(ssm_state, x, dt, A, B, path, path_len, pending)
 
 
 def naive_replay_states_layers(
@@ -96,8 +169,11 @@ def naive_replay_states_layers(
     Bs: list[torch.Tensor],
     path: torch.Tensor,
     path_len: torch.Tensor,
+    pending=None,
 ) -> None:
     """`naive_replay_states` of each of L Mamba layers along one accepted path.
+
+    pending: None, or (xs, dts, Bs, count) with one pending tensor per layer in each list.
 
     Args:
         conv_states: L tensors (B, C, K-1) oldest first, updated in place.
@@ -108,8 +184,31 @@ def naive_replay_states_layers(
         path: (B, M) int64 node indices, root first, shared by all layers.
         path_len: (B,) int.
     """
-    for conv_state, ssm_state, xBC, x, dt, A, B in layer_arguments(conv_states, ssm_states, xBCs, xs, dts, As, Bs):
-        naive_replay_states(conv_state, ssm_state, xBC, x, dt, A, B, path, path_len)
+    per_layer = pending_per_layer(pending, len(ssm_states))
+    layers = layer_arguments(conv_states, ssm_states, xBCs, xs, dts, As, Bs)
+    for (conv_state, ssm_state, xBC, x, dt, A, B), layer_pending in zip(layers, per_layer):
+        naive_replay_states(conv_state, ssm_state, xBC, x, dt, A, B, path, path_len, layer_pending)
+
+
+def naive_settle_pending_layers(ssm_states: list[torch.Tensor], As: list[torch.Tensor], pending) -> None:
+    """Flush every layer's pending inputs into its state (a replay of an empty path that always
+    flushes); the caller then sets the count to 0."""
+    count = pending[3]
+    empty = torch.zeros(count.shape[0], 1, dtype=torch.long, device=count.device)
+    no_steps = torch.zeros(count.shape[0], dtype=torch.long, device=count.device)
+    for ssm_state, A, layer_pending in zip(ssm_states, As, pending_per_layer(pending, len(ssm_states))):
+        px, pdt, pB, _ = layer_pending
+        naive_replay_ssm_deferred(ssm_state, px, pdt, A, pB, empty, no_steps, layer_pending, force=True)
+
+
+def pending_per_layer(pending, layers: int) -> list:
+    """(xs, dts, Bs, count) as one (x, dt, B, count) per layer (None: Nones)."""
+    if pending is None:
+        return [None] * layers
+    xs, dts, Bs, count = pending
+    if not len(xs) == len(dts) == len(Bs) == layers:
+        raise ValueError(f"replay: pending inputs for {len(xs)}/{len(dts)}/{len(Bs)} layers, expected {layers}")
+    return [(x, dt, B, count) for x, dt, B in zip(xs, dts, Bs)]
 
 
 def layer_arguments(*per_layer: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:

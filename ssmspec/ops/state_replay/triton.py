@@ -19,7 +19,32 @@ import triton.language as tl
 
 from ..pdl import gdc_launch_dependents, gdc_wait
 from ..step_update.triton import _pdl_args
-from .naive import layer_arguments
+from .naive import layer_arguments, pending_per_layer
+
+
+@triton.jit
+def _advance_over_rows(
+    state, A, x_base, dt_base, B_base, rows_ptr, srow, count,
+    sxn, sxp, sdn, sBn, sBs, offs_p, offs_s, mask_p, mask_s,
+    UNROLL: tl.constexpr, FROM_PATH: tl.constexpr,
+):
+    # The state tile advanced over `count` rows of (x, dt, B): rows_ptr[i] (a path of tree nodes)
+    # when FROM_PATH, else rows 0..count-1 (pending slots). In chunks of UNROLL steps, unrolled,
+    # with the steps past `count` masked to dt = 0 (no change): a chunk's loads are independent
+    # of the state and can all be in flight at once instead of one dependent chain per step.
+    # Masked steps read row 0, which always exists.
+    for m0 in range(0, count, UNROLL):
+        for i in tl.static_range(UNROLL):
+            live = m0 + i < count
+            if FROM_PATH:
+                row = tl.load(rows_ptr + (m0 + i) * srow, mask=live, other=0)
+            else:
+                row = tl.where(live, m0 + i, 0)
+            dt = tl.load(dt_base + row * sdn, mask=live, other=0.0).to(tl.float32)
+            xv = tl.load(x_base + row * sxn + offs_p * sxp, mask=mask_p, other=0.0).to(tl.float32)
+            Bv = tl.load(B_base + row * sBn + offs_s * sBs, mask=mask_s, other=0.0).to(tl.float32)
+            state = state * tl.exp(dt * A) + (dt * xv)[:, None] * Bv[None, :]
+    return state
 
 
 @triton.jit
@@ -33,8 +58,14 @@ def _replay_ssm_tile(
     sBb, sBn, sBg, sBs,
     spb, spm,
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr,
+    px_ptr=None, pdt_ptr=None, pB_ptr=None, count_ptr=None, L=0, FORCE=0,
+    spxb=0, spxl=0, spxh=0, spxp=0, spdb=0, spdl=0, spdh=0, spBb=0, spBl=0, spBg=0, spBs=0,
+    HAS_PENDING: tl.constexpr = False,
 ):
     # One (BLOCK_P, BLOCK_S) tile of the state of (batch row b, head h), advanced over the path.
+    # With pending inputs (HAS_PENDING; naive.py's naive_replay_ssm_deferred) the tile either
+    # appends the path's inputs to the pending slots, its share of them, without touching the
+    # state, or (a flush) advances the state over the pending slots and then the path.
     g = h // heads_per_group
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -42,22 +73,47 @@ def _replay_ssm_tile(
     mask_s = offs_s < S
     mask = mask_p[:, None] & mask_s[None, :]
     h_ptrs = h_ptr + b * shb + h * shh + offs_p[:, None] * shp + offs_s[None, :] * shs
-    state = tl.load(h_ptrs, mask=mask, other=0.0)
     A = tl.load(A_ptr + h).to(tl.float32)
     steps = tl.minimum(tl.load(len_ptr + b).to(tl.int32), M)
-    # The path in chunks of UNROLL steps, unrolled, with the steps past `steps` masked to dt = 0
-    # (no change): a chunk's loads are independent of the state and can all be in flight at once
-    # instead of one dependent chain per step. Masked steps read node 0, which always exists.
-    for m0 in range(0, steps, UNROLL):
-        for i in tl.static_range(UNROLL):
-            live = m0 + i < steps
-            node = tl.load(path_ptr + b * spb + (m0 + i) * spm, mask=live, other=0)
-            dt = tl.load(dt_ptr + b * sdb + node * sdn + h * sdh, mask=live, other=0.0).to(tl.float32)
-            xv = tl.load(x_ptr + b * sxb + node * sxn + h * sxh + offs_p * sxp, mask=mask_p, other=0.0).to(tl.float32)
-            Bv = tl.load(B_ptr + b * sBb + node * sBn + g * sBg + offs_s * sBs, mask=mask_s, other=0.0).to(tl.float32)
-            state = state * tl.exp(dt * A) + (dt * xv)[:, None] * Bv[None, :]
-    tl.debug_barrier()  # small tiles are replicated across threads: all copies read before any write
-    tl.store(h_ptrs, state, mask=mask)
+    x_base = x_ptr + b * sxb + h * sxh
+    dt_base = dt_ptr + b * sdb + h * sdh
+    B_base = B_ptr + b * sBb + g * sBg
+    count = 0
+    flush = True
+    if HAS_PENDING:
+        count = tl.load(count_ptr + b).to(tl.int32)
+        flush = (count + steps + M > L) | (FORCE != 0)
+    if flush:
+        state = tl.load(h_ptrs, mask=mask, other=0.0)
+        if HAS_PENDING:
+            state = _advance_over_rows(
+                state, A, px_ptr + b * spxb + h * spxh, pdt_ptr + b * spdb + h * spdh, pB_ptr + b * spBb + g * spBg,
+                path_ptr, 0, count, spxl, spxp, spdl, spBl, spBs, offs_p, offs_s, mask_p, mask_s,
+                UNROLL, False,
+            )
+        state = _advance_over_rows(
+            state, A, x_base, dt_base, B_base, path_ptr + b * spb, spm, steps,
+            sxn, sxp, sdn, sBn, sBs, offs_p, offs_s, mask_p, mask_s, UNROLL, True,
+        )
+        tl.debug_barrier()  # small tiles are replicated across threads: all copies read before any write
+        tl.store(h_ptrs, state, mask=mask)
+    else:
+        # Append: x by the tiles of the first S block, dt by the head's first tile, B by the
+        # first head of each group (first P block), so each pending value is written once.
+        for i in range(0, steps):
+            node = tl.load(path_ptr + b * spb + i * spm)
+            slot = count + i
+            if pid_s == 0:
+                xv = tl.load(x_base + node * sxn + offs_p * sxp, mask=mask_p)
+                tl.store(px_ptr + b * spxb + slot * spxl + h * spxh + offs_p * spxp,
+                         xv.to(px_ptr.dtype.element_ty), mask=mask_p)
+                if pid_p == 0:
+                    dv = tl.load(dt_base + node * sdn)
+                    tl.store(pdt_ptr + b * spdb + slot * spdl + h * spdh, dv.to(pdt_ptr.dtype.element_ty))
+            if (pid_p == 0) & (h % heads_per_group == 0):
+                Bv = tl.load(B_base + node * sBn + offs_s * sBs, mask=mask_s)
+                tl.store(pB_ptr + b * spBb + slot * spBl + g * spBg + offs_s * spBs,
+                         Bv.to(pB_ptr.dtype.element_ty), mask=mask_s)
 
 
 @triton.jit
@@ -236,6 +292,9 @@ def _replay_states_program(
     spb, spm,
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr,
     HIST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+    px_ptr=None, pdt_ptr=None, pB_ptr=None, count_ptr=None, L=0, FORCE=0,
+    spxb=0, spxl=0, spxh=0, spxp=0, spdb=0, spdl=0, spdh=0, spBb=0, spBl=0, spBg=0, spBs=0,
+    HAS_PENDING: tl.constexpr = False,
 ):
     # Program pid of one layer's replay. The branch is uniform per program, so the tiles'
     # barriers stay legal. Program order follows replay_ssm_state's 3-D grid (batch*head
@@ -249,6 +308,8 @@ def _replay_states_program(
             P, S, M, heads_per_group,
             shb, shh, shp, shs, sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs, spb, spm,
             BLOCK_P, BLOCK_S, UNROLL,
+            px_ptr, pdt_ptr, pB_ptr, count_ptr, L, FORCE,
+            spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, HAS_PENDING,
         )
     else:
         pid_c = pid - n_ssm
@@ -273,6 +334,9 @@ def _replay_states_kernel(
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr,
     HIST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    px_ptr=None, pdt_ptr=None, pB_ptr=None, count_ptr=None, L=0, FORCE=0,
+    spxb=0, spxl=0, spxh=0, spxp=0, spdb=0, spdl=0, spdh=0, spBb=0, spBl=0, spBg=0, spBs=0,
+    HAS_PENDING: tl.constexpr = False,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
         gdc_launch_dependents()
@@ -283,6 +347,8 @@ def _replay_states_kernel(
         shb, shh, shp, shs, sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs,
         ssb, ssc, ssk, scb, scn, scc, spb, spm,
         BLOCK_P, BLOCK_S, UNROLL, HIST, BLOCK_H, BLOCK_C,
+        px_ptr, pdt_ptr, pB_ptr, count_ptr, L, FORCE,
+        spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, HAS_PENDING,
     )
 
 
@@ -310,10 +376,12 @@ def replay_states(
     B: torch.Tensor,
     path: torch.Tensor,
     path_len: torch.Tensor,
+    pending=None,
 ) -> None:
     """`replay_conv_state` and `replay_ssm_state` of one Mamba layer in a single launch.
 
-    Same contract as `naive_replay_states`; both states are updated in place.
+    Same contract as `naive_replay_states`; both states are updated in place (with `pending`,
+    the SSM state only when the row flushes; the positions are not advanced here).
 
     Args:
         conv_state: (B, C, K-1) oldest first.
@@ -326,6 +394,7 @@ def replay_states(
     """
     _check_conv_replay("replay_states", conv_state, xBC, path, path_len)
     _check_ssm_replay("replay_states", ssm_state, x, B, path, path_len)
+    _check_pending("replay_states", pending, ssm_state, x, dt, B)
     channels, history = conv_state.shape[1:]
     _, heads, head_dim, d_state = ssm_state.shape
     steps = path.shape[1]
@@ -342,13 +411,44 @@ def replay_states(
         *conv_state.stride(), *xBC.stride(), *path.stride(),
         **blocks, HIST=max(history, 1), BLOCK_H=triton.next_power_of_2(max(history, 1)), BLOCK_C=_CONV_BLOCK,
         num_warps=4, **_pdl_args(ssm_state.device),
+        **({} if pending is None else dict(px_ptr=pending[0], pdt_ptr=pending[1], pB_ptr=pending[2])),
+        **_pending_args(pending),
     )
 
 
+def _check_pending(op, pending, ssm_state, x, dt, B):
+    """Pending inputs must match the layer's state and its activations' dtypes (the kernels read
+    them with the activations' element types)."""
+    if pending is None:
+        return
+    px, pdt, pB, count = pending
+    batch, heads, head_dim, d_state = ssm_state.shape
+    capacity = px.shape[1]
+    want = {"x": (px, (batch, capacity, heads, head_dim), x.dtype), "dt": (pdt, (batch, capacity, heads), torch.float32),
+            "B": (pB, (batch, capacity, B.shape[2], d_state), B.dtype)}
+    for name, (t, shape, dtype) in want.items():
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"{op}: pending {name} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
+    if tuple(count.shape) != (batch,):
+        raise ValueError(f"{op}: the pending count {tuple(count.shape)} needs {batch} rows")
+
+
+def _pending_args(pending, force: bool = False) -> dict:
+    """The SSM tiles' pending arguments but the three pending base pointers (layer 0's strides)."""
+    if pending is None:
+        return {}
+    px, pdt, pB, count = pending
+    return dict(count_ptr=count, L=px.shape[1], FORCE=int(force),
+                spxb=px.stride(0), spxl=px.stride(1), spxh=px.stride(2), spxp=px.stride(3),
+                spdb=pdt.stride(0), spdl=pdt.stride(1), spdh=pdt.stride(2),
+                spBb=pB.stride(0), spBl=pB.stride(1), spBg=pB.stride(2), spBs=pB.stride(3), HAS_PENDING=True)
+
+
 @triton.jit
-def _table_ptr(table_ptr, layer, column: tl.constexpr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
-    # Entry (layer, column) of the (L, 7) pointer table as a pointer to DTYPE.
-    ptr = tl.load(table_ptr + layer * 7 + column).to(tl.pointer_type(DTYPE))
+def _table_ptr(table_ptr, layer, column: tl.constexpr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+               COLUMNS: tl.constexpr = 7):
+    # Entry (layer, column) of the (L, COLUMNS) pointer table as a pointer to DTYPE.
+    ptr = tl.load(table_ptr + layer * COLUMNS + column).to(tl.pointer_type(DTYPE))
     if ALIGNED:  # what Triton's argument specialisation tells replay_states of 16-byte-aligned tensors
         ptr = tl.multiple_of(ptr, 16)
     return ptr
@@ -371,22 +471,38 @@ def _replay_states_layers_kernel(
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr,
     HIST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    count_ptr=None, L=0, FORCE=0,
+    spxb=0, spxl=0, spxh=0, spxp=0, spdb=0, spdl=0, spdh=0, spBb=0, spBl=0, spBg=0, spBs=0,
+    HAS_PENDING: tl.constexpr = False, COLUMNS: tl.constexpr = 7,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
         gdc_launch_dependents()
         gdc_wait()
     layer = tl.program_id(1)
-    # Table columns in replay_states_layers' argument order: conv, ssm, xBC, x, dt, A, B.
+    # Table columns in replay_states_layers' argument order: conv, ssm, xBC, x, dt, A, B, then
+    # with pending inputs (COLUMNS 10) the pending x, dt, B.
+    px_ptr = None
+    pdt_ptr = None
+    pB_ptr = None
+    if HAS_PENDING:
+        px_ptr = _table_ptr(table_ptr, layer, 7, X_DTYPE, ALIGNED, COLUMNS)
+        pdt_ptr = _table_ptr(table_ptr, layer, 8, tl.float32, ALIGNED, COLUMNS)
+        pB_ptr = _table_ptr(table_ptr, layer, 9, B_DTYPE, ALIGNED, COLUMNS)
     _replay_states_program(
         tl.program_id(0),
-        _table_ptr(table_ptr, layer, 0, CS_DTYPE, ALIGNED), _table_ptr(table_ptr, layer, 2, XBC_DTYPE, ALIGNED),
-        _table_ptr(table_ptr, layer, 1, tl.float32, ALIGNED), _table_ptr(table_ptr, layer, 3, X_DTYPE, ALIGNED),
-        _table_ptr(table_ptr, layer, 4, DT_DTYPE, ALIGNED), _table_ptr(table_ptr, layer, 5, A_DTYPE, ALIGNED),
-        _table_ptr(table_ptr, layer, 6, B_DTYPE, ALIGNED), path_ptr, len_ptr,
+        _table_ptr(table_ptr, layer, 0, CS_DTYPE, ALIGNED, COLUMNS),
+        _table_ptr(table_ptr, layer, 2, XBC_DTYPE, ALIGNED, COLUMNS),
+        _table_ptr(table_ptr, layer, 1, tl.float32, ALIGNED, COLUMNS),
+        _table_ptr(table_ptr, layer, 3, X_DTYPE, ALIGNED, COLUMNS),
+        _table_ptr(table_ptr, layer, 4, DT_DTYPE, ALIGNED, COLUMNS),
+        _table_ptr(table_ptr, layer, 5, A_DTYPE, ALIGNED, COLUMNS),
+        _table_ptr(table_ptr, layer, 6, B_DTYPE, ALIGNED, COLUMNS), path_ptr, len_ptr,
         n_ssm, n_bh, n_pblocks, n_cblocks, H, P, S, M, heads_per_group, CH,
         shb, shh, shp, shs, sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs,
         ssb, ssc, ssk, scb, scn, scc, spb, spm,
         BLOCK_P, BLOCK_S, UNROLL, HIST, BLOCK_H, BLOCK_C,
+        px_ptr, pdt_ptr, pB_ptr, count_ptr, L, FORCE,
+        spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, HAS_PENDING,
     )
 
 
@@ -422,6 +538,7 @@ def replay_states_layers(
     Bs: list[torch.Tensor],
     path: torch.Tensor,
     path_len: torch.Tensor,
+    pending=None,
 ) -> None:
     """`replay_states` of every Mamba layer of a model in a single launch.
 
@@ -438,21 +555,27 @@ def replay_states_layers(
         As: L tensors (H,).
         path: (B, M) int node indices, root first, shared by all layers.
         path_len: (B,) int (read on the device).
+        pending: None, or (xs, dts, Bs, count), the pending inputs of each layer (the
+            tables take three more columns); positions are not advanced here.
     """
     layers = layer_arguments(conv_states, ssm_states, xBCs, xs, dts, As, Bs)
-    for conv_state, ssm_state, xBC, x, _, _, B in layers:
+    per_layer = pending_per_layer(pending, len(layers))
+    for (conv_state, ssm_state, xBC, x, dt, _, B), layer_pending in zip(layers, per_layer):
         _check_conv_replay("replay_states_layers", conv_state, xBC, path, path_len)
         _check_ssm_replay("replay_states_layers", ssm_state, x, B, path, path_len)
+        _check_pending("replay_states_layers", layer_pending, ssm_state, x, dt, B)
     if not layers:
         return
+    if pending is not None:  # the pending x, dt, B join each layer's row of the table
+        layers = [(*layer, *p[:3]) for layer, p in zip(layers, per_layer)]
     first = [_layout(t) for t in layers[0]]
     shared = all(t.dtype in _TL_DTYPES for t in layers[0]) and all([_layout(t) for t in layer] == first
                                                                      for layer in layers[1:])
     if len(layers) == 1 or not shared:
-        for layer in layers:
-            replay_states(*layer, path, path_len)
+        for layer, layer_pending in zip(layers, per_layer):
+            replay_states(*layer[:7], path, path_len, layer_pending)
         return
-    conv_state, ssm_state, xBC, x, dt, A, B = layers[0]
+    conv_state, ssm_state, xBC, x, dt, A, B = layers[0][:7]
     channels, history = conv_state.shape[1:]
     _, heads, head_dim, d_state = ssm_state.shape
     steps = path.shape[1]
@@ -474,4 +597,75 @@ def replay_states_layers(
         ALIGNED=all(p % 16 == 0 for row in rows for p in row),
         **blocks, HIST=max(history, 1), BLOCK_H=triton.next_power_of_2(max(history, 1)), BLOCK_C=_CONV_BLOCK,
         num_warps=4, **_pdl_args(ssm_state.device),
+        **_pending_args(per_layer[0]), COLUMNS=len(rows[0]),
     )
+
+
+def settle_pending_layers(ssm_states: list[torch.Tensor], As: list[torch.Tensor], pending) -> None:
+    """Flush every layer's pending inputs into its SSM state, in one launch: the layers kernel's
+    SSM tiles with an empty path and FORCE. Same contract as `naive_settle_pending_layers` (the
+    caller then sets the count to 0)."""
+    per_layer = pending_per_layer(pending, len(ssm_states))
+    if not ssm_states:
+        return
+    count = pending[3]
+    device = count.device
+    path = torch.zeros(count.shape[0], 1, dtype=torch.long, device=device)
+    no_steps = torch.zeros(count.shape[0], dtype=torch.long, device=device)
+    for ssm_state, layer_pending in zip(ssm_states, per_layer):
+        _check_pending("settle_pending_layers", layer_pending, ssm_state, *layer_pending[:3])
+    # The pending tensors stand in for the tree's activations (never read: the path is empty)
+    # and for the conv state (no conv tiles run).
+    layers = [(s, s, px, px, pdt, A, pB, px, pdt, pB) for s, A, (px, pdt, pB, _) in zip(ssm_states, As, per_layer)]
+    first = [_layout(t) for t in layers[0]]
+    if not all([_layout(t) for t in layer] == first for layer in layers[1:]):
+        for layer, layer_pending in zip(layers, per_layer):  # one launch per layer
+            settle_pending_layers([layer[1]], [layer[5]], (*([t] for t in layer_pending[:3]), count))
+        return
+    ssm_state, px, pdt, A, pB = layers[0][1], layers[0][2], layers[0][4], layers[0][5], layers[0][6]
+    _, heads, head_dim, d_state = ssm_state.shape
+    blocks, n_bh, n_pblocks, n_ssm, n_cblocks, _ = _states_grid(ssm_state.new_empty(ssm_state.shape[0], 0, 0), ssm_state, 1)
+    if n_ssm == 0:
+        return
+    rows = [[t.data_ptr() for t in layer] for layer in layers]
+    _replay_states_layers_kernel[(n_ssm, len(layers))](
+        _pointer_table(rows, device), path, no_steps,
+        n_ssm, n_bh, n_pblocks, n_cblocks,
+        heads, head_dim, d_state, 1, heads // pB.shape[2], 1,
+        *ssm_state.stride(), *px.stride(), *pdt.stride(), *pB.stride(),
+        0, 0, 0, 0, 0, 0, *path.stride(),
+        CS_DTYPE=tl.float32, XBC_DTYPE=_TL_DTYPES[px.dtype], X_DTYPE=_TL_DTYPES[px.dtype],
+        DT_DTYPE=tl.float32, A_DTYPE=_TL_DTYPES[A.dtype], B_DTYPE=_TL_DTYPES[pB.dtype],
+        ALIGNED=all(p % 16 == 0 for row in rows for p in row),
+        **{**blocks, "UNROLL": 8}, HIST=1, BLOCK_H=1, BLOCK_C=_CONV_BLOCK,
+        num_warps=4, **_pdl_args(device),
+        **_pending_args(per_layer[0], force=True), COLUMNS=10,
+    )
+
+
+@triton.jit
+def _advance_positions_kernel(seqlen_ptr, count_ptr, len_ptr, batch, M, L, BLOCK: tl.constexpr,
+                              USE_PDL: tl.constexpr = False):
+    # naive_advance_positions: one program for all rows; the replay before it read the counts.
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    offs = tl.arange(0, BLOCK)
+    mask = offs < batch
+    seqlen = tl.load(seqlen_ptr + offs, mask=mask, other=0)
+    count = tl.load(count_ptr + offs, mask=mask, other=0)
+    steps = tl.minimum(tl.load(len_ptr + offs, mask=mask, other=0).to(tl.int64), M)
+    flush = count + steps + M > L
+    tl.store(count_ptr + offs, tl.where(flush, 0, count + steps).to(count.dtype), mask=mask)
+    tl.store(seqlen_ptr + offs, (seqlen + steps).to(seqlen.dtype), mask=mask)
+
+
+def advance_positions(seqlen: torch.Tensor, count: torch.Tensor, path_len: torch.Tensor, width: int,
+                      capacity: int) -> None:
+    """`naive_advance_positions` in one launch (in place; reads path_len on the device)."""
+    batch = seqlen.shape[0]
+    if batch == 0:
+        return
+    _advance_positions_kernel[(1,)](seqlen, count, path_len, batch, width, capacity,
+                                    BLOCK=max(16, triton.next_power_of_2(batch)), num_warps=1,
+                                    **_pdl_args(seqlen.device))

@@ -6,6 +6,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from ..state_replay.naive import naive_pending_state
 from ..step_update.naive import naive_time_step
 
 
@@ -43,6 +44,7 @@ def naive_tree_scan(
     D: torch.Tensor | None,
     parents: torch.Tensor,
     initial_state: torch.Tensor,
+    pending=None,
 ) -> torch.Tensor:
     """Output of every tree node as if its root-to-node path had been scanned alone.
 
@@ -58,10 +60,14 @@ def naive_tree_scan(
         B, C: (B, N, G, S) input and output projections, G groups shared by H // G heads.
         D: (H,) skip term, or None.
         parents: (N,) int, -1 for the root.
-        initial_state: (B, H, P, S) the state before the root.
+        initial_state: (B, H, P, S) the state before the root (before the pending inputs).
+        pending: None, or the pending inputs (x, dt, B, count) that come between
+            initial_state and the root (ReplaySSM, models/cache.py); never written.
     Returns:
         y: (B, N, H, P) in fp32.
     """
+    if pending is not None:
+        initial_state = naive_pending_state(initial_state, A, pending)
     batch, n, heads, _ = x.shape
     groups = B.shape[2]
     L = ancestor_mask(parents.cpu()).to(x.device)  # (N, N)
@@ -94,6 +100,7 @@ def naive_tree_scan_gated(
     parents: torch.Tensor,
     initial_state: torch.Tensor,
     return_sq: bool = False,
+    pending=None,
 ):
     """The verify path's time step, tree scan and gate y * silu(z) in one op.
 
@@ -110,15 +117,16 @@ def naive_tree_scan_gated(
         D: (H,) or None.
         z: (B, N, H*P) gate.
         parents: (N,) int, -1 for the root.
-        initial_state: (B, H, P, S) the state before the root.
+        initial_state: (B, H, P, S) the state before the root (before the pending inputs).
         return_sq: also return g's sums of squares per group of heads (the G groups of B),
             (B*N, G, 1) fp32, for out_proj's gated norm (kernels return them split in parts).
+        pending: as in `naive_tree_scan`.
     Returns:
         g: (B, N, H*P) in z's dtype, y * silu(z); dt: (B, N, H) fp32, kept for replay; with
         return_sq, the sums of squares.
     """
     dt = naive_time_step(dt_raw, dt_bias, dt_min, dt_max)  # (B, N, H) fp32
-    y = naive_tree_scan(x, dt, A, B, C, D, parents, initial_state)
+    y = naive_tree_scan(x, dt, A, B, C, D, parents, initial_state, pending)
     y = y.flatten(-2).to(z.dtype)  # (B, N, H*P)
     g = (y.float() * F.silu(z.float())).to(z.dtype)
     if return_sq:

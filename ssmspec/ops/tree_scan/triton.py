@@ -57,6 +57,9 @@ def _tree_scan_kernel(
     PRECISION: tl.constexpr, ONE_CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     sq_ptr=None, WRITE_SQ: tl.constexpr = False,
+    px_ptr=None, pdt_ptr=None, pB_ptr=None, count_ptr=None, L=0,
+    spxb=0, spxl=0, spxh=0, spxp=0, spdb=0, spdl=0, spdh=0, spBb=0, spBl=0, spBg=0, spBs=0,
+    HAS_PENDING: tl.constexpr = False, BLOCK_L: tl.constexpr = 16,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
@@ -89,6 +92,21 @@ def _tree_scan_kernel(
         D = tl.load(D_ptr + h).to(tl.float32)
     if FUSED:
         dt_b = tl.load(bias_ptr + h).to(tl.float32)
+    if HAS_PENDING:
+        # The pending inputs (ReplaySSM, models/cache.py) come between h0 and the root: the
+        # tree reads h0' = exp(sum a) h0 + sum_j w_j x_j B_j^T, with w_j = dt_j exp(sum_{k>j} a_k)
+        # over the valid slots (a = dt A). Written by the last replay, like h0: loaded before
+        # the PDL wait too. Slots past the count load dt = 0, which makes them no-ops.
+        count = tl.load(count_ptr + b).to(tl.int32)
+        offs_l = tl.arange(0, BLOCK_L)
+        mask_l = offs_l < tl.minimum(count, L)
+        pdt = tl.load(pdt_ptr + b * spdb + offs_l * spdl + h * spdh, mask=mask_l, other=0.0).to(tl.float32)
+        px = tl.load(px_ptr + b * spxb + offs_l[:, None] * spxl + h * spxh + offs_p[None, :] * spxp,
+                     mask=mask_l[:, None] & mask_p[None, :], other=0.0)
+        pB_base = pB_ptr + b * spBb + g * spBg
+        if ONE_CHUNK:
+            pB = tl.load(pB_base + offs_l[:, None] * spBl + offs_s[None, :] * spBs,
+                         mask=mask_l[:, None] & (offs_s < S)[None, :], other=0.0)
     if USE_PDL:  # wait for the previous kernel before reading activations or writing anything
         gdc_wait()
 
@@ -115,6 +133,14 @@ def _tree_scan_kernel(
         dt = tl.where(mask_n, tl.minimum(tl.maximum(dt, dt_min), dt_max), 0.0)
         if pid_p == 0:
             tl.store(dt_out_ptr + (b * N + offs_n) * H + h, dt, mask=mask_n)
+    if HAS_PENDING:
+        p_log = pdt * A
+        p_total = tl.sum(p_log, axis=0)
+        # (P, L): each slot's input weighted by its time step and its decay to the last slot
+        p_xw = tl.trans(px.to(tl.float32) * (pdt * tl.exp(p_total - tl.cumsum(p_log, axis=0)))[:, None])
+        p_decay = tl.exp(p_total)
+        if ONE_CHUNK:
+            h0_first = h0_first * p_decay + tl.dot(p_xw, pB.to(tl.float32), input_precision=PRECISION)
     # acum[i] = sum of dt*A along node i's path (its log-decay from the prefix), through the
     # ancestor mask: dt is in registers already, cheaper than gathering it along each chain.
     acum = tl.sum(tl.where(anc != 0, dt[None, :] * A, 0.0), axis=1)
@@ -140,6 +166,10 @@ def _tree_scan_kernel(
             else:
                 h0 = tl.load(h0_base + offs_p[:, None] * shp + ss[None, :] * shs,
                              mask=mask_p[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
+            if HAS_PENDING:
+                pB = tl.load(pB_base + offs_l[:, None] * spBl + ss[None, :] * spBs,
+                             mask=mask_l[:, None] & mask_s[None, :], other=0.0)
+                h0 = h0 * p_decay + tl.dot(p_xw, pB.to(tl.float32), input_precision=PRECISION)
             scores += tl.dot(Cc, tl.trans(Bc), input_precision=PRECISION)
             from_h0 += tl.dot(Cc, tl.trans(h0), input_precision=PRECISION)
 
@@ -185,6 +215,19 @@ def _check_tree_scan_shapes(x, dt, A, B, C, D, parents, initial_state, op="tree_
         raise ValueError(f"{op}: {heads} heads do not split into {groups} groups")
 
 
+def _check_pending(pending, initial_state, B, op="tree_scan"):
+    if pending is None:
+        return
+    x, dt, pB, count = pending
+    batch, heads, head_dim, d_state = initial_state.shape
+    capacity = x.shape[1]
+    expected = {"x": (x.shape, (batch, capacity, heads, head_dim)), "dt": (dt.shape, (batch, capacity, heads)),
+                "B": (pB.shape, (batch, capacity, B.shape[2], d_state)), "count": (count.shape, (batch,))}
+    for name, (got, want) in expected.items():
+        if tuple(got) != want:
+            raise ValueError(f"{op}: pending {name} has shape {tuple(got)}, expected {want}")
+
+
 def tree_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -195,6 +238,7 @@ def tree_scan(
     parents: torch.Tensor,
     initial_state: torch.Tensor,
     precision: str | None = None,
+    pending=None,
 ) -> torch.Tensor:
     """Output of every tree node as if its root-to-node path had been scanned alone.
 
@@ -210,14 +254,17 @@ def tree_scan(
         B, C: (B, N, G, S).
         D: (H,) or None.
         parents: (N,) int, -1 for the root, parents before children.
-        initial_state: (B, H, P, S) the state before the root.
+        initial_state: (B, H, P, S) the state before the root (before the pending inputs).
+        pending: None, or (x, dt, B, count): the pending inputs between initial_state
+            and the root (ReplaySSM, models/cache.py); read, never written.
     Returns:
         y: (B, N, H, P) fp32.
     """
     _check_tree_scan_shapes(x, dt, A, B, C, D, parents, initial_state)
+    _check_pending(pending, initial_state, B)
     batch, n, heads, head_dim = x.shape
     y = torch.empty(batch, n, heads, head_dim, device=x.device, dtype=torch.float32)
-    _launch(x, dt, A, B, C, D, parents, initial_state, y, precision)
+    _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, pending=pending)
     return y
 
 
@@ -236,6 +283,7 @@ def tree_scan_gated(
     initial_state: torch.Tensor,
     precision: str | None = None,
     return_sq: bool = False,
+    pending=None,
 ):
     """Time step, tree scan and gate y * silu(z) of the verify path in one launch.
 
@@ -253,12 +301,14 @@ def tree_scan_gated(
         D: (H,) or None.
         z: (B, N, H*P) gate.
         parents: (N,) int, -1 for the root, parents before children.
-        initial_state: (B, H, P, S) the state before the root.
+        initial_state: (B, H, P, S) the state before the root (before the pending inputs).
+        pending: as in `tree_scan`.
     Returns:
         g: (B, N, H*P) in z's dtype; dt: (B, N, H) fp32, kept for replay; with return_sq, the
         partial sums of squares.
     """
     _check_tree_scan_shapes(x, dt_raw, A, B, C, D, parents, initial_state, op="tree_scan_gated")
+    _check_pending(pending, initial_state, B, op="tree_scan_gated")
     batch, n, heads, head_dim = x.shape
     if tuple(dt_bias.shape) != (heads,) or tuple(z.shape) != (batch, n, heads * head_dim):
         raise ValueError(
@@ -272,7 +322,7 @@ def tree_scan_gated(
         parts = heads // groups * triton.cdiv(head_dim, _block_p(head_dim))
         sq = torch.empty(batch * n, groups, parts, device=x.device, dtype=torch.float32)
     _launch(x, dt_raw, A, B, C, D, parents, initial_state, g.view(batch, n, heads, head_dim), precision,
-            fused=(dt_bias, float(dt_min), float(dt_max), z, dt), sq=sq)
+            fused=(dt_bias, float(dt_min), float(dt_max), z, dt), sq=sq, pending=pending)
     return (g, dt, sq) if return_sq else (g, dt)
 
 
@@ -294,7 +344,7 @@ def _block_p(head_dim: int) -> int:
     return SCAN_BLOCK_P or min(64, max(16, triton.next_power_of_2(head_dim)))
 
 
-def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None, sq=None):
+def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None, sq=None, pending=None):
     """Run `_tree_scan_kernel` into y (B, N, H, P); fused = (dt_bias, dt_min, dt_max, z, dt_out)
     makes dt the raw time step and y the gated output (tree_scan_gated); sq receives the gated
     output's partial sums of squares."""
@@ -325,4 +375,17 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
         PRECISION=precision, ONE_CHUNK=block_s >= d_state,
         num_warps=SCAN_WARPS or (4 if block_n <= 32 else 8), **_pdl_args(y.device),
         sq_ptr=sq, WRITE_SQ=sq is not None,
+        **_pending_args(pending),
     )
+
+
+def _pending_args(pending) -> dict:
+    """The kernel's pending-input arguments (HAS_PENDING False when there are none)."""
+    if pending is None:
+        return {}
+    x, dt, B, count = pending
+    return dict(px_ptr=x, pdt_ptr=dt, pB_ptr=B, count_ptr=count, L=x.shape[1],
+                spxb=x.stride(0), spxl=x.stride(1), spxh=x.stride(2), spxp=x.stride(3),
+                spdb=dt.stride(0), spdl=dt.stride(1), spdh=dt.stride(2),
+                spBb=B.stride(0), spBl=B.stride(1), spBg=B.stride(2), spBs=B.stride(3),
+                HAS_PENDING=True, BLOCK_L=max(16, triton.next_power_of_2(x.shape[1])))
