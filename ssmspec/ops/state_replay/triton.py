@@ -78,42 +78,46 @@ def _replay_ssm_tile(
     x_base = x_ptr + b * sxb + h * sxh
     dt_base = dt_ptr + b * sdb + h * sdh
     B_base = B_ptr + b * sBb + g * sBg
-    count = 0
-    flush = True
     if HAS_PENDING:
         count = tl.load(count_ptr + b).to(tl.int32)
-        flush = (count + steps + M > L) | (FORCE != 0)
-    if flush:
-        state = tl.load(h_ptrs, mask=mask, other=0.0)
-        if HAS_PENDING:
+        if (count + steps + M > L) | (FORCE != 0):  # flush: the pending slots, then the path
+            state = tl.load(h_ptrs, mask=mask, other=0.0)
             state = _advance_over_rows(
                 state, A, px_ptr + b * spxb + h * spxh, pdt_ptr + b * spdb + h * spdh, pB_ptr + b * spBb + g * spBg,
                 path_ptr, 0, count, spxl, spxp, spdl, spBl, spBs, offs_p, offs_s, mask_p, mask_s,
                 UNROLL, False,
             )
+            state = _advance_over_rows(
+                state, A, x_base, dt_base, B_base, path_ptr + b * spb, spm, steps,
+                sxn, sxp, sdn, sBn, sBs, offs_p, offs_s, mask_p, mask_s, UNROLL, True,
+            )
+            tl.debug_barrier()  # small tiles are replicated across threads: all copies read before any write
+            tl.store(h_ptrs, state, mask=mask)
+        else:
+            # Append: x by the tiles of the first S block, dt by the head's first tile, B by the
+            # first head of each group (first P block), so each pending value is written once.
+            for i in range(0, steps):
+                node = tl.load(path_ptr + b * spb + i * spm)
+                slot = count + i
+                if pid_s == 0:
+                    xv = tl.load(x_base + node * sxn + offs_p * sxp, mask=mask_p)
+                    tl.store(px_ptr + b * spxb + slot * spxl + h * spxh + offs_p * spxp,
+                             xv.to(px_ptr.dtype.element_ty), mask=mask_p)
+                    if pid_p == 0:
+                        dv = tl.load(dt_base + node * sdn)
+                        tl.store(pdt_ptr + b * spdb + slot * spdl + h * spdh, dv.to(pdt_ptr.dtype.element_ty))
+                if (pid_p == 0) & (h % heads_per_group == 0):
+                    Bv = tl.load(B_base + node * sBn + offs_s * sBs, mask=mask_s)
+                    tl.store(pB_ptr + b * spBb + slot * spBl + g * spBg + offs_s * spBs,
+                             Bv.to(pB_ptr.dtype.element_ty), mask=mask_s)
+    else:
+        state = tl.load(h_ptrs, mask=mask, other=0.0)
         state = _advance_over_rows(
             state, A, x_base, dt_base, B_base, path_ptr + b * spb, spm, steps,
             sxn, sxp, sdn, sBn, sBs, offs_p, offs_s, mask_p, mask_s, UNROLL, True,
         )
         tl.debug_barrier()  # small tiles are replicated across threads: all copies read before any write
         tl.store(h_ptrs, state, mask=mask)
-    else:
-        # Append: x by the tiles of the first S block, dt by the head's first tile, B by the
-        # first head of each group (first P block), so each pending value is written once.
-        for i in range(0, steps):
-            node = tl.load(path_ptr + b * spb + i * spm)
-            slot = count + i
-            if pid_s == 0:
-                xv = tl.load(x_base + node * sxn + offs_p * sxp, mask=mask_p)
-                tl.store(px_ptr + b * spxb + slot * spxl + h * spxh + offs_p * spxp,
-                         xv.to(px_ptr.dtype.element_ty), mask=mask_p)
-                if pid_p == 0:
-                    dv = tl.load(dt_base + node * sdn)
-                    tl.store(pdt_ptr + b * spdb + slot * spdl + h * spdh, dv.to(pdt_ptr.dtype.element_ty))
-            if (pid_p == 0) & (h % heads_per_group == 0):
-                Bv = tl.load(B_base + node * sBn + offs_s * sBs, mask=mask_s)
-                tl.store(pB_ptr + b * spBb + slot * spBl + g * spBg + offs_s * spBs,
-                         Bv.to(pB_ptr.dtype.element_ty), mask=mask_s)
 
 
 @triton.jit
@@ -481,13 +485,14 @@ def _replay_states_layers_kernel(
     layer = tl.program_id(1)
     # Table columns in replay_states_layers' argument order: conv, ssm, xBC, x, dt, A, B, then
     # with pending inputs (COLUMNS 10) the pending x, dt, B.
-    px_ptr = None
-    pdt_ptr = None
-    pB_ptr = None
     if HAS_PENDING:
         px_ptr = _table_ptr(table_ptr, layer, 7, X_DTYPE, ALIGNED, COLUMNS)
         pdt_ptr = _table_ptr(table_ptr, layer, 8, tl.float32, ALIGNED, COLUMNS)
         pB_ptr = _table_ptr(table_ptr, layer, 9, B_DTYPE, ALIGNED, COLUMNS)
+    else:  # never read
+        px_ptr = table_ptr
+        pdt_ptr = table_ptr
+        pB_ptr = table_ptr
     _replay_states_program(
         tl.program_id(0),
         _table_ptr(table_ptr, layer, 0, CS_DTYPE, ALIGNED, COLUMNS),
