@@ -26,7 +26,6 @@ from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch, pdl, stream_layers
 from ssmspec.ops.gemv import triton as gemv
-from ssmspec.ops.tree_scan import triton as tree_scan
 from ssmspec.trees.tree import Tree
 
 RESULTS: dict = {}
@@ -344,12 +343,6 @@ def main() -> int:
                 plain = time_tree_iteration(m, prompt, tree, vocab, pending=0)
                 record(f"  same, no pending slots (states written every iteration) [{tree.num_nodes} nodes, {name}]",
                        plain["ms"])
-                gather_depth, tree_scan.GATHER_MAX_DEPTH = tree_scan.GATHER_MAX_DEPTH, 0
-                record(f"  same, scan by parent walk (no gather form) [{tree.num_nodes} nodes, {name}]",
-                       time_tree_iteration(m, prompt, tree, vocab, args.pending)["ms"])
-                record(f"  same, neither [{tree.num_nodes} nodes, {name}]",
-                       time_tree_iteration(m, prompt, tree, vocab, pending=0)["ms"])
-                tree_scan.GATHER_MAX_DEPTH = gather_depth
                 gemv.ENABLED = False
                 record(f"  same, cuBLAS projections [{tree.num_nodes} nodes, {name}]",
                        time_tree_iteration(m, prompt, tree, vocab, args.pending)["ms"])

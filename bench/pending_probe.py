@@ -65,29 +65,20 @@ def main() -> int:
         n, parents = tree.num_nodes, tree.parents_tensor(DEV)
         acts = [layer_acts(n) for _ in range(LAYERS)]
 
-        ancestors = tree.ancestors_tensor(DEV)
-
-        def scans(pending_per_layer, anc=None):
+        def scans(pending_per_layer):
             def run():
                 for a, p in zip(acts, pending_per_layer):
                     TS.tree_scan_gated(a["x"], a["dt_raw"], a["dt_bias"], 0.0, math.inf, a["A"], a["B"], a["C"], a["D"],
-                                       a["z"], parents, a["h0"], return_sq=True, pending=p, ancestors=anc)
+                                       a["z"], parents, a["h0"], pending=p)
             return run
 
         rows.append((f"{n}-node scan x64, no pending", graph_ms(scans([None] * LAYERS))))
-        for block_p, warps in ((None, None), (32, None), (16, None), (None, 4), (None, 8), (32, 4), (16, 2)):
-            TS.GATHER_BLOCK_P, TS.SCAN_WARPS = block_p, warps
-            rows.append((f"{n}-node scan x64, gather form, P block {block_p or 64}, warps {warps or 'default'}",
-                         graph_ms(scans([None] * LAYERS, ancestors))))
-        TS.GATHER_BLOCK_P = TS.SCAN_WARPS = None
         for cap in capacities:
             for route in ("output", "state"):
                 TS.PENDING_ROUTE = route
                 rows.append((f"{n}-node scan x64, {cap} slots all valid, {route} route",
                              graph_ms(scans([slots(cap, cap) for _ in range(LAYERS)]))))
             TS.PENDING_ROUTE = "output"
-            rows.append((f"{n}-node scan x64, {cap} slots all valid, output route, gather form",
-                         graph_ms(scans([slots(cap, cap) for _ in range(LAYERS)], ancestors))))
 
         width = tree.max_depth + 1
         deepest = max(range(n), key=lambda i: len(tree.path(i)))

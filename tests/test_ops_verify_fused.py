@@ -211,38 +211,6 @@ else:
         args = (v["x"], dt, v["A"], v["B"], v["C"], v["D"], tree.parents_tensor(), v["initial_state"])
         assert_close(TS.tree_scan(*args), naive_tree_scan(*args), atol=1e-4, rtol=1e-4)
 
-    @pytest.mark.parametrize("tree_name", list(TREES))
-    @pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "x".join(map(str, s)))
-    @pytest.mark.parametrize("block_p", [None, 8], ids=["whole-head", "P-blocks-of-8"])
-    def test_tree_scan_gather_form_matches_reference(tree_name, shape, block_p, nan_outputs, monkeypatch):
-        """The gather form (an ancestor table instead of the parent walk), gated and plain, with
-        the partial sums of squares split as its P blocks split the head."""
-        monkeypatch.setattr(TS, "GATHER_BLOCK_P", block_p)
-        tree = TREES[tree_name]
-        ancestors = tree.ancestors_tensor()
-        assert TS._gathers(ancestors), "every test tree is shallow enough for the gather form"
-        v = _verify_inputs(shape[0], tree.num_nodes, *shape[1:])
-        args = _gated_args(v, CLAMPS[0], tree.parents_tensor())
-        want_g, want_dt, want_sq = naive_tree_scan_gated(*args, return_sq=True)
-        g, dt, sq = TS.tree_scan_gated(*args, return_sq=True, ancestors=ancestors)
-        assert_close(g, want_g, atol=1e-4, rtol=1e-4, name=f"g {tree_name}")
-        assert_close(dt, want_dt, atol=1e-6, rtol=1e-6, name="dt")
-        assert_close(sq.sum(-1, keepdim=True), want_sq, atol=1e-3, rtol=1e-4, name="sq")
-        dt_plain = torch.rand_like(want_dt)
-        plain = (v["x"], dt_plain, v["A"], v["B"], v["C"], None, tree.parents_tensor(), v["initial_state"])
-        assert_close(TS.tree_scan(*plain, ancestors=ancestors), naive_tree_scan(*plain), atol=1e-4, rtol=1e-4)
-
-    def test_tree_scan_walks_parents_for_deep_trees(monkeypatch):
-        """A table deeper than GATHER_MAX_DEPTH (the prefill's chains) keeps the quadratic form."""
-        monkeypatch.setattr(TS, "GATHER_MAX_DEPTH", 3)
-        tree = TREES["uneven 3,4,2,1"]
-        assert not TS._gathers(tree.ancestors_tensor())
-        v = _verify_inputs(1, tree.num_nodes, 3, 8, 16, 1)
-        dt = torch.rand(1, tree.num_nodes, 3)
-        args = (v["x"], dt, v["A"], v["B"], v["C"], v["D"], tree.parents_tensor(), v["initial_state"])
-        assert_close(TS.tree_scan(*args, ancestors=tree.ancestors_tensor()), naive_tree_scan(*args), atol=1e-4,
-                     rtol=1e-4)
-
     @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
     @pytest.mark.parametrize("kernel_size", [2, 4, 5])
     @pytest.mark.parametrize("steps", [5, 18], ids=["unrolled", "looped"])

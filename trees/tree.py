@@ -152,18 +152,6 @@ class Tree:
     def mask_tensor(self, device="cpu") -> torch.Tensor:
         return self._cached("mask", device, self.mask)
 
-    def ancestors(self) -> torch.Tensor:
-        """(N, max_depth + 1) int32: row i is node i's path upwards (i, its parent, ..., the
-        root), then -1s (the tree scan's gather form reads it)."""
-        table = torch.full((self.num_nodes, self.max_depth + 1), -1, dtype=torch.int32)
-        for i in range(self.num_nodes):
-            up = self.path(i)[::-1]
-            table[i, : len(up)] = torch.tensor(up, dtype=torch.int32)
-        return table
-
-    def ancestors_tensor(self, device="cpu") -> torch.Tensor:
-        return self._cached("ancestors", device, self.ancestors)
-
     # -- text and file forms ---------------------------------------------------------------------
     def spec(self) -> str:
         if self.config is not None:

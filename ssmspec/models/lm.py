@@ -304,13 +304,12 @@ class LanguageModel(nn.Module):
         parents = tree.parents_tensor(device)
         depth = tree.depth_tensor(device)
         mask = tree.mask_tensor(device)
-        ancestors = tree.ancestors_tensor(device)
         h = self.embeddings(tokens)
         acts = []
         for i, layer in enumerate(self.layers):
             x = layer.norm(h)
             if layer.kind == "mamba":
-                x, a = layer.mixer.verify(x, cache.layers[i], parents, cache.pending_inputs(i), ancestors)
+                x, a = layer.mixer.verify(x, cache.layers[i], parents, cache.pending_inputs(i))
             elif layer.kind == "attention":
                 x, a = layer.mixer.verify(x, cache.layers[i], cache.seqlen, depth, mask)
             else:
@@ -325,11 +324,10 @@ class LanguageModel(nn.Module):
         parents = tree.parents_tensor(device)
         depth = tree.depth_tensor(device)
         mask = tree.mask_tensor(device)
-        ancestors = tree.ancestors_tensor(device)
 
         def run_mixer(i, layer, normed):
             if layer.kind == "mamba":
-                return layer.mixer.verify(normed, cache.layers[i], parents, cache.pending_inputs(i), ancestors)
+                return layer.mixer.verify(normed, cache.layers[i], parents, cache.pending_inputs(i))
             if layer.kind == "attention":
                 return layer.mixer.verify(normed, cache.layers[i], cache.seqlen, depth, mask)
             return _mlp_through_dispatch(layer.mixer, normed), None
@@ -337,7 +335,7 @@ class LanguageModel(nn.Module):
         def run_folded(i, layer, h, h_sq):
             if layer.kind == "mamba":
                 return layer.mixer.folded_residual_verify(h, cache.layers[i], parents, layer.norm.eps, h_sq,
-                                                          cache.pending_inputs(i), ancestors)
+                                                          cache.pending_inputs(i))
             return *_folded_mlp_residual(layer.mixer, h, layer.norm.eps, h_sq), None
 
         logits, acts = self._fused_stack(self.embeddings(tokens), run_mixer, run_folded)

@@ -192,7 +192,7 @@ class Mamba2Mixer(nn.Module):
         return out[:, None]
 
     # -- packed tree -------------------------------------------------------------------------
-    def verify(self, h: torch.Tensor, cache: MambaLayerCache, parents: torch.Tensor, pending=None, ancestors=None):
+    def verify(self, h: torch.Tensor, cache: MambaLayerCache, parents: torch.Tensor, pending=None):
         """Outputs of all tree nodes, each as if its root-to-node path were decoded alone.
 
         Writes nothing to the cache; returns the activations `replay` needs.
@@ -202,8 +202,6 @@ class Mamba2Mixer(nn.Module):
             cache: the state after the prefix (before the root).
             parents: (N,) int, -1 for the root.
             pending: the cache's pending inputs (ModelCache.pending_inputs), or None.
-            ancestors: the tree's (N, depth) ancestor table (Tree.ancestors_tensor), or None;
-                the kernels' gather form reads it.
         Returns:
             out (B, N, D) and MambaTreeActivations.
         """
@@ -211,19 +209,18 @@ class Mamba2Mixer(nn.Module):
         xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
         x, B, C = self._split_conv_out(xBC_conv)
         dt = self._time_step(dt_raw)
-        y = dispatch.tree_scan(x, dt, self.A, B, C, self.D, parents, cache.ssm_state, pending, ancestors)
+        y = dispatch.tree_scan(x, dt, self.A, B, C, self.D, parents, cache.ssm_state, pending)
         return self._output(y, z), MambaTreeActivations(xBC=xBC, x=x, dt=dt, B=B)
 
     def folded_residual_verify(self, h: torch.Tensor, cache: MambaLayerCache, parents: torch.Tensor,
-                               pre_norm_eps: float, h_sq: torch.Tensor | None = None, pending=None,
-                               ancestors=None):
+                               pre_norm_eps: float, h_sq: torch.Tensor | None = None, pending=None):
         """h + verify(pre_norm(h)) with both norms' weights folded into in_proj and out_proj
         (models/fold.py), on the kernels: the pre-norm inside in_proj, the time step and the gate
         inside the tree scan, the gated norm and the residual add inside out_proj.
 
         h_sq: h's partial sums of squares from its producer, or None (ops/gemv `norm_linear`);
         the gated value's come from the scan, so neither norm needs a launch of its own.
-        pending, ancestors: as in `verify`.
+        pending: the cache's pending inputs, as in `verify`.
         h (B, N, D) -> (B, N, D), its partial sums of squares (or None), and the activations
         for `replay`. h itself may be overwritten by the output (the residual add in place)."""
         c = self.cfg
@@ -233,8 +230,7 @@ class Mamba2Mixer(nn.Module):
         x, B, C = self._split_conv_out(xBC_conv)
         norm_groups = c.d_inner // self.norm.group_size
         gated, dt, g_sq = dispatch.tree_scan_gated(x, dt_raw, self.dt_bias, c.dt_min, c.dt_max, self.A, B, C, self.D,
-                                                   z, parents, cache.ssm_state, return_sq=True, pending=pending,
-                                                   ancestors=ancestors)
+                                                   z, parents, cache.ssm_state, return_sq=True, pending=pending)
         if g_sq.shape[1] != norm_groups:  # norm groups other than the SSM groups: the norm reduces itself
             g_sq = None
         out, out_sq = dispatch.norm_linear(gated, self.out_proj.weight, self.out_proj.bias, norm_groups,

@@ -119,20 +119,19 @@ def uses_kernel(op: str, device: torch.device) -> bool:
     return resolve(op, device) is not _REFERENCE[op]
 
 
-def tree_scan(x, dt, A, B, C, D, parents, initial_state, pending=None, ancestors=None):
-    """pending: the cache's pending inputs between initial_state and the root, or None;
-    ancestors: the tree's ancestor table for the kernel's gather form (the reference ignores it)."""
-    return resolve("tree_scan", x.device)(x, dt, A, B, C, D, parents, initial_state, pending=pending,
-                                          ancestors=ancestors)
+def tree_scan(x, dt, A, B, C, D, parents, initial_state, pending=None):
+    """pending: the cache's pending inputs between initial_state and the root, or None."""
+    if pending is None:
+        return resolve("tree_scan", x.device)(x, dt, A, B, C, D, parents, initial_state)
+    return resolve("tree_scan", x.device)(x, dt, A, B, C, D, parents, initial_state, pending=pending)
 
 
 def tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, initial_state, return_sq=False,
-                    pending=None, ancestors=None):
+                    pending=None):
     """Time step, tree scan and silu(z) gate of the verify path: returns (g, dt), and with
     return_sq g's sums of squares per group for out_proj's norm (see `naive_tree_scan_gated`)."""
     return resolve("tree_scan_gated", x.device)(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents,
-                                                initial_state, return_sq=return_sq, pending=pending,
-                                                ancestors=ancestors)
+                                                initial_state, return_sq=return_sq, pending=pending)
 
 
 def tree_conv(xBC, conv_state, weight, bias, parents, activation="silu"):

@@ -45,7 +45,6 @@ def naive_tree_scan(
     parents: torch.Tensor,
     initial_state: torch.Tensor,
     pending=None,
-    ancestors=None,
 ) -> torch.Tensor:
     """Output of every tree node as if its root-to-node path had been scanned alone.
 
@@ -64,7 +63,6 @@ def naive_tree_scan(
         initial_state: (B, H, P, S) the state before the root (before the pending inputs).
         pending: None, or the pending inputs (x, dt, B, count) that come between
             initial_state and the root (ReplaySSM, models/cache.py); never written.
-        ancestors: the kernels' ancestor table; unused here (the mask comes from parents).
     Returns:
         y: (B, N, H, P) in fp32.
     """
@@ -103,7 +101,6 @@ def naive_tree_scan_gated(
     initial_state: torch.Tensor,
     return_sq: bool = False,
     pending=None,
-    ancestors=None,
 ):
     """The verify path's time step, tree scan and gate y * silu(z) in one op.
 
@@ -123,7 +120,7 @@ def naive_tree_scan_gated(
         initial_state: (B, H, P, S) the state before the root (before the pending inputs).
         return_sq: also return g's sums of squares per group of heads (the G groups of B),
             (B*N, G, 1) fp32, for out_proj's gated norm (kernels return them split in parts).
-        pending, ancestors: as in `naive_tree_scan`.
+        pending: as in `naive_tree_scan`.
     Returns:
         g: (B, N, H*P) in z's dtype, y * silu(z); dt: (B, N, H) fp32, kept for replay; with
         return_sq, the sums of squares.

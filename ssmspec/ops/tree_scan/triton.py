@@ -60,7 +60,6 @@ def _tree_scan_kernel(
     px_ptr=None, pdt_ptr=None, pB_ptr=None, count_ptr=None, L=0,
     spxb=0, spxl=0, spxh=0, spxp=0, spdb=0, spdl=0, spdh=0, spBb=0, spBl=0, spBg=0, spBs=0,
     HAS_PENDING: tl.constexpr = False, BLOCK_L: tl.constexpr = 16, PEND_STATE: tl.constexpr = False,
-    anc_ptr=None, GATHER: tl.constexpr = False, DEPTH: tl.constexpr = 1,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
@@ -86,8 +85,7 @@ def _tree_scan_kernel(
     # (parents only), the first S chunk of the initial state (all of it when ONE_CHUNK), D and
     # dt_bias. The state was last written by a replay or step before this verify's embedding
     # lookup, a plain launch that waits for all earlier work.
-    if not GATHER:
-        anc = _ancestors(par_ptr, offs_n, mask_n, N, tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.int32))
+    anc = _ancestors(par_ptr, offs_n, mask_n, N, tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.int32))
     h0_first = tl.load(h0_base + offs_p[:, None] * shp + offs_s[None, :] * shs,
                        mask=mask_p[:, None] & (offs_s < S)[None, :], other=0.0).to(tl.float32)
     if HAS_D:
@@ -149,44 +147,13 @@ def _tree_scan_kernel(
                 p_scores = tl.dot(Cm, tl.trans(pB), input_precision=PRECISION)
             else:
                 p_scores = tl.zeros([BLOCK_N, BLOCK_L], dtype=tl.float32)
-    if GATHER:
-        # The gather form (GATHER): node i's path from the (N, DEPTH) ancestor table, k-th
-        # ancestor j = anc[i, k] (-1 past the root). Walking k up from i itself, seg is the
-        # log-decay from j to i, so y_i = sum_k C_i.B_j exp(seg) dt_j x_j: N * DEPTH row
-        # gathers from L2 instead of (N, N) products that are mostly masked out.
-        Cf = Cm.to(tl.float32)
-        y_tree = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
-        seg = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k in tl.static_range(DEPTH):
-            if k == 0:
-                dt_j = dt
-                Bj = Bm
-                xj = xm
-            else:
-                j = tl.load(anc_ptr + offs_n * DEPTH + k, mask=mask_n, other=-1)
-                live = j >= 0
-                j = tl.where(live, j, 0)
-                dt_j = tl.load(dt_base + j * sdn, mask=live, other=0.0).to(tl.float32)
-                if FUSED:
-                    dt_j = tl.where(live, tl.minimum(tl.maximum(_softplus(dt_j + dt_b), dt_min), dt_max), 0.0)
-                Bj = tl.load(B_base + j[:, None] * sBn + offs_s[None, :] * sBs,
-                             mask=live[:, None] & (offs_s < S)[None, :], other=0.0)
-                xj = tl.load(x_ptr + b * sxb + h * sxh + j[:, None] * sxn + offs_p[None, :] * sxp,
-                             mask=live[:, None] & mask_p[None, :], other=0.0)
-            cb = tl.sum(Cf * Bj.to(tl.float32), axis=1)
-            y_tree += (cb * tl.exp(seg) * dt_j)[:, None] * xj.to(tl.float32)
-            seg += dt_j * A
-        acum = seg
-        from_h0 = tl.dot(Cf, tl.trans(h0_first), input_precision=PRECISION)
-    else:
-        # acum[i] = sum of dt*A along node i's path (its log-decay from the prefix), through the
-        # ancestor mask: dt is in registers already, cheaper than gathering it along each chain.
-        acum = tl.sum(tl.where(anc != 0, dt[None, :] * A, 0.0), axis=1)
+    # acum[i] = sum of dt*A along node i's path (its log-decay from the prefix), through the
+    # ancestor mask: dt is in registers already, cheaper than gathering it along each chain.
+    acum = tl.sum(tl.where(anc != 0, dt[None, :] * A, 0.0), axis=1)
+
     # scores[i, j] = C_i . B_j and the initial-state term C_i . h0[p, :]; with more state than
     # one chunk, accumulated over S chunks so that the operands stay small whatever S is.
-    if GATHER:
-        pass
-    elif ONE_CHUNK:
+    if ONE_CHUNK:
         scores = tl.dot(Cm, tl.trans(Bm), input_precision=PRECISION)
         from_h0 = tl.dot(Cm.to(tl.float32), tl.trans(h0_first), input_precision=PRECISION)
     else:
@@ -215,19 +182,15 @@ def _tree_scan_kernel(
             scores += tl.dot(Cc, tl.trans(Bc), input_precision=PRECISION)
             from_h0 += tl.dot(Cc, tl.trans(h0), input_precision=PRECISION)
 
+    # Weight of node j's input in node i's output: C_i.B_j * exp(acum_i - acum_j) * dt_j on i's path.
+    seg = tl.where(anc != 0, acum[:, None] - acum[None, :], float("-inf"))
+    w = scores * tl.exp(seg) * dt[None, :]
     xm = xm.to(tl.float32)
-    if GATHER:
-        y = y_tree
-    else:
-        # Weight of node j's input in node i's output: C_i.B_j * exp(acum_i - acum_j) * dt_j on i's path.
-        seg = tl.where(anc != 0, acum[:, None] - acum[None, :], float("-inf"))
-        w = scores * tl.exp(seg) * dt[None, :]
-        y = tl.dot(w, xm, input_precision=PRECISION)
     if HAS_PENDING:
         if not PEND_STATE:
             from_h0 = from_h0 * p_decay + tl.dot(p_scores * p_w[None, :], px.to(tl.float32),
                                                  input_precision=PRECISION)
-    y += from_h0 * tl.exp(acum)[:, None]
+    y = tl.dot(w, xm, input_precision=PRECISION) + from_h0 * tl.exp(acum)[:, None]
     if HAS_D:
         y += xm * D
     if FUSED:
@@ -289,7 +252,6 @@ def tree_scan(
     initial_state: torch.Tensor,
     precision: str | None = None,
     pending=None,
-    ancestors: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Output of every tree node as if its root-to-node path had been scanned alone.
 
@@ -308,8 +270,6 @@ def tree_scan(
         initial_state: (B, H, P, S) the state before the root (before the pending inputs).
         pending: None, or (x, dt, B, count): the pending inputs between initial_state
             and the root (ReplaySSM, models/cache.py); read, never written.
-        ancestors: None, or the tree's (N, DEPTH) int32 ancestor table (`Tree.ancestors_tensor`):
-            shallow trees then take the gather form (GATHER_MAX_DEPTH), else parents is walked.
     Returns:
         y: (B, N, H, P) fp32.
     """
@@ -317,7 +277,7 @@ def tree_scan(
     _check_pending(pending, initial_state, B)
     batch, n, heads, head_dim = x.shape
     y = torch.empty(batch, n, heads, head_dim, device=x.device, dtype=torch.float32)
-    _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, pending=pending, ancestors=ancestors)
+    _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, pending=pending)
     return y
 
 
@@ -337,7 +297,6 @@ def tree_scan_gated(
     precision: str | None = None,
     return_sq: bool = False,
     pending=None,
-    ancestors: torch.Tensor | None = None,
 ):
     """Time step, tree scan and gate y * silu(z) of the verify path in one launch.
 
@@ -356,7 +315,7 @@ def tree_scan_gated(
         z: (B, N, H*P) gate.
         parents: (N,) int, -1 for the root, parents before children.
         initial_state: (B, H, P, S) the state before the root (before the pending inputs).
-        pending, ancestors: as in `tree_scan`.
+        pending: as in `tree_scan`.
     Returns:
         g: (B, N, H*P) in z's dtype; dt: (B, N, H) fp32, kept for replay; with return_sq, the
         partial sums of squares.
@@ -373,10 +332,10 @@ def tree_scan_gated(
     groups = B.shape[2]
     sq = None
     if return_sq:
-        parts = heads // groups * triton.cdiv(head_dim, _block_p(head_dim, _gathers(ancestors)))
+        parts = heads // groups * triton.cdiv(head_dim, _block_p(head_dim))
         sq = torch.empty(batch * n, groups, parts, device=x.device, dtype=torch.float32)
     _launch(x, dt_raw, A, B, C, D, parents, initial_state, g.view(batch, n, heads, head_dim), precision,
-            fused=(dt_bias, float(dt_min), float(dt_max), z, dt), sq=sq, pending=pending, ancestors=ancestors)
+            fused=(dt_bias, float(dt_min), float(dt_max), z, dt), sq=sq, pending=pending)
     return (g, dt, sq) if return_sq else (g, dt)
 
 
@@ -391,29 +350,14 @@ SCAN_BLOCK_P: int | None = None
 """Channels per program; None: `_block_p`'s choice (benchmarks sweep this)."""
 
 
-def _gathers(ancestors) -> bool:
-    """Whether the scan takes the gather form with this ancestor table (see GATHER_MAX_DEPTH)."""
-    return ancestors is not None and ancestors.shape[1] <= GATHER_MAX_DEPTH
-
-
-def _block_p(head_dim: int, gather: bool = False) -> int:
+def _block_p(head_dim: int) -> int:
     # One block of up to 64 channels: splitting P into 32s (more programs) measured slower,
     # 4.4/6.7/13.5 us against 4.0/4.6/9.3 us for 15/31/63 nodes (BENCHMARKS.md): the cost is
     # the parent walk and the C.B product, which every P block repeats.
-    if gather and GATHER_BLOCK_P:
-        return GATHER_BLOCK_P
     return SCAN_BLOCK_P or min(64, max(16, triton.next_power_of_2(head_dim)))
 
 
-GATHER_MAX_DEPTH = 8
-"""Trees whose paths have at most this many nodes take the gather form when the caller passes
-the ancestor table (deeper ones, e.g. the prefill's chains, the masked quadratic form)."""
-GATHER_BLOCK_P: int | None = None
-"""Channels per program of the gather form; None: all of the head's (benchmarks sweep this)."""
-
-
-def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None, sq=None, pending=None,
-            ancestors=None):
+def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None, sq=None, pending=None):
     """Run `_tree_scan_kernel` into y (B, N, H, P); fused = (dt_bias, dt_min, dt_max, z, dt_out)
     makes dt the raw time step and y the gated output (tree_scan_gated); sq receives the gated
     output's partial sums of squares."""
@@ -424,17 +368,11 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
     if y.numel() == 0:
         return
     block_n = max(16, triton.next_power_of_2(n))
-    gather = _gathers(ancestors)
-    block_p = _block_p(head_dim, gather)
+    block_p = _block_p(head_dim)
     # Up to 32 nodes the whole state in one chunk (ONE_CHUNK: every load issued at once): 2.74
     # against 4.70 us for two chunks at 16 nodes and S = 128 (run 65, bench/scan_probe.py, H100).
     # At 64 nodes two chunks of 64: 9.56 against 11.53 us for one (its fp32 tiles are 4x larger; run 65).
     block_s = SCAN_BLOCK_S or min(128 if block_n <= 32 else 64, max(16, triton.next_power_of_2(d_state)))
-    if gather:
-        if tuple(ancestors.shape) != (n, ancestors.shape[1]) or ancestors.dtype != torch.int32:
-            raise ValueError(f"tree_scan: ancestors must be ({n}, depth) int32, got {tuple(ancestors.shape)} "
-                             f"{ancestors.dtype}")
-        block_s = max(16, triton.next_power_of_2(d_state))  # C whole, for the rows' C.B_j sums
     grid = (batch * heads, triton.cdiv(head_dim, block_p))
     D_arg = D if D is not None else A  # never read when HAS_D is False
     # the unfused scan never reads the fused-only arguments: any tensor stands in for them
@@ -451,7 +389,6 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
         num_warps=SCAN_WARPS or (4 if block_n <= 32 else 8), **_pdl_args(y.device),
         sq_ptr=sq, WRITE_SQ=sq is not None,
         **_pending_args(pending),
-        **(dict(anc_ptr=ancestors, GATHER=True, DEPTH=ancestors.shape[1]) if gather else {}),
     )
 
 
