@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from ssmspec.decoding.generate import PENDING_SLOTS
+from ssmspec.decoding.generate import PENDING_MAX_NODES, PENDING_SLOTS
 from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch, pdl, stream_layers
@@ -203,8 +203,9 @@ def main() -> int:
                     help="skip the AR row of the one-launch layer stack (ops/stream_layers; its first build takes ~1 min)")
     ap.add_argument("--skip-unfolded", action="store_true",
                     help="time only the model with its norm weights folded (models/fold.py), not also the original")
-    ap.add_argument("--pending", type=int, default=PENDING_SLOTS,
-                    help="pending input slots of the tree iterations' caches (models/cache.py; 0: none)")
+    ap.add_argument("--pending", type=int, default=None,
+                    help="pending input slots of the tree iterations' caches (models/cache.py; 0: none); default: "
+                         f"as the product, {PENDING_SLOTS} for trees up to {PENDING_MAX_NODES} nodes, else none")
     ap.add_argument("--profile", action="store_true",
                     help="print per-kernel device time of the graphs (after all timings: the profiler slows later replays)")
     ap.add_argument("--out", default=None)
@@ -330,22 +331,24 @@ def main() -> int:
     tree_rows = []
     for spec in args.trees.split(";"):
         tree = Tree.from_config(tuple(int(v) for v in spec.split(",")))
+        pending = args.pending if args.pending is not None else (
+            PENDING_SLOTS if tree.num_nodes <= PENDING_MAX_NODES else 0)
         for name, m in variants.items():
-            info = time_tree_iteration(m, prompt, tree, vocab, args.pending)
+            info = time_tree_iteration(m, prompt, tree, vocab, pending)
             record(f"verify+accept+replay graph [{tree.num_nodes} nodes, {name}]", info["ms"], ratio_to_ar=info["ms"] / ar_ms)
             if len(info["ms_each"]) > 1:
-                print(f"    mean over a cycle of {len(info['ms_each'])} iterations of {args.pending} pending slots: "
+                print(f"    mean over a cycle of {len(info['ms_each'])} iterations of {pending} pending slots: "
                       + ", ".join(f"{t:.3f}" for t in info["ms_each"]) + " ms (the last flushes)", flush=True)
                 record(f"  flushing iteration only [{tree.num_nodes} nodes, {name}]", info["ms_each"][-1])
             if args.profile and name == "folded":
                 to_profile.append((info["iteration"], f"tree iteration [{tree.num_nodes} nodes, {name}] (+ cache restore copy)"))
             if name == "folded":
-                plain = time_tree_iteration(m, prompt, tree, vocab, pending=0)
-                record(f"  same, no pending slots (states written every iteration) [{tree.num_nodes} nodes, {name}]",
-                       plain["ms"])
+                other = 0 if pending else PENDING_SLOTS
+                record(f"  same, {other or 'no'} pending slots [{tree.num_nodes} nodes, {name}]",
+                       time_tree_iteration(m, prompt, tree, vocab, other)["ms"])
                 gemv.ENABLED = False
                 record(f"  same, cuBLAS projections [{tree.num_nodes} nodes, {name}]",
-                       time_tree_iteration(m, prompt, tree, vocab, args.pending)["ms"])
+                       time_tree_iteration(m, prompt, tree, vocab, pending)["ms"])
                 gemv.ENABLED = True
                 if m.layers[0].kind == "mamba":  # the layer projections' skinny GEMMs with TMA weight loads
                     shapes = [tuple(m.layers[0].mixer.in_proj.weight.shape), tuple(m.layers[0].mixer.out_proj.weight.shape)]
@@ -354,7 +357,7 @@ def main() -> int:
                     for tma_cfg in ((64, 128, 4, 4, 0, 2), (32, 256, 4, 4, 0, 1)):
                         table.update({s: tma_cfg for s in shapes})
                         record(f"  same, skinny TMA {tma_cfg} [{tree.num_nodes} nodes, {name}]",
-                               time_tree_iteration(m, prompt, tree, vocab, args.pending)["ms"])
+                               time_tree_iteration(m, prompt, tree, vocab, pending)["ms"])
                     restore_entries(table, saved)
                     if table is gemv.SKINNY_TUNED and shapes[0] == (10576, 2560):
                         # mamba2-2.7b with round 8's entries: no boxes preloaded, the LM head without PDL
@@ -362,10 +365,10 @@ def main() -> int:
                         saved = {s_: table.get(s_) for s_ in (shapes[0], lm_shape)}
                         table.update({shapes[0]: (64, 128, 4, 4, 0, 2, 1), lm_shape: (64, 128, 4, 4, 0, 2)})
                         record(f"  same, round 8's in_proj and LM head configs [{tree.num_nodes} nodes, {name}]",
-                               time_tree_iteration(m, prompt, tree, vocab, args.pending)["ms"])
+                               time_tree_iteration(m, prompt, tree, vocab, pending)["ms"])
                         restore_entries(table, saved)
                         record(f"  same, again with this round's [{tree.num_nodes} nodes, {name}]",
-                               time_tree_iteration(m, prompt, tree, vocab, args.pending)["ms"])
+                               time_tree_iteration(m, prompt, tree, vocab, pending)["ms"])
             tree_rows.append({"tree": spec, "nodes": tree.num_nodes, "variant": name, "ms": info["ms"],
                               "ratio": info["ms"] / ar_ms, "accepted": info["accepted"],
                               "greedy_chain_matches": info["greedy_chain_matches"],

@@ -233,9 +233,12 @@ if INTERPRETED:
             TS.tree_scan(x, dt, A, B, C, D, tree.parents_tensor(), h0, pending=(px, pdt, pB[..., :8], count))
 
     @pytest.mark.parametrize("one_launch", [True, False], ids=["layers-table", "per-layer-fallback"])
-    def test_deferred_replay_settle_and_advance_match_reference(one_launch):
+    @pytest.mark.parametrize("shape", [(4, 8, 16, 2), (36, 8, 16, 1)], ids=["one-block", "x-over-two-blocks"])
+    def test_deferred_replay_settle_and_advance_match_reference(one_launch, shape):
+        """Rows that append and rows that flush, in one launch; the conv-block programs append
+        (x's channels spread over blocks of 256, B's after them, dt in block 0)."""
         batch, capacity = 3, 7
-        layers, pending, path = _layer_inputs(batch, 2, capacity, [0, 2, 4])
+        layers, pending, path = _layer_inputs(batch, 2, capacity, [0, 2, 4], shape=shape)
         if not one_launch:  # a second layer with another layout: one launch per layer
             layers[1]["x"] = layers[1]["x"].transpose(0, 1).contiguous().transpose(0, 1)
         ref_layers, ref_pending = _clone_all(layers, pending)

@@ -115,6 +115,16 @@ class _Output:
 PENDING_SLOTS = 32
 """Pending input slots per Mamba layer of the fast path's cache: the SSM states are written back
 once every few tree iterations instead of after each (0: after each)."""
+PENDING_MAX_NODES = 32
+"""Trees up to this many nodes use the pending slots; the scan of larger trees pays more for
+reading them than the replay saves (bench/pending_probe.py, docs/BENCHMARKS.md)."""
+
+
+def pending_slots_for(cfg: "GenerationConfig") -> int:
+    """Pending input slots of the fast path's cache for this generation (0: none)."""
+    if cfg.method == "ar" or cfg.tree is None or cfg.tree.num_nodes > PENDING_MAX_NODES:
+        return 0
+    return PENDING_SLOTS
 
 
 class _FastPath:
@@ -126,22 +136,22 @@ class _FastPath:
 
     BUCKET = 512
 
-    def __init__(self, target: LanguageModel, max_len: int, capture: bool):
+    def __init__(self, target: LanguageModel, max_len: int, capture: bool, pending: int = 0):
         self.target, self.capture = target, capture
-        # The tree iterations keep their accepted tokens' SSM inputs in pending slots instead of
-        # writing every layer's state back each iteration (ReplaySSM; models/cache.py).
-        self.cache = target.new_cache(1, max_len, pending=PENDING_SLOTS)
+        # With pending slots the tree iterations keep their accepted tokens' SSM inputs instead
+        # of writing every layer's state back each iteration (ReplaySSM; models/cache.py).
+        self.cache = target.new_cache(1, max_len, pending=pending)
         self.step_graph = None
         self.tree_graphs: dict = {}
 
     @classmethod
-    def for_target(cls, target: LanguageModel, needed_len: int, capture: bool) -> "_FastPath":
+    def for_target(cls, target: LanguageModel, needed_len: int, capture: bool, pending: int = 0) -> "_FastPath":
         capacity = -(-needed_len // cls.BUCKET) * cls.BUCKET
         store = target.__dict__.setdefault("_ssmspec_fast_paths", {})
-        key = (capacity, capture, str(target.device))
+        key = (capacity, capture, str(target.device), pending)
         if key not in store:
             store.clear()  # one live set of buffers per model
-            store[key] = cls(target, capacity, capture)
+            store[key] = cls(target, capacity, capture, pending)
         fast = store[key]
         fast.cache.reset_()
         return fast
@@ -244,7 +254,7 @@ def _fast_path(target: LanguageModel, cfg: GenerationConfig, max_len: int) -> _F
         return None
     if cfg.method != "ar" and on_cuda and dispatch.get_backend() == "reference":
         return None  # the reference tree ops build masks on the host: they cannot be captured
-    return _FastPath.for_target(target, max_len, capture=on_cuda)
+    return _FastPath.for_target(target, max_len, capture=on_cuda, pending=pending_slots_for(cfg))
 
 
 @torch.no_grad()

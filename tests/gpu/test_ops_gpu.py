@@ -165,7 +165,7 @@ def test_greedy_fast_path_equals_reference_token_for_token(variant, pending, mon
         for _ in range(23):
             tok = graph(tok).argmax(-1)
             got.append(int(tok))
-        assert got == want
+        assert got == want[:24]
         # tree iterations: drafts whose first-child path is the greedy continuation
         tree = Tree.from_config((2, 2, 1))
         cache = model.new_cache(1, 64, pending=pending)

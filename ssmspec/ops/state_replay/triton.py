@@ -60,12 +60,12 @@ def _replay_ssm_tile(
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr,
     px_ptr=None, pdt_ptr=None, pB_ptr=None, count_ptr=None, L=0, FORCE=0,
     spxb=0, spxl=0, spxh=0, spxp=0, spdb=0, spdl=0, spdh=0, spBb=0, spBl=0, spBg=0, spBs=0,
-    HAS_PENDING: tl.constexpr = False,
+    HAS_PENDING: tl.constexpr = False, PEND_UNROLL: tl.constexpr = 16,
 ):
     # One (BLOCK_P, BLOCK_S) tile of the state of (batch row b, head h), advanced over the path.
-    # With pending inputs (HAS_PENDING; naive.py's naive_replay_ssm_deferred) the tile either
-    # appends the path's inputs to the pending slots, its share of them, without touching the
-    # state, or (a flush) advances the state over the pending slots and then the path.
+    # With pending inputs (HAS_PENDING; naive.py's naive_replay_ssm_deferred) the tile does
+    # nothing unless the row flushes: then it advances the state over the pending slots (all
+    # their loads at once, PEND_UNROLL) and then the path. The conv-block programs append.
     g = h // heads_per_group
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -85,7 +85,7 @@ def _replay_ssm_tile(
             state = _advance_over_rows(
                 state, A, px_ptr + b * spxb + h * spxh, pdt_ptr + b * spdb + h * spdh, pB_ptr + b * spBb + g * spBg,
                 path_ptr, 0, count, spxl, spxp, spdl, spBl, spBs, offs_p, offs_s, mask_p, mask_s,
-                UNROLL, False,
+                PEND_UNROLL, False,
             )
             state = _advance_over_rows(
                 state, A, x_base, dt_base, B_base, path_ptr + b * spb, spm, steps,
@@ -93,23 +93,6 @@ def _replay_ssm_tile(
             )
             tl.debug_barrier()  # small tiles are replicated across threads: all copies read before any write
             tl.store(h_ptrs, state, mask=mask)
-        else:
-            # Append: x by the tiles of the first S block, dt by the head's first tile, B by the
-            # first head of each group (first P block), so each pending value is written once.
-            for i in range(0, steps):
-                node = tl.load(path_ptr + b * spb + i * spm)
-                slot = count + i
-                if pid_s == 0:
-                    xv = tl.load(x_base + node * sxn + offs_p * sxp, mask=mask_p)
-                    tl.store(px_ptr + b * spxb + slot * spxl + h * spxh + offs_p * spxp,
-                             xv.to(px_ptr.dtype.element_ty), mask=mask_p)
-                    if pid_p == 0:
-                        dv = tl.load(dt_base + node * sdn)
-                        tl.store(pdt_ptr + b * spdb + slot * spdl + h * spdh, dv.to(pdt_ptr.dtype.element_ty))
-                if (pid_p == 0) & (h % heads_per_group == 0):
-                    Bv = tl.load(B_base + node * sBn + offs_s * sBs, mask=mask_s)
-                    tl.store(pB_ptr + b * spBb + slot * spBl + g * spBg + offs_s * spBs,
-                             Bv.to(pB_ptr.dtype.element_ty), mask=mask_s)
     else:
         state = tl.load(h_ptrs, mask=mask, other=0.0)
         state = _advance_over_rows(
@@ -239,6 +222,40 @@ def _replay_conv_tile(
 
 
 @triton.jit
+def _append_pending_tile(
+    x_ptr, dt_ptr, B_ptr, path_ptr, len_ptr, b, pid_c, M, H, P, S, heads_per_group,
+    sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs, spb, spm,
+    px_ptr, pdt_ptr, pB_ptr, count_ptr, L, FORCE,
+    spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs,
+    BLOCK_C: tl.constexpr, BLOCK_HD: tl.constexpr,
+):
+    # The pending half of a replay that does not flush: channel block pid_c of the conv output
+    # (x's H*P channels, then B's G*S) and, in block 0, the heads' time steps, copied from the
+    # path's nodes into slots count .. count + steps - 1.
+    steps = tl.minimum(tl.load(len_ptr + b).to(tl.int32), M)
+    count = tl.load(count_ptr + b).to(tl.int32)
+    if (count + steps + M <= L) & (FORCE == 0):
+        offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        hp = H * P
+        is_x = offs_c < hp
+        is_B = (offs_c >= hp) & (offs_c < hp + (H // heads_per_group) * S)
+        hh, pp = offs_c // P, offs_c % P
+        gg, ss = (offs_c - hp) // S, (offs_c - hp) % S
+        offs_h = tl.arange(0, BLOCK_HD)
+        mask_h = offs_h < H
+        for i in range(0, steps):
+            node = tl.load(path_ptr + b * spb + i * spm)
+            slot = count + i
+            xv = tl.load(x_ptr + b * sxb + node * sxn + hh * sxh + pp * sxp, mask=is_x)
+            tl.store(px_ptr + b * spxb + slot * spxl + hh * spxh + pp * spxp, xv.to(px_ptr.dtype.element_ty), mask=is_x)
+            Bv = tl.load(B_ptr + b * sBb + node * sBn + gg * sBg + ss * sBs, mask=is_B)
+            tl.store(pB_ptr + b * spBb + slot * spBl + gg * spBg + ss * spBs, Bv.to(pB_ptr.dtype.element_ty), mask=is_B)
+            if pid_c == 0:
+                dv = tl.load(dt_ptr + b * sdb + node * sdn + offs_h * sdh, mask=mask_h)
+                tl.store(pdt_ptr + b * spdb + slot * spdl + offs_h * spdh, dv.to(pdt_ptr.dtype.element_ty), mask=mask_h)
+
+
+@triton.jit
 def _replay_conv_kernel(
     state_ptr, x_ptr, path_ptr, len_ptr,
     CH, M,
@@ -298,7 +315,8 @@ def _replay_states_program(
     HIST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
     px_ptr=None, pdt_ptr=None, pB_ptr=None, count_ptr=None, L=0, FORCE=0,
     spxb=0, spxl=0, spxh=0, spxp=0, spdb=0, spdl=0, spdh=0, spBb=0, spBl=0, spBg=0, spBs=0,
-    HAS_PENDING: tl.constexpr = False,
+    HAS_PENDING: tl.constexpr = False, PEND_UNROLL: tl.constexpr = 16, BLOCK_HD: tl.constexpr = 16,
+    HAS_CONV: tl.constexpr = True,
 ):
     # Program pid of one layer's replay. The branch is uniform per program, so the tiles'
     # barriers stay legal. Program order follows replay_ssm_state's 3-D grid (batch*head
@@ -313,14 +331,22 @@ def _replay_states_program(
             shb, shh, shp, shs, sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs, spb, spm,
             BLOCK_P, BLOCK_S, UNROLL,
             px_ptr, pdt_ptr, pB_ptr, count_ptr, L, FORCE,
-            spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, HAS_PENDING,
+            spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, HAS_PENDING, PEND_UNROLL,
         )
     else:
         pid_c = pid - n_ssm
-        _replay_conv_tile(
-            cs_ptr, xbc_ptr, path_ptr, len_ptr, pid_c // n_cblocks, pid_c % n_cblocks,
-            CH, M, ssb, ssc, ssk, scb, scn, scc, spb, spm, HIST, BLOCK_H, BLOCK_C,
-        )
+        if HAS_CONV:
+            _replay_conv_tile(
+                cs_ptr, xbc_ptr, path_ptr, len_ptr, pid_c // n_cblocks, pid_c % n_cblocks,
+                CH, M, ssb, ssc, ssk, scb, scn, scc, spb, spm, HIST, BLOCK_H, BLOCK_C,
+            )
+        if HAS_PENDING:  # the conv tile read its inputs before this writes anything else
+            _append_pending_tile(
+                x_ptr, dt_ptr, B_ptr, path_ptr, len_ptr, pid_c // n_cblocks, pid_c % n_cblocks, M, H, P, S,
+                heads_per_group, sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs, spb, spm,
+                px_ptr, pdt_ptr, pB_ptr, count_ptr, L, FORCE,
+                spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, BLOCK_C, BLOCK_HD,
+            )
 
 
 @triton.jit
@@ -340,7 +366,8 @@ def _replay_states_kernel(
     USE_PDL: tl.constexpr = False,
     px_ptr=None, pdt_ptr=None, pB_ptr=None, count_ptr=None, L=0, FORCE=0,
     spxb=0, spxl=0, spxh=0, spxp=0, spdb=0, spdl=0, spdh=0, spBb=0, spBl=0, spBg=0, spBs=0,
-    HAS_PENDING: tl.constexpr = False,
+    HAS_PENDING: tl.constexpr = False, PEND_UNROLL: tl.constexpr = 16, BLOCK_HD: tl.constexpr = 16,
+    HAS_CONV: tl.constexpr = True,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
         gdc_launch_dependents()
@@ -352,13 +379,14 @@ def _replay_states_kernel(
         ssb, ssc, ssk, scb, scn, scc, spb, spm,
         BLOCK_P, BLOCK_S, UNROLL, HIST, BLOCK_H, BLOCK_C,
         px_ptr, pdt_ptr, pB_ptr, count_ptr, L, FORCE,
-        spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, HAS_PENDING,
+        spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, HAS_PENDING, PEND_UNROLL, BLOCK_HD, HAS_CONV,
     )
 
 
-def _states_grid(conv_state: torch.Tensor, ssm_state: torch.Tensor, steps: int):
-    """The 1-D grid of `_replay_states_kernel` (SSM tiles first, then conv-state channel blocks):
-    (SSM tile sizes, batch*heads, P blocks, SSM programs, conv blocks per row, conv programs)."""
+def _states_grid(conv_state: torch.Tensor, ssm_state: torch.Tensor, steps: int, pending: bool = False):
+    """The 1-D grid of `_replay_states_kernel` (SSM tiles first, then conv-state channel blocks,
+    which also append to pending slots): (SSM tile sizes, batch*heads, P blocks, SSM programs,
+    conv blocks per row, conv programs)."""
     batch, channels, history = conv_state.shape
     _, heads, head_dim, d_state = ssm_state.shape
     blocks = _ssm_blocks(head_dim, d_state, steps)
@@ -366,7 +394,7 @@ def _states_grid(conv_state: torch.Tensor, ssm_state: torch.Tensor, steps: int):
     n_pblocks = triton.cdiv(head_dim, blocks["BLOCK_P"])
     n_ssm = n_bh * n_pblocks * triton.cdiv(d_state, blocks["BLOCK_S"]) if ssm_state.numel() else 0
     n_cblocks = triton.cdiv(channels, _CONV_BLOCK)
-    n_conv = batch * n_cblocks if history and conv_state.numel() else 0
+    n_conv = batch * n_cblocks if (history and conv_state.numel()) or pending else 0
     return blocks, n_bh, n_pblocks, n_ssm, n_cblocks, n_conv
 
 
@@ -404,7 +432,7 @@ def replay_states(
     steps = path.shape[1]
     if steps == 0:
         return
-    blocks, n_bh, n_pblocks, n_ssm, n_cblocks, n_conv = _states_grid(conv_state, ssm_state, steps)
+    blocks, n_bh, n_pblocks, n_ssm, n_cblocks, n_conv = _states_grid(conv_state, ssm_state, steps, pending is not None)
     if n_ssm + n_conv == 0:
         return
     _replay_states_kernel[(n_ssm + n_conv,)](
@@ -416,7 +444,7 @@ def replay_states(
         **blocks, HIST=max(history, 1), BLOCK_H=triton.next_power_of_2(max(history, 1)), BLOCK_C=_CONV_BLOCK,
         num_warps=4, **_pdl_args(ssm_state.device),
         **({} if pending is None else dict(px_ptr=pending[0], pdt_ptr=pending[1], pB_ptr=pending[2])),
-        **_pending_args(pending),
+        **_pending_args(pending), HAS_CONV=history > 0,
     )
 
 
@@ -443,6 +471,7 @@ def _pending_args(pending, force: bool = False) -> dict:
         return {}
     px, pdt, pB, count = pending
     return dict(count_ptr=count, L=px.shape[1], FORCE=int(force),
+                PEND_UNROLL=min(32, triton.next_power_of_2(px.shape[1])), BLOCK_HD=triton.next_power_of_2(px.shape[2]),
                 spxb=px.stride(0), spxl=px.stride(1), spxh=px.stride(2), spxp=px.stride(3),
                 spdb=pdt.stride(0), spdl=pdt.stride(1), spdh=pdt.stride(2),
                 spBb=pB.stride(0), spBl=pB.stride(1), spBg=pB.stride(2), spBs=pB.stride(3), HAS_PENDING=True)
@@ -477,7 +506,8 @@ def _replay_states_layers_kernel(
     USE_PDL: tl.constexpr = False,
     count_ptr=None, L=0, FORCE=0,
     spxb=0, spxl=0, spxh=0, spxp=0, spdb=0, spdl=0, spdh=0, spBb=0, spBl=0, spBg=0, spBs=0,
-    HAS_PENDING: tl.constexpr = False, COLUMNS: tl.constexpr = 7,
+    HAS_PENDING: tl.constexpr = False, COLUMNS: tl.constexpr = 7, PEND_UNROLL: tl.constexpr = 16,
+    BLOCK_HD: tl.constexpr = 16, HAS_CONV: tl.constexpr = True,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
         gdc_launch_dependents()
@@ -507,7 +537,7 @@ def _replay_states_layers_kernel(
         ssb, ssc, ssk, scb, scn, scc, spb, spm,
         BLOCK_P, BLOCK_S, UNROLL, HIST, BLOCK_H, BLOCK_C,
         px_ptr, pdt_ptr, pB_ptr, count_ptr, L, FORCE,
-        spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, HAS_PENDING,
+        spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, HAS_PENDING, PEND_UNROLL, BLOCK_HD, HAS_CONV,
     )
 
 
@@ -586,7 +616,7 @@ def replay_states_layers(
     steps = path.shape[1]
     if steps == 0:
         return
-    blocks, n_bh, n_pblocks, n_ssm, n_cblocks, n_conv = _states_grid(conv_state, ssm_state, steps)
+    blocks, n_bh, n_pblocks, n_ssm, n_cblocks, n_conv = _states_grid(conv_state, ssm_state, steps, pending is not None)
     if n_ssm + n_conv == 0:
         return
     rows = [[t.data_ptr() for t in layer] for layer in layers]
@@ -602,7 +632,7 @@ def replay_states_layers(
         ALIGNED=all(p % 16 == 0 for row in rows for p in row),
         **blocks, HIST=max(history, 1), BLOCK_H=triton.next_power_of_2(max(history, 1)), BLOCK_C=_CONV_BLOCK,
         num_warps=4, **_pdl_args(ssm_state.device),
-        **_pending_args(per_layer[0]), COLUMNS=len(rows[0]),
+        **_pending_args(per_layer[0]), COLUMNS=len(rows[0]), HAS_CONV=history > 0,
     )
 
 
@@ -642,7 +672,7 @@ def settle_pending_layers(ssm_states: list[torch.Tensor], As: list[torch.Tensor]
         CS_DTYPE=tl.float32, XBC_DTYPE=_TL_DTYPES[px.dtype], X_DTYPE=_TL_DTYPES[px.dtype],
         DT_DTYPE=tl.float32, A_DTYPE=_TL_DTYPES[A.dtype], B_DTYPE=_TL_DTYPES[pB.dtype],
         ALIGNED=all(p % 16 == 0 for row in rows for p in row),
-        **{**blocks, "UNROLL": 8}, HIST=1, BLOCK_H=1, BLOCK_C=_CONV_BLOCK,
+        **blocks, HIST=1, BLOCK_H=1, BLOCK_C=_CONV_BLOCK,
         num_warps=4, **_pdl_args(device),
         **_pending_args(per_layer[0], force=True), COLUMNS=10,
     )
