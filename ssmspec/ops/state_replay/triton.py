@@ -23,23 +23,19 @@ from .naive import layer_arguments, pending_per_layer
 
 
 @triton.jit
-def _advance_over_rows(
-    state, A, x_base, dt_base, B_base, rows_ptr, srow, count,
+def _advance_over_path(
+    state, A, x_base, dt_base, B_base, path_ptr, spm, count,
     sxn, sxp, sdn, sBn, sBs, offs_p, offs_s, mask_p, mask_s,
-    UNROLL: tl.constexpr, FROM_PATH: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
-    # The state tile advanced over `count` rows of (x, dt, B): rows_ptr[i] (a path of tree nodes)
-    # when FROM_PATH, else rows 0..count-1 (pending slots). In chunks of UNROLL steps, unrolled,
-    # with the steps past `count` masked to dt = 0 (no change): a chunk's loads are independent
-    # of the state and can all be in flight at once instead of one dependent chain per step.
-    # Masked steps read row 0, which always exists.
+    # The state tile advanced over the first `count` nodes of the path. In chunks of UNROLL
+    # steps, unrolled, with the steps past `count` masked to dt = 0 (no change): a chunk's loads
+    # are independent of the state and can all be in flight at once instead of one dependent
+    # chain per step. Masked steps read node 0, which always exists.
     for m0 in range(0, count, UNROLL):
         for i in tl.static_range(UNROLL):
             live = m0 + i < count
-            if FROM_PATH:
-                row = tl.load(rows_ptr + (m0 + i) * srow, mask=live, other=0)
-            else:
-                row = tl.where(live, m0 + i, 0)
+            row = tl.load(path_ptr + (m0 + i) * spm, mask=live, other=0)
             dt = tl.load(dt_base + row * sdn, mask=live, other=0.0).to(tl.float32)
             xv = tl.load(x_base + row * sxn + offs_p * sxp, mask=mask_p, other=0.0).to(tl.float32)
             Bv = tl.load(B_base + row * sBn + offs_s * sBs, mask=mask_s, other=0.0).to(tl.float32)
@@ -64,8 +60,8 @@ def _replay_ssm_tile(
 ):
     # One (BLOCK_P, BLOCK_S) tile of the state of (batch row b, head h), advanced over the path.
     # With pending inputs (HAS_PENDING; naive.py's naive_replay_ssm_deferred) the tile does
-    # nothing unless the row flushes: then it advances the state over the pending slots (all
-    # their loads at once, PEND_UNROLL) and then the path. The conv-block programs append.
+    # nothing unless the row flushes: then it advances the state over the pending slots (one
+    # product over PEND_UNROLL >= L slots) and then the path. The conv-block programs append.
     g = h // heads_per_group
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -82,22 +78,30 @@ def _replay_ssm_tile(
         count = tl.load(count_ptr + b).to(tl.int32)
         if (count + steps + M > L) | (FORCE != 0):  # flush: the pending slots, then the path
             state = tl.load(h_ptrs, mask=mask, other=0.0)
-            state = _advance_over_rows(
-                state, A, px_ptr + b * spxb + h * spxh, pdt_ptr + b * spdb + h * spdh, pB_ptr + b * spBb + g * spBg,
-                path_ptr, 0, count, spxl, spxp, spdl, spBl, spBs, offs_p, offs_s, mask_p, mask_s,
-                PEND_UNROLL, False,
-            )
-            state = _advance_over_rows(
+            # The slots in one product: state <- exp(sum a) state + (x^T w) B over the valid
+            # slots, w_j = dt_j exp(sum_{k>j} a_k) (fp32 FMAs, "ieee": the state keeps fp32).
+            offs_l = tl.arange(0, PEND_UNROLL)
+            mask_l = offs_l < count
+            pdt = tl.load(pdt_ptr + b * spdb + offs_l * spdl + h * spdh, mask=mask_l, other=0.0).to(tl.float32)
+            px = tl.load(px_ptr + b * spxb + offs_l[:, None] * spxl + h * spxh + offs_p[None, :] * spxp,
+                         mask=mask_l[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+            pB = tl.load(pB_ptr + b * spBb + offs_l[:, None] * spBl + g * spBg + offs_s[None, :] * spBs,
+                         mask=mask_l[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
+            p_log = pdt * A
+            p_total = tl.sum(p_log, axis=0)
+            p_w = pdt * tl.exp(p_total - tl.cumsum(p_log, axis=0))
+            state = state * tl.exp(p_total) + tl.dot(tl.trans(px * p_w[:, None]), pB, input_precision="ieee")
+            state = _advance_over_path(
                 state, A, x_base, dt_base, B_base, path_ptr + b * spb, spm, steps,
-                sxn, sxp, sdn, sBn, sBs, offs_p, offs_s, mask_p, mask_s, UNROLL, True,
+                sxn, sxp, sdn, sBn, sBs, offs_p, offs_s, mask_p, mask_s, UNROLL,
             )
             tl.debug_barrier()  # small tiles are replicated across threads: all copies read before any write
             tl.store(h_ptrs, state, mask=mask)
     else:
         state = tl.load(h_ptrs, mask=mask, other=0.0)
-        state = _advance_over_rows(
+        state = _advance_over_path(
             state, A, x_base, dt_base, B_base, path_ptr + b * spb, spm, steps,
-            sxn, sxp, sdn, sBn, sBs, offs_p, offs_s, mask_p, mask_s, UNROLL, True,
+            sxn, sxp, sdn, sBn, sBs, offs_p, offs_s, mask_p, mask_s, UNROLL,
         )
         tl.debug_barrier()  # small tiles are replicated across threads: all copies read before any write
         tl.store(h_ptrs, state, mask=mask)
@@ -146,8 +150,13 @@ def _check_conv_replay(op, conv_state, xBC, path, path_len):
         raise ValueError(f"{op}: path {tuple(path.shape)} / path_len {tuple(path_len.shape)} need {batch} rows")
 
 
-def _ssm_blocks(head_dim: int, d_state: int, steps: int) -> dict:
-    """Tile sizes of the SSM replay; the path runs in unrolled chunks of up to 16 steps (see _replay_ssm_tile)."""
+def _ssm_blocks(head_dim: int, d_state: int, steps: int, pending: bool = False) -> dict:
+    """Tile sizes of the SSM replay; the path runs in unrolled chunks of up to 16 steps (see _replay_ssm_tile).
+    With pending slots, whole heads up to 64 x 128: most launches only append (the conv-block
+    programs do), and fewer idle SSM programs cost less (bench/pending_probe.py)."""
+    if pending:  # at least 16 x 16: the flush's product runs on tl.dot
+        return {"BLOCK_P": max(16, min(64, triton.next_power_of_2(head_dim))),
+                "BLOCK_S": max(16, min(128, triton.next_power_of_2(d_state))), "UNROLL": min(steps, 16)}
     return {"BLOCK_P": min(32, triton.next_power_of_2(head_dim)), "BLOCK_S": min(64, triton.next_power_of_2(d_state)),
             "UNROLL": min(steps, 16)}
 
@@ -389,7 +398,7 @@ def _states_grid(conv_state: torch.Tensor, ssm_state: torch.Tensor, steps: int, 
     conv blocks per row, conv programs)."""
     batch, channels, history = conv_state.shape
     _, heads, head_dim, d_state = ssm_state.shape
-    blocks = _ssm_blocks(head_dim, d_state, steps)
+    blocks = _ssm_blocks(head_dim, d_state, steps, pending)
     n_bh = batch * heads
     n_pblocks = triton.cdiv(head_dim, blocks["BLOCK_P"])
     n_ssm = n_bh * n_pblocks * triton.cdiv(d_state, blocks["BLOCK_S"]) if ssm_state.numel() else 0
@@ -471,7 +480,7 @@ def _pending_args(pending, force: bool = False) -> dict:
         return {}
     px, pdt, pB, count = pending
     return dict(count_ptr=count, L=px.shape[1], FORCE=int(force),
-                PEND_UNROLL=min(32, triton.next_power_of_2(px.shape[1])), BLOCK_HD=triton.next_power_of_2(px.shape[2]),
+                PEND_UNROLL=max(16, triton.next_power_of_2(px.shape[1])), BLOCK_HD=triton.next_power_of_2(px.shape[2]),
                 spxb=px.stride(0), spxl=px.stride(1), spxh=px.stride(2), spxp=px.stride(3),
                 spdb=pdt.stride(0), spdl=pdt.stride(1), spdh=pdt.stride(2),
                 spBb=pB.stride(0), spBl=pB.stride(1), spBg=pB.stride(2), spBs=pB.stride(3), HAS_PENDING=True)
@@ -659,7 +668,7 @@ def settle_pending_layers(ssm_states: list[torch.Tensor], As: list[torch.Tensor]
         return
     ssm_state, px, pdt, A, pB = layers[0][1], layers[0][2], layers[0][4], layers[0][5], layers[0][6]
     _, heads, head_dim, d_state = ssm_state.shape
-    blocks, n_bh, n_pblocks, n_ssm, n_cblocks, _ = _states_grid(ssm_state.new_empty(ssm_state.shape[0], 0, 0), ssm_state, 1)
+    blocks, n_bh, n_pblocks, n_ssm, n_cblocks, _ = _states_grid(ssm_state.new_empty(ssm_state.shape[0], 0, 0), ssm_state, 1, True)
     if n_ssm == 0:
         return
     rows = [[t.data_ptr() for t in layer] for layer in layers]
