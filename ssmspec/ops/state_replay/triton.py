@@ -56,7 +56,7 @@ def _replay_ssm_tile(
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr,
     px_ptr=None, pdt_ptr=None, pB_ptr=None, count_ptr=None, L=0, FORCE=0,
     spxb=0, spxl=0, spxh=0, spxp=0, spdb=0, spdl=0, spdh=0, spBb=0, spBl=0, spBg=0, spBs=0,
-    HAS_PENDING: tl.constexpr = False, PEND_UNROLL: tl.constexpr = 16, FLUSH_PRECISION: tl.constexpr = "tf32x3",
+    HAS_PENDING: tl.constexpr = False, PEND_UNROLL: tl.constexpr = 16,
 ):
     # One (BLOCK_P, BLOCK_S) tile of the state of (batch row b, head h), advanced over the path.
     # With pending inputs (HAS_PENDING; naive.py's naive_replay_ssm_deferred) the tile does
@@ -80,7 +80,7 @@ def _replay_ssm_tile(
             state = tl.load(h_ptrs, mask=mask, other=0.0)
             # The slots in one product: state <- exp(sum a) state + (x^T w) B over the valid
             # slots, w_j = dt_j exp(sum_{k>j} a_k), on the tensor cores in three TF32 passes
-            # (about fp32's accuracy: the state keeps it; FLUSH_PRECISION).
+            # (about fp32's accuracy: the state keeps it).
             offs_l = tl.arange(0, PEND_UNROLL)
             mask_l = offs_l < count
             pdt = tl.load(pdt_ptr + b * spdb + offs_l * spdl + h * spdh, mask=mask_l, other=0.0).to(tl.float32)
@@ -91,7 +91,7 @@ def _replay_ssm_tile(
             p_log = pdt * A
             p_total = tl.sum(p_log, axis=0)
             p_w = pdt * tl.exp(p_total - tl.cumsum(p_log, axis=0))
-            state = state * tl.exp(p_total) + tl.dot(tl.trans(px * p_w[:, None]), pB, input_precision=FLUSH_PRECISION)
+            state = state * tl.exp(p_total) + tl.dot(tl.trans(px * p_w[:, None]), pB, input_precision="tf32x3")
             state = _advance_over_path(
                 state, A, x_base, dt_base, B_base, path_ptr + b * spb, spm, steps,
                 sxn, sxp, sdn, sBn, sBs, offs_p, offs_s, mask_p, mask_s, UNROLL,
