@@ -57,6 +57,7 @@ def graph_ms(fn) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slots", default="16,32", help="pending slot capacities to time")
+    ap.add_argument("--replay-only", action="store_true", help="time only the replay rows")
     args = ap.parse_args()
     capacities = [int(c) for c in args.slots.split(",")]
     rows = []
@@ -72,8 +73,10 @@ def main() -> int:
                                        a["z"], parents, a["h0"], pending=p)
             return run
 
-        rows.append((f"{n}-node scan x64, no pending", graph_ms(scans([None] * LAYERS))))
-        for cap in capacities:
+        for cap in ([] if args.replay_only else [0] + capacities):
+            if not cap:
+                rows.append((f"{n}-node scan x64, no pending", graph_ms(scans([None] * LAYERS))))
+                continue
             for route in ("output", "state"):
                 TS.PENDING_ROUTE = route
                 rows.append((f"{n}-node scan x64, {cap} slots all valid, {route} route",
@@ -87,14 +90,18 @@ def main() -> int:
         lists = [[a[k] for a in acts] for k in ("conv_state", "h0", "xBC", "x", "dt", "A", "B")]
         rows.append((f"{n}-node replay x64 layers, plain", graph_ms(lambda: SR.replay_states_layers(*lists, path, path_len))))
         for cap in capacities:
-            for what, count in (("append", 0), ("flush", cap - width)):
-                per = [slots(cap, count) for _ in range(LAYERS)]
-                pend = ([p[0] for p in per], [p[1] for p in per], [p[2] for p in per], per[0][3])
+            for programs in (0, 8, 16, 32):
+                SR.PENDING_SSM_PROGRAMS = programs
+                for what, count in (("append", 0), ("flush", cap - width)):
+                    per = [slots(cap, count) for _ in range(LAYERS)]
+                    pend = ([p[0] for p in per], [p[1] for p in per], [p[2] for p in per], per[0][3])
 
-                def replay(pend=pend, count=count):
-                    pend[3].fill_(count)  # the same case at every replay
-                    SR.replay_states_layers(*lists, path, path_len, pend)
-                rows.append((f"{n}-node replay x64 layers, {cap} slots, {what}", graph_ms(replay)))
+                    def replay(pend=pend, count=count):
+                        pend[3].fill_(count)  # the same case at every replay
+                        SR.replay_states_layers(*lists, path, path_len, pend)
+                    rows.append((f"{n}-node replay x64 layers, {cap} slots, {what}, "
+                                 f"{programs or 'all'} tile programs", graph_ms(replay)))
+            SR.PENDING_SSM_PROGRAMS = 16
         seqlen, count = torch.zeros(1, dtype=torch.long, device=DEV), torch.zeros(1, dtype=torch.long, device=DEV)
         rows.append(("count update (advance_positions)", graph_ms(lambda: SR.advance_positions(seqlen, count, path_len,
                                                                                                  width, 32))))

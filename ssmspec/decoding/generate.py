@@ -112,7 +112,7 @@ class _Output:
         return self.finish_reason is not None
 
 
-PENDING_SLOTS = 32
+PENDING_SLOTS = 16
 """Pending input slots per Mamba layer of the fast path's cache: the SSM states are written back
 once every few tree iterations instead of after each (0: after each)."""
 PENDING_MAX_NODES = 32

@@ -323,25 +323,32 @@ def _replay_states_program(
     px_ptr=None, pdt_ptr=None, pB_ptr=None, count_ptr=None, L=0, FORCE=0,
     spxb=0, spxl=0, spxh=0, spxp=0, spdb=0, spdl=0, spdh=0, spBb=0, spBl=0, spBg=0, spBs=0,
     HAS_PENDING: tl.constexpr = False, PEND_UNROLL: tl.constexpr = 16, BLOCK_HD: tl.constexpr = 16,
-    HAS_CONV: tl.constexpr = True,
+    HAS_CONV: tl.constexpr = True, ssm_programs=0,
 ):
     # Program pid of one layer's replay. The branch is uniform per program, so the tiles'
     # barriers stay legal. Program order follows replay_ssm_state's 3-D grid (batch*head
-    # fastest), then replay_conv_state's.
-    if pid < n_ssm:
-        pid_bh = pid % n_bh
-        rest = pid // n_bh
-        _replay_ssm_tile(
-            h_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, path_ptr, len_ptr,
-            pid_bh // H, pid_bh % H, rest % n_pblocks, rest // n_pblocks,
-            P, S, M, heads_per_group,
-            shb, shh, shp, shs, sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs, spb, spm,
-            BLOCK_P, BLOCK_S, UNROLL,
-            px_ptr, pdt_ptr, pB_ptr, count_ptr, L, FORCE,
-            spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, HAS_PENDING, PEND_UNROLL,
-        )
+    # fastest), then replay_conv_state's. With pending slots the first ssm_programs programs
+    # loop over the SSM tiles (most replays only append, and idle tiles then cost a program
+    # launch each: PENDING_SSM_PROGRAMS).
+    if HAS_PENDING:
+        n_tile_programs = ssm_programs
     else:
-        pid_c = pid - n_ssm
+        n_tile_programs = n_ssm
+    if pid < n_tile_programs:
+        for tile in range(pid, n_ssm, n_tile_programs):
+            pid_bh = tile % n_bh
+            rest = tile // n_bh
+            _replay_ssm_tile(
+                h_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, path_ptr, len_ptr,
+                pid_bh // H, pid_bh % H, rest % n_pblocks, rest // n_pblocks,
+                P, S, M, heads_per_group,
+                shb, shh, shp, shs, sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs, spb, spm,
+                BLOCK_P, BLOCK_S, UNROLL,
+                px_ptr, pdt_ptr, pB_ptr, count_ptr, L, FORCE,
+                spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, HAS_PENDING, PEND_UNROLL,
+            )
+    else:
+        pid_c = pid - n_tile_programs
         if HAS_CONV:
             _replay_conv_tile(
                 cs_ptr, xbc_ptr, path_ptr, len_ptr, pid_c // n_cblocks, pid_c % n_cblocks,
@@ -374,7 +381,7 @@ def _replay_states_kernel(
     px_ptr=None, pdt_ptr=None, pB_ptr=None, count_ptr=None, L=0, FORCE=0,
     spxb=0, spxl=0, spxh=0, spxp=0, spdb=0, spdl=0, spdh=0, spBb=0, spBl=0, spBg=0, spBs=0,
     HAS_PENDING: tl.constexpr = False, PEND_UNROLL: tl.constexpr = 16, BLOCK_HD: tl.constexpr = 16,
-    HAS_CONV: tl.constexpr = True,
+    HAS_CONV: tl.constexpr = True, ssm_programs=0,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
         gdc_launch_dependents()
@@ -387,7 +394,20 @@ def _replay_states_kernel(
         BLOCK_P, BLOCK_S, UNROLL, HIST, BLOCK_H, BLOCK_C,
         px_ptr, pdt_ptr, pB_ptr, count_ptr, L, FORCE,
         spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, HAS_PENDING, PEND_UNROLL, BLOCK_HD, HAS_CONV,
+        ssm_programs,
     )
+
+
+PENDING_SSM_PROGRAMS = 16
+"""With pending slots, programs per layer (and batch) that loop over the SSM state tiles; 0: one
+program per tile. Most such replays only append, so idle tile programs would be launched for
+nothing (bench/pending_probe.py sweeps this)."""
+
+
+def _tile_programs(n_ssm: int, pending) -> int:
+    if pending is None or not PENDING_SSM_PROGRAMS:
+        return n_ssm
+    return min(n_ssm, PENDING_SSM_PROGRAMS)
 
 
 def _states_grid(conv_state: torch.Tensor, ssm_state: torch.Tensor, steps: int, pending: bool = False):
@@ -442,7 +462,8 @@ def replay_states(
     blocks, n_bh, n_pblocks, n_ssm, n_cblocks, n_conv = _states_grid(conv_state, ssm_state, steps, pending is not None)
     if n_ssm + n_conv == 0:
         return
-    _replay_states_kernel[(n_ssm + n_conv,)](
+    tile_programs = _tile_programs(n_ssm, pending)
+    _replay_states_kernel[(tile_programs + n_conv,)](
         conv_state, xBC, ssm_state, x, dt, A, B, path, path_len,
         n_ssm, n_bh, n_pblocks, n_cblocks,
         heads, head_dim, d_state, steps, heads // B.shape[2], channels,
@@ -451,7 +472,7 @@ def replay_states(
         **blocks, HIST=max(history, 1), BLOCK_H=triton.next_power_of_2(max(history, 1)), BLOCK_C=_CONV_BLOCK,
         num_warps=4, **_pdl_args(ssm_state.device),
         **({} if pending is None else dict(px_ptr=pending[0], pdt_ptr=pending[1], pB_ptr=pending[2])),
-        **_pending_args(pending), HAS_CONV=history > 0,
+        **_pending_args(pending), HAS_CONV=history > 0, ssm_programs=tile_programs,
     )
 
 
@@ -514,7 +535,7 @@ def _replay_states_layers_kernel(
     count_ptr=None, L=0, FORCE=0,
     spxb=0, spxl=0, spxh=0, spxp=0, spdb=0, spdl=0, spdh=0, spBb=0, spBl=0, spBg=0, spBs=0,
     HAS_PENDING: tl.constexpr = False, COLUMNS: tl.constexpr = 7, PEND_UNROLL: tl.constexpr = 16,
-    BLOCK_HD: tl.constexpr = 16, HAS_CONV: tl.constexpr = True,
+    BLOCK_HD: tl.constexpr = 16, HAS_CONV: tl.constexpr = True, ssm_programs=0,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
         gdc_launch_dependents()
@@ -545,6 +566,7 @@ def _replay_states_layers_kernel(
         BLOCK_P, BLOCK_S, UNROLL, HIST, BLOCK_H, BLOCK_C,
         px_ptr, pdt_ptr, pB_ptr, count_ptr, L, FORCE,
         spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, HAS_PENDING, PEND_UNROLL, BLOCK_HD, HAS_CONV,
+        ssm_programs,
     )
 
 
@@ -628,7 +650,8 @@ def replay_states_layers(
         return
     rows = [[t.data_ptr() for t in layer] for layer in layers]
     table = _pointer_table(rows, ssm_state.device)
-    _replay_states_layers_kernel[(n_ssm + n_conv, len(layers))](
+    tile_programs = _tile_programs(n_ssm, pending)
+    _replay_states_layers_kernel[(tile_programs + n_conv, len(layers))](
         table, path, path_len,
         n_ssm, n_bh, n_pblocks, n_cblocks,
         heads, head_dim, d_state, steps, heads // B.shape[2], channels,
@@ -639,7 +662,7 @@ def replay_states_layers(
         ALIGNED=all(p % 16 == 0 for row in rows for p in row),
         **blocks, HIST=max(history, 1), BLOCK_H=triton.next_power_of_2(max(history, 1)), BLOCK_C=_CONV_BLOCK,
         num_warps=4, **_pdl_args(ssm_state.device),
-        **_pending_args(per_layer[0]), COLUMNS=len(rows[0]), HAS_CONV=history > 0,
+        **_pending_args(per_layer[0]), COLUMNS=len(rows[0]), HAS_CONV=history > 0, ssm_programs=tile_programs,
     )
 
 
@@ -670,7 +693,7 @@ def settle_pending_layers(ssm_states: list[torch.Tensor], As: list[torch.Tensor]
     if n_ssm == 0:
         return
     rows = [[t.data_ptr() for t in layer] for layer in layers]
-    _replay_states_layers_kernel[(n_ssm, len(layers))](
+    _replay_states_layers_kernel[(n_ssm, len(layers))](  # a settle flushes: every tile its own program
         _pointer_table(rows, device), path, no_steps,
         n_ssm, n_bh, n_pblocks, n_cblocks,
         heads, head_dim, d_state, 1, heads // pB.shape[2], 1,
@@ -681,7 +704,7 @@ def settle_pending_layers(ssm_states: list[torch.Tensor], As: list[torch.Tensor]
         ALIGNED=all(p % 16 == 0 for row in rows for p in row),
         **blocks, HIST=1, BLOCK_H=1, BLOCK_C=_CONV_BLOCK,
         num_warps=4, **_pdl_args(device),
-        **_pending_args(per_layer[0], force=True), COLUMNS=10,
+        **_pending_args(per_layer[0], force=True), COLUMNS=10, ssm_programs=n_ssm,
     )
 
 
