@@ -234,7 +234,7 @@ def _append_pending_tile(
     sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs, spb, spm,
     px_ptr, pdt_ptr, pB_ptr, count_ptr, L, FORCE,
     spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs,
-    BLOCK_C: tl.constexpr, BLOCK_HD: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_HD: tl.constexpr, UNROLL: tl.constexpr,
 ):
     # The pending half of a replay that does not flush: channel block pid_c of the conv output
     # (x's H*P channels, then B's G*S) and, in block 0, the heads' time steps, copied from the
@@ -250,16 +250,24 @@ def _append_pending_tile(
         gg, ss = (offs_c - hp) // S, (offs_c - hp) % S
         offs_h = tl.arange(0, BLOCK_HD)
         mask_h = offs_h < H
-        for i in range(0, steps):
-            node = tl.load(path_ptr + b * spb + i * spm)
-            slot = count + i
-            xv = tl.load(x_ptr + b * sxb + node * sxn + hh * sxh + pp * sxp, mask=is_x)
-            tl.store(px_ptr + b * spxb + slot * spxl + hh * spxh + pp * spxp, xv.to(px_ptr.dtype.element_ty), mask=is_x)
-            Bv = tl.load(B_ptr + b * sBb + node * sBn + gg * sBg + ss * sBs, mask=is_B)
-            tl.store(pB_ptr + b * spBb + slot * spBl + gg * spBg + ss * spBs, Bv.to(pB_ptr.dtype.element_ty), mask=is_B)
-            if pid_c == 0:
-                dv = tl.load(dt_ptr + b * sdb + node * sdn + offs_h * sdh, mask=mask_h)
-                tl.store(pdt_ptr + b * spdb + slot * spdl + offs_h * spdh, dv.to(pdt_ptr.dtype.element_ty), mask=mask_h)
+        # In chunks of UNROLL path steps, unrolled: a chunk's loads all in flight at once.
+        for m0 in range(0, steps, UNROLL):
+            for i in tl.static_range(UNROLL):
+                live = m0 + i < steps
+                node = tl.load(path_ptr + b * spb + (m0 + i) * spm, mask=live, other=0)
+                slot = count + m0 + i
+                live_c = (offs_c * 0 + m0 + i) < steps  # as vectors: masks of the lanes' own shape
+                xv = tl.load(x_ptr + b * sxb + node * sxn + hh * sxh + pp * sxp, mask=is_x & live_c)
+                tl.store(px_ptr + b * spxb + slot * spxl + hh * spxh + pp * spxp, xv.to(px_ptr.dtype.element_ty),
+                         mask=is_x & live_c)
+                Bv = tl.load(B_ptr + b * sBb + node * sBn + gg * sBg + ss * sBs, mask=is_B & live_c)
+                tl.store(pB_ptr + b * spBb + slot * spBl + gg * spBg + ss * spBs, Bv.to(pB_ptr.dtype.element_ty),
+                         mask=is_B & live_c)
+                if pid_c == 0:
+                    live_h = mask_h & ((offs_h * 0 + m0 + i) < steps)
+                    dv = tl.load(dt_ptr + b * sdb + node * sdn + offs_h * sdh, mask=live_h)
+                    tl.store(pdt_ptr + b * spdb + slot * spdl + offs_h * spdh, dv.to(pdt_ptr.dtype.element_ty),
+                             mask=live_h)
 
 
 @triton.jit
@@ -359,7 +367,7 @@ def _replay_states_program(
                 x_ptr, dt_ptr, B_ptr, path_ptr, len_ptr, pid_c // n_cblocks, pid_c % n_cblocks, M, H, P, S,
                 heads_per_group, sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs, spb, spm,
                 px_ptr, pdt_ptr, pB_ptr, count_ptr, L, FORCE,
-                spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, BLOCK_C, BLOCK_HD,
+                spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, BLOCK_C, BLOCK_HD, UNROLL,
             )
 
 
