@@ -58,6 +58,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slots", default="16,32", help="pending slot capacities to time")
     ap.add_argument("--replay-only", action="store_true", help="time only the replay rows")
+    ap.add_argument("--scan-knobs", action="store_true",
+                    help="also time the scans with slots over warps and state chunk sizes (ops/tree_scan knobs)")
     args = ap.parse_args()
     capacities = [int(c) for c in args.slots.split(",")]
     rows = []
@@ -82,6 +84,13 @@ def main() -> int:
                 rows.append((f"{n}-node scan x64, {cap} slots all valid, {route} route",
                              graph_ms(scans([slots(cap, cap) for _ in range(LAYERS)]))))
             TS.PENDING_ROUTE = "output"
+            if args.scan_knobs:
+                for warps in (4, 8, 16):
+                    for block_s in (32, 64, 128):
+                        TS.SCAN_WARPS, TS.SCAN_BLOCK_S = warps, block_s
+                        rows.append((f"{n}-node scan x64, {cap} slots, {warps} warps, S chunks of {block_s}",
+                                     graph_ms(scans([slots(cap, cap) for _ in range(LAYERS)]))))
+                        TS.SCAN_WARPS = TS.SCAN_BLOCK_S = None
 
         width = tree.max_depth + 1
         deepest = max(range(n), key=lambda i: len(tree.path(i)))
