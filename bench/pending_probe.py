@@ -79,11 +79,8 @@ def main() -> int:
             if not cap:
                 rows.append((f"{n}-node scan x64, no pending", graph_ms(scans([None] * LAYERS))))
                 continue
-            for route in ("output", "state"):
-                TS.PENDING_ROUTE = route
-                rows.append((f"{n}-node scan x64, {cap} slots all valid, {route} route",
-                             graph_ms(scans([slots(cap, cap) for _ in range(LAYERS)]))))
-            TS.PENDING_ROUTE = "output"
+            rows.append((f"{n}-node scan x64, {cap} slots all valid",
+                         graph_ms(scans([slots(cap, cap) for _ in range(LAYERS)]))))
             if args.scan_knobs:
                 for warps in (4, 8, 16):
                     for block_s in (32, 64, 128):

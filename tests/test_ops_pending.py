@@ -208,10 +208,8 @@ if INTERPRETED:
     @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
     @pytest.mark.parametrize("block_s", [None, 8], ids=["one-chunk", "chunks"])
     @pytest.mark.parametrize("capacity", [5, 20])
-    @pytest.mark.parametrize("route", ["output", "state"])
-    def test_tree_scan_with_pending_matches_reference(shape, block_s, capacity, route, nan_outputs, monkeypatch):
+    def test_tree_scan_with_pending_matches_reference(shape, block_s, capacity, nan_outputs, monkeypatch):
         monkeypatch.setattr(TS, "SCAN_BLOCK_S", block_s)
-        monkeypatch.setattr(TS, "PENDING_ROUTE", route)
         tree = Tree.from_config((3, 2, 1))
         batch, heads, head_dim, d_state, groups = shape
         x, dt, A, B, C, D, h0 = _scan_inputs(batch, tree.num_nodes, heads, head_dim, d_state, groups)

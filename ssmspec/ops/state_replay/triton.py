@@ -56,12 +56,12 @@ def _replay_ssm_tile(
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL: tl.constexpr,
     px_ptr=None, pdt_ptr=None, pB_ptr=None, count_ptr=None, L=0, FORCE=0,
     spxb=0, spxl=0, spxh=0, spxp=0, spdb=0, spdl=0, spdh=0, spBb=0, spBl=0, spBg=0, spBs=0,
-    HAS_PENDING: tl.constexpr = False, PEND_UNROLL: tl.constexpr = 16,
+    HAS_PENDING: tl.constexpr = False, BLOCK_L: tl.constexpr = 16,
 ):
     # One (BLOCK_P, BLOCK_S) tile of the state of (batch row b, head h), advanced over the path.
     # With pending inputs (HAS_PENDING; naive.py's naive_replay_ssm_deferred) the tile does
     # nothing unless the row flushes: then it advances the state over the pending slots (one
-    # product over PEND_UNROLL >= L slots) and then the path. The conv-block programs append.
+    # product over BLOCK_L >= L slots) and then the path. The conv-block programs append.
     g = h // heads_per_group
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -81,7 +81,7 @@ def _replay_ssm_tile(
             # The slots in one product: state <- exp(sum a) state + (x^T w) B over the valid
             # slots, w_j = dt_j exp(sum_{k>j} a_k), on the tensor cores in three TF32 passes
             # (about fp32's accuracy: the state keeps it).
-            offs_l = tl.arange(0, PEND_UNROLL)
+            offs_l = tl.arange(0, BLOCK_L)
             mask_l = offs_l < count
             pdt = tl.load(pdt_ptr + b * spdb + offs_l * spdl + h * spdh, mask=mask_l, other=0.0).to(tl.float32)
             px = tl.load(px_ptr + b * spxb + offs_l[:, None] * spxl + h * spxh + offs_p[None, :] * spxp,
@@ -330,7 +330,7 @@ def _replay_states_program(
     HIST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
     px_ptr=None, pdt_ptr=None, pB_ptr=None, count_ptr=None, L=0, FORCE=0,
     spxb=0, spxl=0, spxh=0, spxp=0, spdb=0, spdl=0, spdh=0, spBb=0, spBl=0, spBg=0, spBs=0,
-    HAS_PENDING: tl.constexpr = False, PEND_UNROLL: tl.constexpr = 16, BLOCK_HD: tl.constexpr = 16,
+    HAS_PENDING: tl.constexpr = False, BLOCK_L: tl.constexpr = 16, BLOCK_HD: tl.constexpr = 16,
     HAS_CONV: tl.constexpr = True, ssm_programs=0,
 ):
     # Program pid of one layer's replay. The branch is uniform per program, so the tiles'
@@ -353,7 +353,7 @@ def _replay_states_program(
                 shb, shh, shp, shs, sxb, sxn, sxh, sxp, sdb, sdn, sdh, sBb, sBn, sBg, sBs, spb, spm,
                 BLOCK_P, BLOCK_S, UNROLL,
                 px_ptr, pdt_ptr, pB_ptr, count_ptr, L, FORCE,
-                spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, HAS_PENDING, PEND_UNROLL,
+                spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, HAS_PENDING, BLOCK_L,
             )
     else:
         pid_c = pid - n_tile_programs
@@ -388,7 +388,7 @@ def _replay_states_kernel(
     USE_PDL: tl.constexpr = False,
     px_ptr=None, pdt_ptr=None, pB_ptr=None, count_ptr=None, L=0, FORCE=0,
     spxb=0, spxl=0, spxh=0, spxp=0, spdb=0, spdl=0, spdh=0, spBb=0, spBl=0, spBg=0, spBs=0,
-    HAS_PENDING: tl.constexpr = False, PEND_UNROLL: tl.constexpr = 16, BLOCK_HD: tl.constexpr = 16,
+    HAS_PENDING: tl.constexpr = False, BLOCK_L: tl.constexpr = 16, BLOCK_HD: tl.constexpr = 16,
     HAS_CONV: tl.constexpr = True, ssm_programs=0,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
@@ -401,7 +401,7 @@ def _replay_states_kernel(
         ssb, ssc, ssk, scb, scn, scc, spb, spm,
         BLOCK_P, BLOCK_S, UNROLL, HIST, BLOCK_H, BLOCK_C,
         px_ptr, pdt_ptr, pB_ptr, count_ptr, L, FORCE,
-        spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, HAS_PENDING, PEND_UNROLL, BLOCK_HD, HAS_CONV,
+        spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, HAS_PENDING, BLOCK_L, BLOCK_HD, HAS_CONV,
         ssm_programs,
     )
 
@@ -507,7 +507,7 @@ def _pending_args(pending, force: bool = False) -> dict:
         return {}
     px, pdt, pB, count = pending
     return dict(count_ptr=count, L=px.shape[1], FORCE=int(force),
-                PEND_UNROLL=max(16, triton.next_power_of_2(px.shape[1])), BLOCK_HD=triton.next_power_of_2(px.shape[2]),
+                BLOCK_L=max(16, triton.next_power_of_2(px.shape[1])), BLOCK_HD=triton.next_power_of_2(px.shape[2]),
                 spxb=px.stride(0), spxl=px.stride(1), spxh=px.stride(2), spxp=px.stride(3),
                 spdb=pdt.stride(0), spdl=pdt.stride(1), spdh=pdt.stride(2),
                 spBb=pB.stride(0), spBl=pB.stride(1), spBg=pB.stride(2), spBs=pB.stride(3), HAS_PENDING=True)
@@ -542,7 +542,7 @@ def _replay_states_layers_kernel(
     USE_PDL: tl.constexpr = False,
     count_ptr=None, L=0, FORCE=0,
     spxb=0, spxl=0, spxh=0, spxp=0, spdb=0, spdl=0, spdh=0, spBb=0, spBl=0, spBg=0, spBs=0,
-    HAS_PENDING: tl.constexpr = False, COLUMNS: tl.constexpr = 7, PEND_UNROLL: tl.constexpr = 16,
+    HAS_PENDING: tl.constexpr = False, COLUMNS: tl.constexpr = 7, BLOCK_L: tl.constexpr = 16,
     BLOCK_HD: tl.constexpr = 16, HAS_CONV: tl.constexpr = True, ssm_programs=0,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
@@ -573,7 +573,7 @@ def _replay_states_layers_kernel(
         ssb, ssc, ssk, scb, scn, scc, spb, spm,
         BLOCK_P, BLOCK_S, UNROLL, HIST, BLOCK_H, BLOCK_C,
         px_ptr, pdt_ptr, pB_ptr, count_ptr, L, FORCE,
-        spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, HAS_PENDING, PEND_UNROLL, BLOCK_HD, HAS_CONV,
+        spxb, spxl, spxh, spxp, spdb, spdl, spdh, spBb, spBl, spBg, spBs, HAS_PENDING, BLOCK_L, BLOCK_HD, HAS_CONV,
         ssm_programs,
     )
 

@@ -59,7 +59,7 @@ def _tree_scan_kernel(
     sq_ptr=None, WRITE_SQ: tl.constexpr = False,
     px_ptr=None, pdt_ptr=None, pB_ptr=None, count_ptr=None, L=0,
     spxb=0, spxl=0, spxh=0, spxp=0, spdb=0, spdl=0, spdh=0, spBb=0, spBl=0, spBg=0, spBs=0,
-    HAS_PENDING: tl.constexpr = False, BLOCK_L: tl.constexpr = 16, PEND_STATE: tl.constexpr = False,
+    HAS_PENDING: tl.constexpr = False, BLOCK_L: tl.constexpr = 16,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
@@ -138,15 +138,12 @@ def _tree_scan_kernel(
         p_total = tl.sum(p_log, axis=0)
         p_w = pdt * tl.exp(p_total - tl.cumsum(p_log, axis=0))  # each slot's weight in h0'
         p_decay = tl.exp(p_total)
-        if PEND_STATE:  # h0' itself, (P, S), then read like h0
-            p_xw = tl.trans(px.to(tl.float32) * p_w[:, None])
-            if ONE_CHUNK:
-                h0_first = h0_first * p_decay + tl.dot(p_xw, pB.to(tl.float32), input_precision=PRECISION)
-        else:  # only its readout C.h0' = p_decay C.h0 + sum_j p_w_j (C.B_j) x_j: (N, L) scores
-            if ONE_CHUNK:
-                p_scores = tl.dot(Cm, tl.trans(pB), input_precision=PRECISION)
-            else:
-                p_scores = tl.zeros([BLOCK_N, BLOCK_L], dtype=tl.float32)
+        # Not h0' itself, (P, S), but its readout C.h0' = p_decay C.h0 + sum_j p_w_j (C.B_j) x_j:
+        # (N, L) scores, cheaper (BENCHMARKS round 13: building h0' cost 4-5x more).
+        if ONE_CHUNK:
+            p_scores = tl.dot(Cm, tl.trans(pB), input_precision=PRECISION)
+        else:
+            p_scores = tl.zeros([BLOCK_N, BLOCK_L], dtype=tl.float32)
     # acum[i] = sum of dt*A along node i's path (its log-decay from the prefix), through the
     # ancestor mask: dt is in registers already, cheaper than gathering it along each chain.
     acum = tl.sum(tl.where(anc != 0, dt[None, :] * A, 0.0), axis=1)
@@ -175,10 +172,7 @@ def _tree_scan_kernel(
             if HAS_PENDING:
                 pB = tl.load(pB_base + offs_l[:, None] * spBl + ss[None, :] * spBs,
                              mask=mask_l[:, None] & mask_s[None, :], other=0.0).to(tl.float32)
-                if PEND_STATE:
-                    h0 = h0 * p_decay + tl.dot(p_xw, pB, input_precision=PRECISION)
-                else:
-                    p_scores += tl.dot(Cc, tl.trans(pB), input_precision=PRECISION)
+                p_scores += tl.dot(Cc, tl.trans(pB), input_precision=PRECISION)
             scores += tl.dot(Cc, tl.trans(Bc), input_precision=PRECISION)
             from_h0 += tl.dot(Cc, tl.trans(h0), input_precision=PRECISION)
 
@@ -187,9 +181,7 @@ def _tree_scan_kernel(
     w = scores * tl.exp(seg) * dt[None, :]
     xm = xm.to(tl.float32)
     if HAS_PENDING:
-        if not PEND_STATE:
-            from_h0 = from_h0 * p_decay + tl.dot(p_scores * p_w[None, :], px.to(tl.float32),
-                                                 input_precision=PRECISION)
+        from_h0 = from_h0 * p_decay + tl.dot(p_scores * p_w[None, :], px.to(tl.float32), input_precision=PRECISION)
     y = tl.dot(w, xm, input_precision=PRECISION) + from_h0 * tl.exp(acum)[:, None]
     if HAS_D:
         y += xm * D
@@ -401,11 +393,4 @@ def _pending_args(pending) -> dict:
                 spxb=x.stride(0), spxl=x.stride(1), spxh=x.stride(2), spxp=x.stride(3),
                 spdb=dt.stride(0), spdl=dt.stride(1), spdh=dt.stride(2),
                 spBb=B.stride(0), spBl=B.stride(1), spBg=B.stride(2), spBs=B.stride(3),
-                HAS_PENDING=True, BLOCK_L=max(16, triton.next_power_of_2(x.shape[1])),
-                PEND_STATE=PENDING_ROUTE == "state")
-
-
-PENDING_ROUTE = "output"
-"""How the scan reads pending inputs: "output" adds their readout C.h0' to each node's output
-(an (N, L) score matrix: C against the slots' B); "state" builds h0' (P, S) first and reads it
-like h0 (benchmarks compare the two)."""
+                HAS_PENDING=True, BLOCK_L=max(16, triton.next_power_of_2(x.shape[1])))
