@@ -239,6 +239,10 @@ class Mamba2Mixer(nn.Module):
         return out, out_sq, MambaTreeActivations(xBC=xBC, x=x, dt=dt, B=B)
 
     def replay(self, cache: MambaLayerCache, acts: MambaTreeActivations, path: torch.Tensor, path_len: torch.Tensor):
-        """Advance the cache over the accepted path (B, M) of valid length path_len (B,)."""
+        """Advance the cache over the accepted path (B, M) of valid length path_len (B,).
+
+        A cache with pending slots needs the model-wide count: LanguageModel.replay."""
+        if cache.pending_x is not None:
+            raise ValueError("this layer cache keeps pending inputs: replay through LanguageModel.replay")
         dispatch.replay_states(cache.conv_state, cache.ssm_state, acts.xBC, acts.x, acts.dt, self.A, acts.B,
                                path, path_len)
