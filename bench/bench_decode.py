@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from ssmspec.decoding.generate import PENDING_MAX_NODES, PENDING_SLOTS
+from ssmspec.decoding.generate import PENDING_MAX_NODES, PENDING_SLOTS, pending_slots_for
 from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
 from ssmspec.ops import dispatch, pdl, stream_layers
@@ -108,7 +108,7 @@ def profile_top(fn, label: str, reps: int = 5, rows: int = 14) -> dict:
     return {"label": label, "kernel_ms": total / 1000, "top": [(name, t, count) for t, count, name in events[:rows]]}
 
 
-def time_tree_iteration(model, prompt, tree: Tree, vocab: int, pending: int = PENDING_SLOTS) -> dict:
+def time_tree_iteration(model, prompt, tree: Tree, vocab: int, pending: int | None = None) -> dict:
     """One greedy tree iteration (verify + device-side accept + replay) as a CUDA graph, timed
     from a fixed state each time (the cache restore outside the timed region).
 
@@ -117,7 +117,10 @@ def time_tree_iteration(model, prompt, tree: Tree, vocab: int, pending: int = PE
     them into the states. So the iterations of one whole cycle are run for real first, each with
     tokens whose first-child path is the target's greedy continuation from that iteration's
     state (every iteration accepts its full depth, the fastest the slots fill), and each is then
-    timed from its own snapshot; "ms" is their mean, the steady-state cost per iteration."""
+    timed from its own snapshot; "ms" is their mean, the steady-state cost per iteration.
+    pending: the slots (None: as the product's fast path gives this tree)."""
+    if pending is None:
+        pending = pending_slots_for(tree)
     cache = prefilled_cache(model, prompt, 256, pending)
     root = int(prompt[0, -1])
     g = GreedyTreeGraph(model, cache, tree)
@@ -331,8 +334,7 @@ def main() -> int:
     tree_rows = []
     for spec in args.trees.split(";"):
         tree = Tree.from_config(tuple(int(v) for v in spec.split(",")))
-        pending = args.pending if args.pending is not None else (
-            PENDING_SLOTS if tree.num_nodes <= PENDING_MAX_NODES else 0)
+        pending = args.pending if args.pending is not None else pending_slots_for(tree)
         for name, m in variants.items():
             info = time_tree_iteration(m, prompt, tree, vocab, pending)
             record(f"verify+accept+replay graph [{tree.num_nodes} nodes, {name}]", info["ms"], ratio_to_ar=info["ms"] / ar_ms)

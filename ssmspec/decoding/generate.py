@@ -120,9 +120,10 @@ PENDING_MAX_NODES = 32
 reading them than the replay saves (bench/pending_probe.py, docs/BENCHMARKS.md)."""
 
 
-def pending_slots_for(cfg: "GenerationConfig") -> int:
-    """Pending input slots of the fast path's cache for this generation (0: none)."""
-    if cfg.method == "ar" or cfg.tree is None or cfg.tree.num_nodes > PENDING_MAX_NODES:
+def pending_slots_for(tree: Tree | None) -> int:
+    """Pending input slots of the fast path's cache for iterations on `tree` (0: none; None: no
+    tree iterations, as for method ar)."""
+    if tree is None or tree.num_nodes > PENDING_MAX_NODES:
         return 0
     return PENDING_SLOTS
 
@@ -254,7 +255,7 @@ def _fast_path(target: LanguageModel, cfg: GenerationConfig, max_len: int) -> _F
         return None
     if cfg.method != "ar" and on_cuda and dispatch.get_backend() == "reference":
         return None  # the reference tree ops build masks on the host: they cannot be captured
-    return _FastPath.for_target(target, max_len, capture=on_cuda, pending=pending_slots_for(cfg))
+    return _FastPath.for_target(target, max_len, capture=on_cuda, pending=pending_slots_for(None if cfg.method == "ar" else cfg.tree))
 
 
 @torch.no_grad()
