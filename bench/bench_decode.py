@@ -24,7 +24,7 @@ import torch
 from ssmspec.decoding.generate import PENDING_MAX_NODES, PENDING_SLOTS, pending_slots_for
 from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
-from ssmspec.ops import dispatch, pdl, stream_layers
+from ssmspec.ops import dispatch, overlap, pdl, stream_layers
 from ssmspec.ops.gemv import triton as gemv
 from ssmspec.trees.tree import Tree
 
@@ -120,7 +120,7 @@ def time_tree_iteration(model, prompt, tree: Tree, vocab: int, pending: int | No
     timed from its own snapshot; "ms" is their mean, the steady-state cost per iteration.
     pending: the slots (None: as the product's fast path gives this tree)."""
     if pending is None:
-        pending = pending_slots_for(tree)
+        pending = pending_slots_for(tree, model)
     cache = prefilled_cache(model, prompt, 256, pending)
     root = int(prompt[0, -1])
     g = GreedyTreeGraph(model, cache, tree)
@@ -334,7 +334,7 @@ def main() -> int:
     tree_rows = []
     for spec in args.trees.split(";"):
         tree = Tree.from_config(tuple(int(v) for v in spec.split(",")))
-        pending = args.pending if args.pending is not None else pending_slots_for(tree)
+        pending = args.pending if args.pending is not None else pending_slots_for(tree, variants.get("folded"))
         for name, m in variants.items():
             info = time_tree_iteration(m, prompt, tree, vocab, pending)
             record(f"verify+accept+replay graph [{tree.num_nodes} nodes, {name}]", info["ms"], ratio_to_ar=info["ms"] / ar_ms)
@@ -348,6 +348,12 @@ def main() -> int:
                 other = 0 if pending else PENDING_SLOTS
                 record(f"  same, {other or 'no'} pending slots [{tree.num_nodes} nodes, {name}]",
                        time_tree_iteration(m, prompt, tree, vocab, other)["ms"])
+                if overlap.SPLIT_IN_PROJ and tree.num_nodes >= overlap.SPLIT_IN_PROJ_MIN_ROWS:
+                    overlap.SPLIT_IN_PROJ = False  # ops/overlap: in_proj as one GEMM, z not beside the scan
+                    plain_pending = pending_slots_for(tree, m)  # the slots the product then takes
+                    record(f"  same, in_proj not split, {plain_pending or 'no'} pending slots [{tree.num_nodes} nodes, {name}]",
+                           time_tree_iteration(m, prompt, tree, vocab, plain_pending)["ms"])
+                    overlap.SPLIT_IN_PROJ = True
                 gemv.ENABLED = False
                 record(f"  same, cuBLAS projections [{tree.num_nodes} nodes, {name}]",
                        time_tree_iteration(m, prompt, tree, vocab, pending)["ms"])

@@ -117,15 +117,23 @@ PENDING_SLOTS = 16
 once every few tree iterations instead of after each (0: after each)."""
 PENDING_MAX_NODES = 32
 """Trees up to this many nodes use the pending slots; the scan of larger trees pays more for
-reading them than the replay saves (bench/pending_probe.py, docs/BENCHMARKS.md)."""
+reading them than the replay saves (bench/pending_probe.py, docs/BENCHMARKS.md), unless the
+verify layers split in_proj (ops/overlap.py): then the scan runs beside z's GEMM, and its extra
+time is hidden (round 14: 64 nodes 3.30 ms with 16 slots against 3.36 without)."""
+PENDING_SPLIT_MAX_NODES = 64
+"""Trees up to this many nodes use the pending slots where the target's verify splits in_proj."""
 
 
-def pending_slots_for(tree: Tree | None) -> int:
+def pending_slots_for(tree: Tree | None, target: LanguageModel | None = None) -> int:
     """Pending input slots of the fast path's cache for iterations on `tree` (0: none; None: no
-    tree iterations, as for method ar)."""
-    if tree is None or tree.num_nodes > PENDING_MAX_NODES:
+    tree iterations, as for method ar) with `target` (None: as if its verify never split in_proj)."""
+    if tree is None:
         return 0
-    return PENDING_SLOTS
+    if tree.num_nodes <= PENDING_MAX_NODES:
+        return PENDING_SLOTS
+    if tree.num_nodes <= PENDING_SPLIT_MAX_NODES and target is not None and target.verify_splits_in_proj(tree.num_nodes):
+        return PENDING_SLOTS
+    return 0
 
 
 class _FastPath:
@@ -255,7 +263,7 @@ def _fast_path(target: LanguageModel, cfg: GenerationConfig, max_len: int) -> _F
         return None
     if cfg.method != "ar" and on_cuda and dispatch.get_backend() == "reference":
         return None  # the reference tree ops build masks on the host: they cannot be captured
-    return _FastPath.for_target(target, max_len, capture=on_cuda, pending=pending_slots_for(None if cfg.method == "ar" else cfg.tree))
+    return _FastPath.for_target(target, max_len, capture=on_cuda, pending=pending_slots_for(None if cfg.method == "ar" else cfg.tree, target))
 
 
 @torch.no_grad()

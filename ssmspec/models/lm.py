@@ -318,6 +318,14 @@ class LanguageModel(nn.Module):
             h = h + x
         return self._logits(h), TreeActivations(acts)
 
+    def verify_splits_in_proj(self, nodes: int, batch: int = 1) -> bool:
+        """Whether `verify` (without autograd) of `nodes`-node trees at `batch` rows splits the
+        folded Mamba layers' in_proj and runs z's GEMM beside the conv and the scan (ops/overlap.py)."""
+        if not (dispatch.uses_kernel("add_rms_norm", self.device) and self.config.d_model <= _ADD_NORM_MAX_DIM):
+            return False  # the plain verify loop, which never splits
+        return any(layer.kind == "mamba" and layer.norms_folded
+                   and layer.mixer.verify_splits_in_proj(batch * nodes, batch, self.device) for layer in self.layers)
+
     def _fused_verify(self, tokens: torch.Tensor, tree, cache: ModelCache):
         """`verify` on the kernels, same math and contract (see `_fused_stack`)."""
         device = tokens.device

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ops import dispatch
+from ..ops import dispatch, overlap
 from .cache import MambaLayerCache
 from .config import MambaConfig
 
@@ -212,6 +212,16 @@ class Mamba2Mixer(nn.Module):
         y = dispatch.tree_scan(x, dt, self.A, B, C, self.D, parents, cache.ssm_state, pending)
         return self._output(y, z), MambaTreeActivations(xBC=xBC, x=x, dt=dt, B=B)
 
+    def _split_args(self, rows: int, batch: int, device: torch.device) -> tuple:
+        c, w = self.cfg, self.in_proj.weight
+        return (rows, batch, c.d_inner, c.conv_dim + c.n_heads, w.shape[1], w.element_size(), c.n_heads, c.head_dim,
+                device)
+
+    def verify_splits_in_proj(self, rows: int, batch: int, device: torch.device) -> bool:
+        """Whether `folded_residual_verify` on `rows` rows (batch x nodes) splits in_proj and runs
+        z's GEMM beside the conv and the scan (ops/overlap.py)."""
+        return overlap.can_split_in_proj(*self._split_args(rows, batch, device))
+
     def folded_residual_verify(self, h: torch.Tensor, cache: MambaLayerCache, parents: torch.Tensor,
                                pre_norm_eps: float, h_sq: torch.Tensor | None = None, pending=None):
         """h + verify(pre_norm(h)) with both norms' weights folded into in_proj and out_proj
@@ -224,13 +234,46 @@ class Mamba2Mixer(nn.Module):
         h (B, N, D) -> (B, N, D), its partial sums of squares (or None), and the activations
         for `replay`. h itself may be overwritten by the output (the residual add in place)."""
         c = self.cfg
-        zxbcdt = dispatch.norm_linear(h, self.in_proj.weight, self.in_proj.bias, 1, pre_norm_eps, x_sq=h_sq)
-        z, xBC, dt_raw = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
+        w, bias = self.in_proj.weight, self.in_proj.bias
+        split = overlap.split_in_proj_counters(*self._split_args(h.numel() // h.shape[-1], h.shape[0], h.device))
+        side = None
+        if split is None:
+            zxbcdt = dispatch.norm_linear(h, w, bias, 1, pre_norm_eps, x_sq=h_sq)
+            z, xBC, dt_raw = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
+        else:
+            # ops/overlap.py: in_proj in two, [x B C dt] first; z's GEMM on the second stream runs
+            # beside the conv and the scan, which waits for z's columns by ready counters.
+            counters, readers = split
+            z_args = (h, w[: c.d_inner], None if bias is None else bias[: c.d_inner], 1, pre_norm_eps)
+            z_flags = (counters, c.head_dim, readers)
+
+            def xbcdt_gemm():
+                return dispatch.norm_linear(h, w[c.d_inner:], None if bias is None else bias[c.d_inner:], 1,
+                                            pre_norm_eps, x_sq=h_sq)
+
+            if h.is_cuda:
+                main, side = torch.cuda.current_stream(h.device), overlap.side_stream(h.device)
+                if not overlap.Z_BESIDE_XBCDT:
+                    xbcdt = xbcdt_gemm()
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    # z's memory is freed on the main stream after the join below; the side
+                    # stream's next use of it is the next layer's z, ordered after that join
+                    z = dispatch.norm_linear(*z_args, x_sq=h_sq, ready_flags=z_flags)
+                if overlap.Z_BESIDE_XBCDT:
+                    xbcdt = xbcdt_gemm()
+            else:  # the CPU interpreter runs launches one after another
+                xbcdt = xbcdt_gemm()
+                z = dispatch.norm_linear(*z_args, x_sq=h_sq, ready_flags=z_flags)
+            xBC, dt_raw = xbcdt.split([c.conv_dim, c.n_heads], dim=-1)
         xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
         x, B, C = self._split_conv_out(xBC_conv)
         norm_groups = c.d_inner // self.norm.group_size
         gated, dt, g_sq = dispatch.tree_scan_gated(x, dt_raw, self.dt_bias, c.dt_min, c.dt_max, self.A, B, C, self.D,
-                                                   z, parents, cache.ssm_state, return_sq=True, pending=pending)
+                                                   z, parents, cache.ssm_state, return_sq=True, pending=pending,
+                                                   gate_flags=None if split is None else split[0])
+        if side is not None:
+            main.wait_stream(side)
         if g_sq.shape[1] != norm_groups:  # norm groups other than the SSM groups: the norm reduces itself
             g_sq = None
         out, out_sq = dispatch.norm_linear(gated, self.out_proj.weight, self.out_proj.bias, norm_groups,

@@ -127,11 +127,14 @@ def tree_scan(x, dt, A, B, C, D, parents, initial_state, pending=None):
 
 
 def tree_scan_gated(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents, initial_state, return_sq=False,
-                    pending=None):
+                    pending=None, gate_flags=None):
     """Time step, tree scan and silu(z) gate of the verify path: returns (g, dt), and with
-    return_sq g's sums of squares per group for out_proj's norm (see `naive_tree_scan_gated`)."""
+    return_sq g's sums of squares per group for out_proj's norm (see `naive_tree_scan_gated`).
+    gate_flags: ready counters of a z still being written on another stream (kernels only,
+    ops/overlap.py)."""
+    extra = {} if gate_flags is None else {"gate_flags": gate_flags}
     return resolve("tree_scan_gated", x.device)(x, dt_raw, dt_bias, dt_min, dt_max, A, B, C, D, z, parents,
-                                                initial_state, return_sq=return_sq, pending=pending)
+                                                initial_state, return_sq=return_sq, pending=pending, **extra)
 
 
 def tree_conv(xBC, conv_state, weight, bias, parents, activation="silu"):
@@ -204,12 +207,15 @@ def linear(x, weight, bias=None):
 
 
 def norm_linear(x, weight, bias=None, norm_groups=1, eps=1e-5, residual=None, x_sq=None, return_sq=False,
-                reuse_residual=False, activation=None):
+                reuse_residual=False, activation=None, ready_flags=None):
     """[residual +] linear(RMSNorm(x), weight, bias), the norm's weight folded into `weight`;
     x_sq / return_sq: partial sums of squares handed between kernels; reuse_residual: the output
-    may overwrite residual; activation: applied to the output (see `naive_norm_linear`)."""
+    may overwrite residual; activation: applied to the output (see `naive_norm_linear`);
+    ready_flags: counters the kernel raises as it stores its output (kernels only, ops/overlap.py)."""
+    extra = {} if ready_flags is None else {"ready_flags": ready_flags}
     return resolve("norm_linear", x.device)(x, weight, bias, norm_groups, eps, residual, x_sq=x_sq,
-                                            return_sq=return_sq, reuse_residual=reuse_residual, activation=activation)
+                                            return_sq=return_sq, reuse_residual=reuse_residual, activation=activation,
+                                            **extra)
 
 
 def greedy_accept(logits, tokens, parents, depth, mask, paths):

@@ -122,22 +122,25 @@ def test_mamba_step_gpu(batch):
 
 
 @pytest.mark.parametrize("pending", [0, 8], ids=["plain-cache", "pending-slots"])
-@pytest.mark.parametrize("variant", ["tiny", "tiny-folded", "P16-hybrid-folded"])
+@pytest.mark.parametrize("variant", ["tiny", "tiny-folded", "P16-hybrid-folded", "tiny-folded-split"])
 def test_greedy_fast_path_equals_reference_token_for_token(variant, pending, monkeypatch):
     """fp32 tiny model: the CUDA-graph step and the greedy tree graph (Triton) reproduce the
     reference path's greedy tokens exactly. folded: norm weights folded into the projections
     (models/fold.py), so the norms and residual adds run inside the projections. pending: the
     tree iterations keep their inputs in pending slots (models/cache.py), and the step graph
-    that continues after them flushes them first."""
+    that continues after them flushes them first. split: the verify layers split in_proj, z's
+    GEMM on a second stream (ops/overlap.py), at any row count."""
     from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
-    from ssmspec.ops import dispatch
+    from ssmspec.ops import dispatch, overlap
 
     if variant.startswith("tiny"):
         model = tiny_model().to(DEV)
     else:
         model = _tiny_model_with_head_dim(("mamba", "mlp", "attention", "mamba"), 16).to(DEV)
-    if variant.endswith("folded"):
+    if "folded" in variant:
         model.fold_norm_weights_()
+    if variant.endswith("split"):
+        monkeypatch.setattr(overlap, "SPLIT_IN_PROJ_MIN_ROWS", 2)
     prompt = torch.randint(0, 64, (1, 7), device=DEV)
 
     def reference_greedy(steps):

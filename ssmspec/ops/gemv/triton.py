@@ -365,7 +365,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
                    xsq_ptr=None, n_xparts=1, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0,
                    BLOCK_Q: tl.constexpr = 16, ysq_ptr=None, WRITE_SQ: tl.constexpr = False,
                    BALANCED: tl.constexpr = False, ACT: tl.constexpr = 0, w_desc=None, TMA: tl.constexpr = 0,
-                   PRE: tl.constexpr = 0):
+                   PRE: tl.constexpr = 0, flag_ptr=None, flag_unit=1, flag_count=1, FLAGS: tl.constexpr = 0):
     # USE_PDL (a config's seventh entry): launched early, waiting at the start. In the pointer-load
     # sweep of round 2 early-launched instances ran 1.4x slower back to back (13.7 -> 20.5 us at 8
     # rows: they held their pipelines' shared memory while waiting); inside the tree iteration the
@@ -380,6 +380,9 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
     # weight rows; with fixed BLOCK_N-wide tiles, 160 tiles on 132 SMs leave 28 SMs twice the work.
     # PRE (TMA 1 or 2, one norm group at most): the first PRE weight boxes are loaded before the
     # PDL wait, while the kernel before still runs (weights are never written).
+    # FLAGS > 0 (tiled grid): once this program's output tile is stored, it adds flag_count to
+    # the FLAGS ready counters of the flag_unit-wide column blocks the tile covers (ops/overlap.py:
+    # a kernel on another stream waits for them instead of for this whole launch).
     if USE_PDL:
         gdc_launch_dependents()
         if PRE == 0:
@@ -451,6 +454,12 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
     if WRITE_SQ:  # of the stored (rounded) values, as the next norm reads them
         of = tl.where(mask, out.to(tl.float32), 0.0)
         tl.store(ysq_ptr + offs_m * tl.num_programs(0) + tl.program_id(0), tl.sum(of * of, axis=1), mask=mask_m)
+    if FLAGS > 0:
+        # Every thread's stores before one release per counter (the pattern of a cooperative
+        # grid sync: a CTA barrier, then a release at GPU scope).
+        tl.debug_barrier()
+        offs_f = n0 // flag_unit + tl.arange(0, FLAGS)
+        tl.atomic_add(flag_ptr + offs_f, flag_count, mask=offs_f < N // flag_unit, sem="release")
 
 
 SKINNY_DEFAULT = (32, 128, 4, 4)
@@ -497,6 +506,12 @@ SKINNY_WIDE: dict[tuple[int, int], tuple[int, ...]] = {
     (10576, 2560): (128, 128, 4, 4, 0, 2, 1),  # mamba2-2.7b in_proj: 22.05 us vs cuBLAS 22.19
     (2560, 5120): (32, 256, 4, 4, 0, 1, 1),  # mamba2-2.7b out_proj: 12.57 us vs cuBLAS 12.97
     (50288, 2560): (64, 128, 4, 6, 0, 2),  # mamba2-2.7b LM head: 92.5 us vs cuBLAS 97.8 (run 48)
+    # mamba2-2.7b in_proj split in two (ops/overlap.py): [x B C dt], then z (tiles of two whole
+    # heads, 40 programs beside the scan's 80). Round 14, run 190 (split_inproj_probe.py, 64-node
+    # iteration): 3.357 ms with these against 3.439 with in_proj's 128-wide tiles for both, 3.72-3.76
+    # with 64-wide ones for z
+    (5456, 2560): (64, 128, 4, 4, 0, 2, 1),
+    (5120, 2560): (128, 128, 4, 4, 0, 2, 1),
 }
 
 
@@ -514,6 +529,13 @@ def _skinny_config(n: int, k: int, rows: int) -> tuple[int, ...]:
     if rows > SKINNY_MAX_ROWS and (n, k) in SKINNY_WIDE:
         return SKINNY_WIDE[(n, k)]
     return SKINNY_TUNED.get((n, k), SKINNY_DEFAULT)
+
+
+def skinny_tile_width(n: int, k: int, rows: int) -> int:
+    """Output columns per program of the skinny GEMM for `rows` rows of an (N, K) weight; 0 for
+    a balanced grid, whose tiles have no fixed width."""
+    block_n, _, _, _, *extra = _skinny_config(n, k, rows)
+    return 0 if (list(extra) + [0])[0] else block_n
 
 
 def _weight_descriptor(weight: torch.Tensor, block_n: int, block_k: int):
@@ -536,12 +558,17 @@ SKINNY_ACTIVATIONS = {"relu": 1, "relu2": 2, "silu": 3}
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None,
                   residual: torch.Tensor | None = None, norm_groups: int = 0, eps: float = 0.0,
-                  x_sq: torch.Tensor | None = None, return_sq: bool = False, activation: str | None = None):
+                  x_sq: torch.Tensor | None = None, return_sq: bool = False, activation: str | None = None,
+                  ready_flags=None):
     """x (..., K) with M rows in all, weight (N, K) -> (..., N) for small M (any M works; the
     tile pads M up to a power of two >= 16, so it pays only for few rows). norm_groups, residual,
     x_sq, return_sq and activation (one of SKINNY_ACTIVATIONS, in the epilogue) as in
     `norm_linear`: with x_sq the norm scales each group's dot products inside the GEMM, without
-    it the norm kernel runs first."""
+    it the norm kernel runs first.
+
+    ready_flags: None, or (counters, unit, count): int32 counters, one per `unit` output columns;
+    each program adds `count` to the counters of the column blocks it has stored (ops/overlap.py).
+    Needs a tiled config whose tile width is a multiple of `unit`."""
     if activation is not None and (activation not in SKINNY_ACTIVATIONS or residual is not None or return_sq):
         raise ValueError(f"skinny_linear: activation {activation!r} needs no residual, no return_sq and one of "
                          f"{sorted(SKINNY_ACTIVATIONS)}")
@@ -560,6 +587,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     per_sm, tma, early = (list(extra) + [0, 0, 0])[:3]
     if per_sm and tma:
         raise ValueError(f"skinny_linear: config {config}: a balanced grid has no fixed weight box for TMA")
+    flag_args = {}
+    if ready_flags is not None:
+        counters, unit, count = ready_flags
+        if per_sm or not block_n or block_n % unit or n % unit or counters.numel() < n // unit:
+            raise ValueError(f"skinny_linear: ready flags per {unit} columns need a tiled config whose tile is a "
+                             f"multiple of them (config {(block_n, block_k, warps, stages, *extra)}, N {n}) and "
+                             f"{n // max(unit, 1)} counters (got {counters.numel()})")
+        flag_args = dict(flag_ptr=counters, flag_unit=unit, flag_count=count, FLAGS=block_n // unit)
     grid = triton.cdiv(n, block_n) if block_n else 0
     if per_sm:  # balanced: a multiple of the SM count, N split evenly
         grid = min(_sm_count(x.device) * per_sm, n)
@@ -599,6 +634,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         ysq_ptr=y_sq, WRITE_SQ=return_sq, BALANCED=bool(per_sm),
         ACT=SKINNY_ACTIVATIONS[activation] if activation else 0,
         w_desc=w_desc, TMA=tma if w_desc is not None else 0, PRE=pre, **({"launch_pdl": True} if use_pdl else {}),
+        **flag_args,
     )
     y = y.reshape(tuple(x.shape[:-1]) + (n,))
     return (y, y_sq) if return_sq else y
@@ -651,7 +687,7 @@ def _interpreting() -> bool:
 def norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm_groups: int = 1,
                 eps: float = 1e-5, residual: torch.Tensor | None = None, config=None,
                 x_sq: torch.Tensor | None = None, return_sq: bool = False, reuse_residual: bool = False,
-                activation: str | None = None):
+                activation: str | None = None, ready_flags=None):
     """[residual +] linear(RMSNorm(x) over norm_groups groups, weight, bias) on the kernels; same
     contract as `naive_norm_linear` (the norm has no weight of its own: it is folded into
     `weight`, see `ssmspec.models.fold`). One row runs the GEMV with the norm and the residual
@@ -668,11 +704,19 @@ def norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     reuse_residual: the caller no longer needs `residual`, so the output may be written into its
     storage (the cuBLAS route adds in place, sparing addmm's copy of it). activation: applied to
     the output (no residual), inside the skinny GEMM's epilogue when it is one of
-    SKINNY_ACTIVATIONS, else after."""
+    SKINNY_ACTIVATIONS, else after. ready_flags: as in `skinny_linear`, for the skinny route
+    only (`skinny_rows`; an error elsewhere)."""
     from .naive import ACTIVATIONS, naive_norm_linear
 
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
+    if ready_flags is not None:
+        if activation is not None or not (ENABLED and 1 < rows and skinny_rows(rows, *weight.shape, weight.element_size())
+                                          and weight.stride(-1) == 1 and (x.device.type == "cuda" or _interpreting())):
+            raise ValueError("norm_linear: ready flags need the skinny GEMM's route (2..SKINNY_WIDE_MAX_ROWS rows "
+                             "of a shape it takes, no activation)")
+        return skinny_linear(x, weight, bias, residual=residual, norm_groups=norm_groups, eps=eps, x_sq=x_sq,
+                             return_sq=return_sq, ready_flags=ready_flags)
     if rows == 0 or (x.device.type != "cuda" and not _interpreting()) or (norm_groups and k % norm_groups):
         return naive_norm_linear(x, weight, bias, norm_groups, eps, residual, x_sq, return_sq, activation=activation)
     if activation is not None:

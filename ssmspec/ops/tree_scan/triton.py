@@ -60,8 +60,14 @@ def _tree_scan_kernel(
     px_ptr=None, pdt_ptr=None, pB_ptr=None, count_ptr=None, L=0,
     spxb=0, spxl=0, spxh=0, spxp=0, spdb=0, spdl=0, spdh=0, spBb=0, spBl=0, spBg=0, spBs=0,
     HAS_PENDING: tl.constexpr = False, BLOCK_L: tl.constexpr = 16,
+    gate_flag_ptr=None, WAIT_GATE: tl.constexpr = False,
 ):
-    if USE_PDL:  # ops/pdl.py: the next kernel may launch now
+    # WAIT_GATE (FUSED): z comes from a GEMM on another stream that runs beside this launch
+    # (ops/overlap.py); it is read once this head's ready counter shows it stored: looked at
+    # before the last products, waited for at the gate if it was not ready then. The next
+    # kernel may launch only once no wait is ahead: its early programs would otherwise hold
+    # the SMs that z's GEMM needs.
+    if USE_PDL and not WAIT_GATE:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
     pid_bh = tl.program_id(0)
     pid_p = tl.program_id(1)
@@ -115,7 +121,7 @@ def _tree_scan_kernel(
     # B and C stay in their dtype: C.B^T of bf16 tiles on the tensor cores is exact products
     # with fp32 sums, as the TF32 product of their fp32 copies is.
     dt = tl.load(dt_base + offs_n * sdn, mask=mask_n, other=0.0).to(tl.float32)
-    if FUSED:
+    if FUSED and not WAIT_GATE:
         # The gate's z is kept in its own dtype until the gate (fewer registers: measured faster
         # than either loading it at the gate or holding it in fp32).
         zm = tl.load(z_ptr + b * szb + offs_n[:, None] * szn + (h * P + offs_p[None, :]) * szc, mask=mask_np,
@@ -176,6 +182,15 @@ def _tree_scan_kernel(
             scores += tl.dot(Cc, tl.trans(Bc), input_precision=PRECISION)
             from_h0 += tl.dot(Cc, tl.trans(h0), input_precision=PRECISION)
 
+    if WAIT_GATE:
+        # A first look at z's ready counter, and z's load on its strength, issued here so that
+        # both overlap the products below: if z was ready, nothing waits at the gate.
+        ready = tl.atomic_add(gate_flag_ptr + h, 0, sem="acquire")
+        zm = tl.load(z_ptr + b * szb + offs_n[:, None] * szn + (h * P + offs_p[None, :]) * szc, mask=mask_np,
+                     other=0.0, cache_modifier=".cg")
+        if USE_PDL:
+            if ready >= 1:  # no wait ahead: the next kernel may launch now
+                gdc_launch_dependents()
     # Weight of node j's input in node i's output: C_i.B_j * exp(acum_i - acum_j) * dt_j on i's path.
     seg = tl.where(anc != 0, acum[:, None] - acum[None, :], float("-inf"))
     w = scores * tl.exp(seg) * dt[None, :]
@@ -185,6 +200,16 @@ def _tree_scan_kernel(
     y = tl.dot(w, xm, input_precision=PRECISION) + from_h0 * tl.exp(acum)[:, None]
     if HAS_D:
         y += xm * D
+    if WAIT_GATE:
+        if ready < 1:  # z was not ready at the first look: wait for it, then read it again
+            while ready < 1:
+                ready = tl.atomic_add(gate_flag_ptr + h, 0, sem="acquire")
+            if USE_PDL:
+                gdc_launch_dependents()
+            # past L1 (".cg"): z is written by another launch while this one runs
+            zm = tl.load(z_ptr + b * szb + offs_n[:, None] * szn + (h * P + offs_p[None, :]) * szc, mask=mask_np,
+                         other=0.0, cache_modifier=".cg")
+        tl.atomic_add(gate_flag_ptr + h, -1, sem="relaxed")  # back to 0 once every reader has passed
     if FUSED:
         # g = y * silu(z) with y rounded to z's (= the output's) dtype first, as the reference does.
         zf = zm.to(tl.float32)
@@ -289,6 +314,7 @@ def tree_scan_gated(
     precision: str | None = None,
     return_sq: bool = False,
     pending=None,
+    gate_flags=None,
 ):
     """Time step, tree scan and gate y * silu(z) of the verify path in one launch.
 
@@ -308,6 +334,10 @@ def tree_scan_gated(
         parents: (N,) int, -1 for the root, parents before children.
         initial_state: (B, H, P, S) the state before the root (before the pending inputs).
         pending: as in `tree_scan`.
+        gate_flags: None, or (H,) int32 ready counters: z is being written by a kernel on
+            another stream that adds `gate_readers(...)` to head h's counter once z's head-h
+            columns are stored (ops/overlap.py); each program waits for its head's counter
+            before reading z, and the counters are back at 0 when this launch ends.
     Returns:
         g: (B, N, H*P) in z's dtype; dt: (B, N, H) fp32, kept for replay; with return_sq, the
         partial sums of squares.
@@ -326,9 +356,23 @@ def tree_scan_gated(
     if return_sq:
         parts = heads // groups * triton.cdiv(head_dim, _block_p(head_dim))
         sq = torch.empty(batch * n, groups, parts, device=x.device, dtype=torch.float32)
+    if gate_flags is not None and (gate_flags.dtype != torch.int32 or gate_flags.numel() < heads):
+        raise ValueError(f"tree_scan_gated: gate_flags must be {heads} int32 counters, got "
+                         f"{gate_flags.numel()} {gate_flags.dtype}")
     _launch(x, dt_raw, A, B, C, D, parents, initial_state, g.view(batch, n, heads, head_dim), precision,
-            fused=(dt_bias, float(dt_min), float(dt_max), z, dt), sq=sq, pending=pending)
+            fused=(dt_bias, float(dt_min), float(dt_max), z, dt), sq=sq, pending=pending, gate_flags=gate_flags)
     return (g, dt, sq) if return_sq else (g, dt)
+
+
+def gate_readers(batch: int, head_dim: int) -> int:
+    """How many programs of `tree_scan_gated` read each head's z (and each count down its ready
+    counter once): one per batch row and block of channels."""
+    return batch * triton.cdiv(head_dim, _block_p(head_dim))
+
+
+def gated_programs(batch: int, heads: int, head_dim: int) -> int:
+    """Programs in a `tree_scan_gated` launch."""
+    return heads * gate_readers(batch, head_dim)
 
 
 SCAN_WARPS: int | None = None
@@ -349,7 +393,8 @@ def _block_p(head_dim: int) -> int:
     return SCAN_BLOCK_P or min(64, max(16, triton.next_power_of_2(head_dim)))
 
 
-def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None, sq=None, pending=None):
+def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None, sq=None, pending=None,
+            gate_flags=None):
     """Run `_tree_scan_kernel` into y (B, N, H, P); fused = (dt_bias, dt_min, dt_max, z, dt_out)
     makes dt the raw time step and y the gated output (tree_scan_gated); sq receives the gated
     output's partial sums of squares."""
@@ -381,6 +426,7 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
         num_warps=SCAN_WARPS or (4 if block_n <= 32 else 8), **_pdl_args(y.device),
         sq_ptr=sq, WRITE_SQ=sq is not None,
         **_pending_args(pending),
+        **({} if gate_flags is None else dict(gate_flag_ptr=gate_flags, WAIT_GATE=True)),
     )
 
 

@@ -1,0 +1,111 @@
+"""A second stream, and ready counters, for work that overlaps within one verify layer.
+
+The tree verify's Mamba layer is a chain: in_proj, the tree conv, the tree scan, out_proj. While
+the conv and the scan run the weight stream idles, although only x, B, C and dt feed them: the
+gate z (half of in_proj's weights) is needed only at the scan's end. `Mamba2Mixer` can therefore
+split in_proj in two and run z's GEMM on a second stream beside the conv and the scan
+(BENCHMARKS.md, round 14). The scan cannot wait for z's whole launch (a graph edge would put z's
+GEMM back on the chain), so it waits for ready counters instead:
+
+- z's GEMM (ops/gemv `skinny_linear`, `ready_flags`) adds, once an output tile is stored, the
+  number of scan programs that read each head's columns to that head's counter (a CTA barrier,
+  then a release at GPU scope, as a cooperative grid sync does);
+- each scan program (ops/tree_scan `tree_scan_gated`, `gate_flags`) waits at its gate for its
+  head's counter, reads z past L1, and counts it down, so the counters are back at 0 when the
+  layer ends and the next layer reuses them.
+
+Why this cannot deadlock: z's GEMM waits for nothing but its inputs, so it finishes once it gets
+SMs. The scan's programs spin only after all of the conv finished, and let the next kernel
+launch only once none of them has a wait ahead, so what can hold SMs while they spin is the scan
+itself and z's GEMM. z's GEMM therefore progresses as long as one SM holds no scan program: the
+caller checks that the scan has fewer programs than the GPU has SMs (`leaves_an_sm`, counting a
+whole SM per program, the worst case).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=index)
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The second stream of `device` (one per device, created on first use)."""
+    return _side_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_COUNTERS: dict = {}
+
+
+def ready_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """n int32 ready counters on `device`, zero between uses (shared: the layers that use them run
+    one after another). None when none exist yet and a CUDA graph is being captured: a buffer
+    first made inside a capture would belong to that graph's memory pool."""
+    key = (device.type, device.index, n)
+    counters = _COUNTERS.get(key)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return counters
+
+
+def leaves_an_sm(programs: int, device: torch.device) -> bool:
+    """Whether a launch of `programs` programs leaves at least one of `device`'s SMs free of them
+    even if each program takes a whole SM."""
+    if device.type != "cuda":
+        return True  # the CPU interpreter runs launches one after another
+    return programs < torch.cuda.get_device_properties(device).multi_processor_count
+
+
+SPLIT_IN_PROJ = True
+"""Whether `split_in_proj_counters` may split a verify layer's in_proj (benchmarks turn it off to
+time the same iteration with the plain layer)."""
+SPLIT_IN_PROJ_MIN_ROWS = 33
+"""Rows (batch x tree nodes) from which the verify layer splits in_proj. Round 14's probe
+(bench/split_inproj_probe.py, run 187) timed the 64-node iteration at 3.28 against 3.51-3.53 ms,
+but the 16-node one at 2.83-2.87 against 2.65: there the conv and scan are short and the two
+half GEMMs cost more than the overlap gives."""
+
+
+Z_BESIDE_XBCDT = False
+"""Launch z's GEMM beside the [x B C dt] GEMM (both as soon as the layer's input is ready)
+instead of after it, beside the conv and the scan only."""
+
+
+def can_split_in_proj(rows: int, batch: int, d_inner: int, rest: int, k: int, element_size: int, heads: int,
+                      head_dim: int, device: torch.device) -> bool:
+    """Whether a verify layer of `rows` rows should run z's GEMM (the first d_inner of in_proj's
+    d_inner + rest outputs, K inputs) beside its conv and scan. Not when the kernels are not in
+    use, for too few rows, for a half that the skinny GEMM does not take, when z's tiles are not
+    whole heads, or when the scan's programs could fill every SM while they wait."""
+    from . import dispatch
+
+    if not SPLIT_IN_PROJ or rows < SPLIT_IN_PROJ_MIN_ROWS:
+        return False
+    if not (dispatch.uses_kernel("tree_scan_gated", device) and dispatch.uses_kernel("norm_linear", device)):
+        return False
+    from .gemv import triton as gemv
+    from .tree_scan import triton as scan
+
+    if not (gemv.ENABLED and (device.type == "cuda" or gemv._interpreting())
+            and gemv.skinny_rows(rows, d_inner, k, element_size) and gemv.skinny_rows(rows, rest, k, element_size)):
+        return False
+    width = gemv.skinny_tile_width(d_inner, k, rows)
+    return bool(width) and width % head_dim == 0 and leaves_an_sm(scan.gated_programs(batch, heads, head_dim), device)
+
+
+def split_in_proj_counters(rows: int, batch: int, d_inner: int, rest: int, k: int, element_size: int,
+                           heads: int, head_dim: int, device: torch.device):
+    """(ready counters, scan programs reading each head) with which a verify layer runs z's GEMM
+    beside its conv and scan, or None where it should not (`can_split_in_proj`, same arguments)."""
+    if not can_split_in_proj(rows, batch, d_inner, rest, k, element_size, heads, head_dim, device):
+        return None
+    from .tree_scan import triton as scan
+
+    counters = ready_counters(device, heads)
+    return None if counters is None else (counters, scan.gate_readers(batch, head_dim))
