@@ -48,7 +48,6 @@ EMULATIONS = ("split_serial", "z_side", "chain_side")
 def probe_verify(self, h, cache, parents, pre_norm_eps, h_sq=None, pending=None):
     mode = MODE["name"]
     if mode not in EMULATIONS:
-        overlap.SPLIT_IN_PROJ = mode == "product"
         return PRODUCT(self, h, cache, parents, pre_norm_eps, h_sq=h_sq, pending=pending)
     c = self.cfg
     w = self.in_proj.weight
@@ -104,7 +103,6 @@ def main() -> int:
     ap.add_argument("--half-configs", default="", help="';'-separated 'xbcdt config/z config' pairs (default: the tables')")
     ap.add_argument("--pending", type=int, default=None, help="pending slots (default: the product's choice)")
     ap.add_argument("--min-rows", type=int, default=None, help="ops/overlap.SPLIT_IN_PROJ_MIN_ROWS for 'product'")
-    ap.add_argument("--z-beside-xbcdt", type=int, default=None, help="ops/overlap.Z_BESIDE_XBCDT (0 / 1)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("split_inproj_probe needs a CUDA GPU", file=sys.stderr)
@@ -119,8 +117,6 @@ def main() -> int:
     mamba2.Mamba2Mixer.folded_residual_verify = probe_verify
     if args.min_rows is not None:
         overlap.SPLIT_IN_PROJ_MIN_ROWS = args.min_rows
-    if args.z_beside_xbcdt is not None:
-        overlap.Z_BESIDE_XBCDT = bool(args.z_beside_xbcdt)
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (1, 32), device="cuda")
     step = StepGraph(model, prefilled_cache(model, prompt, 256))
@@ -141,7 +137,8 @@ def main() -> int:
                 if variant == "plain" and pair != pairs[0]:
                     continue  # the halves' configs do not matter to it
                 MODE["name"] = variant
-                overlap.SPLIT_IN_PROJ = variant == "product"  # before the slots are chosen (pending_slots_for)
+                # before the slots are chosen (pending_slots_for)
+                overlap.SPLIT_IN_PROJ = variant == "product"
                 info = time_tree_iteration(model, prompt, tree, vocab, args.pending)
                 label = f"{tree.num_nodes} nodes {variant:12s} {pair if variant != 'plain' else '-'}"
                 accepted = f"accepted {info['accepted']}, chain {info['greedy_chain_matches']}"

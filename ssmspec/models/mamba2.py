@@ -232,7 +232,10 @@ class Mamba2Mixer(nn.Module):
         the gated value's come from the scan, so neither norm needs a launch of its own.
         pending: the cache's pending inputs, as in `verify`.
         h (B, N, D) -> (B, N, D), its partial sums of squares (or None), and the activations
-        for `replay`. h itself may be overwritten by the output (the residual add in place)."""
+        for `replay`. h itself may be overwritten by the output (the residual add in place).
+
+        From ops/overlap.SPLIT_IN_PROJ_MIN_ROWS rows on (where `verify_splits_in_proj`), in_proj
+        runs as two GEMMs and z's beside the conv and the scan, on a second stream."""
         c = self.cfg
         w, bias = self.in_proj.weight, self.in_proj.bias
         split = overlap.split_in_proj_counters(*self._split_args(h.numel() // h.shape[-1], h.shape[0], h.device))
@@ -241,29 +244,22 @@ class Mamba2Mixer(nn.Module):
             zxbcdt = dispatch.norm_linear(h, w, bias, 1, pre_norm_eps, x_sq=h_sq)
             z, xBC, dt_raw = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
         else:
-            # ops/overlap.py: in_proj in two, [x B C dt] first; z's GEMM on the second stream runs
-            # beside the conv and the scan, which waits for z's columns by ready counters.
+            # ops/overlap.py: in_proj in two, [x B C dt] first; then z's GEMM on the second stream
+            # runs beside the conv and the scan, which waits for z's columns by ready counters.
+            # (Launched beside both, z's GEMM measured level at 64 nodes: round 14, run 193.)
             counters, readers = split
             z_args = (h, w[: c.d_inner], None if bias is None else bias[: c.d_inner], 1, pre_norm_eps)
             z_flags = (counters, c.head_dim, readers)
-
-            def xbcdt_gemm():
-                return dispatch.norm_linear(h, w[c.d_inner:], None if bias is None else bias[c.d_inner:], 1,
-                                            pre_norm_eps, x_sq=h_sq)
-
+            xbcdt = dispatch.norm_linear(h, w[c.d_inner:], None if bias is None else bias[c.d_inner:], 1,
+                                         pre_norm_eps, x_sq=h_sq)
             if h.is_cuda:
                 main, side = torch.cuda.current_stream(h.device), overlap.side_stream(h.device)
-                if not overlap.Z_BESIDE_XBCDT:
-                    xbcdt = xbcdt_gemm()
                 side.wait_stream(main)
                 with torch.cuda.stream(side):
                     # z's memory is freed on the main stream after the join below; the side
                     # stream's next use of it is the next layer's z, ordered after that join
                     z = dispatch.norm_linear(*z_args, x_sq=h_sq, ready_flags=z_flags)
-                if overlap.Z_BESIDE_XBCDT:
-                    xbcdt = xbcdt_gemm()
             else:  # the CPU interpreter runs launches one after another
-                xbcdt = xbcdt_gemm()
                 z = dispatch.norm_linear(*z_args, x_sq=h_sq, ready_flags=z_flags)
             xBC, dt_raw = xbcdt.split([c.conv_dim, c.n_heads], dim=-1)
         xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)

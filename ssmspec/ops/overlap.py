@@ -72,11 +72,6 @@ but the 16-node one at 2.83-2.87 against 2.65: there the conv and scan are short
 half GEMMs cost more than the overlap gives."""
 
 
-Z_BESIDE_XBCDT = False
-"""Launch z's GEMM beside the [x B C dt] GEMM (both as soon as the layer's input is ready)
-instead of after it, beside the conv and the scan only."""
-
-
 def can_split_in_proj(rows: int, batch: int, d_inner: int, rest: int, k: int, element_size: int, heads: int,
                       head_dim: int, device: torch.device) -> bool:
     """Whether a verify layer of `rows` rows should run z's GEMM (the first d_inner of in_proj's
