@@ -348,7 +348,7 @@ def main() -> int:
                 other = 0 if pending else PENDING_SLOTS
                 record(f"  same, {other or 'no'} pending slots [{tree.num_nodes} nodes, {name}]",
                        time_tree_iteration(m, prompt, tree, vocab, other)["ms"])
-                if overlap.SPLIT_IN_PROJ and tree.num_nodes >= overlap.SPLIT_IN_PROJ_MIN_ROWS:
+                if m.verify_splits_in_proj(tree.num_nodes):
                     overlap.SPLIT_IN_PROJ = False  # ops/overlap: in_proj as one GEMM, z not beside the scan
                     plain_pending = pending_slots_for(tree, m)  # the slots the product then takes
                     record(f"  same, in_proj not split, {plain_pending or 'no'} pending slots [{tree.num_nodes} nodes, {name}]",
