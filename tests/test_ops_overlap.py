@@ -54,6 +54,21 @@ if not INTERPRETED:
 
         run_interpreted(__file__)
 
+    def test_pending_slots_policy_follows_the_split(monkeypatch):
+        """Slots for trees of up to 32 nodes; for 33-64 only where the target's verify splits."""
+        from ssmspec.decoding.generate import PENDING_SLOTS, pending_slots_for
+
+        model = tiny_model().fold_norm_weights_()
+        small, large, huge = Tree.from_config((3, 2, 1)), Tree.from_config((3, 4, 2, 1)), Tree.chain(80)
+        assert pending_slots_for(None, model) == 0
+        assert pending_slots_for(small) == pending_slots_for(small, model) == PENDING_SLOTS
+        assert pending_slots_for(large) == 0
+        assert not model.verify_splits_in_proj(large.num_nodes)  # CPU, reference kernels
+        assert pending_slots_for(large, model) == 0
+        monkeypatch.setattr(type(model), "verify_splits_in_proj", lambda self, nodes, batch=1: True)
+        assert pending_slots_for(large, model) == PENDING_SLOTS
+        assert pending_slots_for(huge, model) == 0
+
     def test_reference_backend_never_splits(monkeypatch):
         monkeypatch.setattr(overlap, "SPLIT_IN_PROJ_MIN_ROWS", 2)
         dispatch.set_backend("reference")
@@ -120,4 +135,24 @@ else:
         want, got, splits = _verify_both_ways(model, tokens, tree, monkeypatch)
         assert splits == sum(kind == "mamba" for kind in layers)  # every Mamba layer took the split path
         assert_close(got, want, atol=1e-5, rtol=1e-5, name="verify logits")
+        assert not overlap.ready_counters(torch.device("cpu"), model.config.mamba.n_heads).any()
+
+    def test_counters_are_reset_when_the_scan_fails(monkeypatch):
+        """z's GEMM has raised the counters; if the scan then fails, no later scan may find them
+        raised (it would read a stale z)."""
+        model = tiny_model().fold_norm_weights_()
+        tree = Tree.from_config((2, 2))
+        tokens = torch.randint(0, 64, (1, 3 + tree.num_nodes))
+        cache = model.new_cache(1, 32)
+        with torch.no_grad():
+            model(tokens[:, :3], cache, last_only=True)
+        monkeypatch.setattr(overlap, "SPLIT_IN_PROJ_MIN_ROWS", 2)
+
+        def failing_scan(*args, **kwargs):
+            assert kwargs.get("gate_flags") is not None and kwargs["gate_flags"].any()  # raised by z's GEMM
+            raise RuntimeError("scan failed")
+
+        monkeypatch.setattr(dispatch, "tree_scan_gated", failing_scan)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="scan failed"):
+            model.verify(tokens[:, 3:], tree, cache)
         assert not overlap.ready_counters(torch.device("cpu"), model.config.mamba.n_heads).any()

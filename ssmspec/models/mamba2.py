@@ -265,9 +265,16 @@ class Mamba2Mixer(nn.Module):
         xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
         x, B, C = self._split_conv_out(xBC_conv)
         norm_groups = c.d_inner // self.norm.group_size
-        gated, dt, g_sq = dispatch.tree_scan_gated(x, dt_raw, self.dt_bias, c.dt_min, c.dt_max, self.A, B, C, self.D,
-                                                   z, parents, cache.ssm_state, return_sq=True, pending=pending,
-                                                   gate_flags=None if split is None else split[0])
+        try:
+            gated, dt, g_sq = dispatch.tree_scan_gated(x, dt_raw, self.dt_bias, c.dt_min, c.dt_max, self.A, B, C,
+                                                       self.D, z, parents, cache.ssm_state, return_sq=True,
+                                                       pending=pending, gate_flags=None if split is None else split[0])
+        except Exception:
+            if split is not None:  # z's GEMM raised the counters and no scan counted them down
+                if side is not None:
+                    main.wait_stream(side)
+                split[0].zero_()
+            raise
         if side is not None:
             main.wait_stream(side)
         if g_sq.shape[1] != norm_groups:  # norm groups other than the SSM groups: the norm reduces itself

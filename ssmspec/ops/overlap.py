@@ -10,9 +10,11 @@ GEMM back on the chain), so it waits for ready counters instead:
 - z's GEMM (ops/gemv `skinny_linear`, `ready_flags`) adds, once an output tile is stored, the
   number of scan programs that read each head's columns to that head's counter (a CTA barrier,
   then a release at GPU scope, as a cooperative grid sync does);
-- each scan program (ops/tree_scan `tree_scan_gated`, `gate_flags`) waits at its gate for its
-  head's counter, reads z past L1, and counts it down, so the counters are back at 0 when the
-  layer ends and the next layer reuses them.
+- each scan program (ops/tree_scan `tree_scan_gated`, `gate_flags`) looks at its head's counter
+  before its last products and reads z past L1 then, or, if z was not ready, waits for the
+  counter at its gate and reads z again; then it counts the counter down, so the counters are
+  back at 0 when the layer ends and the next layer reuses them (one verify at a time per device:
+  the counters are shared).
 
 Why this cannot deadlock: z's GEMM waits for nothing but its inputs, so it finishes once it gets
 SMs. The scan's programs spin only after all of the conv finished, and let the next kernel
@@ -66,10 +68,10 @@ SPLIT_IN_PROJ = True
 """Whether `split_in_proj_counters` may split a verify layer's in_proj (benchmarks turn it off to
 time the same iteration with the plain layer)."""
 SPLIT_IN_PROJ_MIN_ROWS = 33
-"""Rows (batch x tree nodes) from which the verify layer splits in_proj. Round 14's probe
-(bench/split_inproj_probe.py, run 187) timed the 64-node iteration at 3.28 against 3.51-3.53 ms,
-but the 16-node one at 2.83-2.87 against 2.65: there the conv and scan are short and the two
-half GEMMs cost more than the overlap gives."""
+"""Rows (batch x tree nodes) from which the verify layer splits in_proj. At mamba2-2.7b the 64-node
+iteration takes 3.31 ms split (with 16 pending slots) against 3.58 plain (run 194), but the
+16-node one 2.75-3.08 against 2.65-2.66 (runs 191-192): there the conv and scan are short and
+the second GEMM launch costs more than the overlap gives (BENCHMARKS.md, round 14)."""
 
 
 def can_split_in_proj(rows: int, batch: int, d_inner: int, rest: int, k: int, element_size: int, heads: int,
