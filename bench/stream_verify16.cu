@@ -21,7 +21,10 @@
 //   shared memory (OUT_SPLITK).
 // Switches: PROJ_ONLY (no M phase, g fixed: the projections alone, run 154's 31.2-31.8 us per
 // layer); TRACE (globaltimer stamps per layer and CTA: where the time goes); NO_GRID_SYNC and
-// M_NO_CONV (timing only, wrong results: no grid barriers; M without the conv's arithmetic).
+// M_NO_CONV (timing only, wrong results: no grid barriers; M without the conv's arithmetic);
+// Z_BESIDE (round 14): phase A streams only in_proj's x, B, C and dt rows (over every CTA); the
+// gate's z rows stream on the CTAs without a head while the heads run M, which waits for them
+// (a second counter, one release per such CTA and layer) just before its gate.
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -29,6 +32,12 @@
 
 #ifndef N_SLOTS
 #define N_SLOTS 4
+#endif
+#ifndef IN_FLIGHT  // slots whose copies the producer lets run at once
+#define IN_FLIGHT 1
+#endif
+#ifndef Z_HEAD_ROWS  // Z_BESIDE: z rows each head CTA streams too (its ring holds them during M)
+#define Z_HEAD_ROWS 0
 #endif
 
 namespace {
@@ -233,7 +242,19 @@ stream_verify16(const VerifyLayer* __restrict__ layers, int n_layers, const int*
   }
 
   const int cta = blockIdx.x, ctas = gridDim.x, rank = cta & 1;
+#ifdef Z_BESIDE
+  // A: the rows from x on, over every CTA; z's rows over the CTAs without a head, during M
+  const int in_lo = X_COL + split_lo(NIN - X_COL, cta, ctas), in_hi = X_COL + split_lo(NIN - X_COL, cta + 1, ctas);
+  // z's rows: Z_HEAD_ROWS for each head CTA, the rest over the CTAs without a head
+  const bool z_cta = cta >= H;
+  constexpr int ZH = Z_HEAD_ROWS * H;
+  const int z_lo = z_cta ? ZH + split_lo(DI - ZH, cta - H, ctas - H) : cta * Z_HEAD_ROWS;
+  const int z_hi = z_cta ? ZH + split_lo(DI - ZH, cta - H + 1, ctas - H) : (cta + 1) * Z_HEAD_ROWS;
+  const unsigned z_releases = Z_HEAD_ROWS ? ctas : ctas - H;  // per layer
+  unsigned* z_counter = counter + 1;
+#else
   const int in_lo = split_lo(NIN, cta, ctas), in_hi = split_lo(NIN, cta + 1, ctas);
+#endif
   // out_proj: the pair's rows; this CTA streams their columns [rank * 2560, rank * 2560 + 2560)
   const int out_lo = split_lo(D, cta / 2, ctas / 2), out_hi = split_lo(D, cta / 2 + 1, ctas / 2);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = threadIdx.x;
@@ -282,8 +303,8 @@ stream_verify16(const VerifyLayer* __restrict__ layers, int n_layers, const int*
         const unsigned long long t1 = now_ns();
         ring_full_ns += t1 - t0;
 #endif
-        if (k >= 1) {  // at most one slot in flight (see ops/stream_layers/kernel.cu)
-          const unsigned back = k - 1;
+        if (k >= IN_FLIGHT) {  // at most IN_FLIGHT slots in flight (see ops/stream_layers/kernel.cu)
+          const unsigned back = k - IN_FLIGHT;
           mbar_wait(full + back % N_SLOTS, (back / N_SLOTS) & 1);
         }
 #ifdef TRACE
@@ -298,6 +319,9 @@ stream_verify16(const VerifyLayer* __restrict__ layers, int n_layers, const int*
       for (int l = 0; l < n_layers; ++l) {
         const VerifyLayer L = layers[l];
         for (int r = in_lo; r < in_hi; r += ROWS) issue(L.in_w + (size_t)r * D, D, min(ROWS, in_hi - r));
+#ifdef Z_BESIDE
+        for (int r = z_lo; r < z_hi; r += ROWS) issue(L.in_w + (size_t)r * D, D, min(ROWS, z_hi - r));
+#endif
         for (int r = out_lo; r < out_hi; r += ROWS) issue(L.out_w + (size_t)r * DI + rank * D, DI, min(ROWS, out_hi - r));
 #ifdef TRACE
         trace[((size_t)l * ctas + cta) * TRACE_N + 8] = ring_full_ns;
@@ -420,6 +444,22 @@ stream_verify16(const VerifyLayer* __restrict__ layers, int n_layers, const int*
     STAMP(2);
 
     grid_arrive(counter);
+#ifdef Z_BESIDE
+    // z's rows, then one release for the heads' gates (the head CTAs do theirs after M3)
+    auto z_rows = [&]() {
+      for (int r = z_lo; r < z_hi; r += ROWS) {
+        const unsigned char* slot = acquire();
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        slot_mma(slot, col0, lane, a, c);
+        release();
+        const float s = reduce_slot(c);
+        if (t < NT * ROWS && r + t % ROWS < z_hi) zx[(t / ROWS) * NIN + r + t % ROWS] = __float2bfloat16(s * rms[t / ROWS]);
+      }
+      consumers_sync();
+      if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(z_counter) : "memory");
+    };
+    if (z_cta) z_rows();
+#endif
 #ifndef PROJ_ONLY
     // M, during the barrier: the head's cached state (it does not depend on this layer's in_proj),
     // as the tf32 B fragments of C.h0^T: warp w's 8 channels p = 8 w + lane / 4, the contraction
@@ -439,8 +479,13 @@ stream_verify16(const VerifyLayer* __restrict__ layers, int n_layers, const int*
 #ifndef PROJ_ONLY
     if (has_head) {
       // M1: the head's conv inputs (x channels, B, C), z and dt_raw of every node, 16-byte pieces
-      constexpr int X_PIECES = P / 8, BC_PIECES = 2 * S / 8, Z_PIECES = P / 8;
-      constexpr int PIECES = X_PIECES + BC_PIECES + Z_PIECES;  // 48 per node
+      constexpr int X_PIECES = P / 8, BC_PIECES = 2 * S / 8;
+#ifdef Z_BESIDE
+      constexpr int Z_PIECES = 0;  // z is read before the gate, once its rows are stored
+#else
+      constexpr int Z_PIECES = P / 8;
+#endif
+      constexpr int PIECES = X_PIECES + BC_PIECES + Z_PIECES;  // 48 per node (40 with Z_BESIDE)
       for (int e = t; e < NT * PIECES; e += CONSUMERS) {
         const int n = e / PIECES, j = e % PIECES;
         const __nv_bfloat16* row = zx + n * NIN;
@@ -553,6 +598,21 @@ stream_verify16(const VerifyLayer* __restrict__ layers, int n_layers, const int*
       consumers_sync();
       STAMP(13);
 
+#ifdef Z_BESIDE
+      if (Z_HEAD_ROWS) z_rows();
+      if (threadIdx.x == 0) {  // every z row of this layer stored (one release per CTA with z rows)
+        unsigned seen;
+        do {
+          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(z_counter) : "memory");
+        } while (seen < (unsigned)(l + 1) * z_releases);
+      }
+      consumers_sync();
+      for (int e = t; e < NT * P / 8; e += CONSUMERS) {
+        const int n = e / (P / 8), j = e % (P / 8);
+        *reinterpret_cast<uint4*>(zin + n * P + 8 * j) = ld_l2_v4(zx + n * NIN + head * P + 8 * j);
+      }
+      consumers_sync();
+#endif
       // M4: y = W.x + exp(acum_i) C_i.h0 + D x_i (tf32 W.x), g = bf16(bf16(y) silu(z)), for warp w's 8 channels
       float y[4] = {};
 #pragma unroll

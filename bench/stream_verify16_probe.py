@@ -10,7 +10,9 @@ and B, dt, the gated g and the layer output), then both are timed over 64 layers
 us per layer: the product as one CUDA graph, the kernel as one launch.
 
 Run on the device from the bench directory:
-    python3 stream_verify16_probe.py [--variants "PROJ_ONLY;NO_GRID_SYNC;N_SLOTS=3"] [--trace ";PROJ_ONLY"]
+    python3 stream_verify16_probe.py [--variants "PROJ_ONLY;NO_GRID_SYNC;N_SLOTS=3;Z_BESIDE"] [--trace ";PROJ_ONLY"]
+
+Z_BESIDE (round 14) streams the gate's z rows on the CTAs without a head while the heads run M.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ class VerifyKernel(CubinKernel):
         self.dt = torch.full((LAYERS, nodes, H), float("nan"), device=dev)
         self.g = torch.full((nodes, D_INNER), float("nan"), device=dev, dtype=bf)
         self.hbuf = torch.full((2, nodes, D_MODEL), float("nan"), device=dev, dtype=bf)
-        self.counter = torch.zeros(1, device=dev, dtype=torch.int32)
+        self.counter = torch.zeros(2, device=dev, dtype=torch.int32)  # grid barriers; Z_BESIDE's z rows
         self.trace = torch.zeros((LAYERS, self.ctas, TRACE_N), device=dev, dtype=torch.int64)
 
     @staticmethod
@@ -117,6 +119,7 @@ def main() -> int:
                     help="';'-separated sets of build switches (joined by ',') timed beside the kernel, e.g. "
                          "'PROJ_ONLY;NO_GRID_SYNC' (PROJ_ONLY: no M phase, against the product's two projections)")
     ap.add_argument("--trace", default="", help="';'-separated switch sets to build with TRACE and report (e.g. ';PROJ_ONLY')")
+    ap.add_argument("--base", default="", help="','-separated switches of the kernel that is checked (e.g. 'Z_BESIDE')")
     args = ap.parse_args()
     torch.manual_seed(0)
     from ssmspec.ops import dispatch
@@ -132,7 +135,7 @@ def main() -> int:
     h = torch.randn(1, n, D_MODEL, device="cuda", dtype=torch.bfloat16)
     table = VerifyKernel.table(layers)
     layer_ref = product_layer(parents.long())
-    kernel = VerifyKernel(n)
+    kernel = VerifyKernel(n, tuple(filter(None, args.base.split(","))))
     print(f"{torch.cuda.get_device_name()}; copy {bw / 1e12:.2f} TB/s; tree {TREE}, {n} nodes", flush=True)
 
     for n_layers in (1, 2):
