@@ -72,6 +72,9 @@ def main() -> int:
     ap.add_argument("--skip-pdl", action="store_true", help="do not time the projections launched with PDL")
     ap.add_argument("--ar", action="store_true", help="first tune the AR step's one-row GEMV configs")
     ap.add_argument("--conv", action="store_true", help="also time the tree conv's tiles (CONV_TILES)")
+    for proj in ("in", "out", "lm"):
+        ap.add_argument(f"--{proj}-candidates", default=None,
+                        help=f"';'-separated configs replacing the {proj} projection's candidate lists ('none': skip it)")
     args = ap.parse_args()
     torch.manual_seed(0)
     dispatch.set_backend("triton")
@@ -131,9 +134,15 @@ def main() -> int:
         best = {in_shape: saved.get(in_shape), out_shape: saved.get(out_shape), lm_shape: saved.get(lm_shape)}
         base = timed(f"current in {best[in_shape]} out {best[out_shape]} lm_head {best[lm_shape]}")
         best_ms = base
-        sweeps = [] if args.skip_projections else [(out_shape, WIDE_OUT if wide else NARROW_OUT),
-                                                   (in_shape, WIDE_IN if wide else NARROW_IN),
-                                                   (lm_shape, WIDE_LM if wide else NARROW_LM)]
+        def candidates(given, listed):
+            if given is None:
+                return listed
+            return [tuple(int(v) for v in c.split(",")) for c in given.split(";") if c and given != "none"]
+
+        sweeps = [] if args.skip_projections else [
+            (out_shape, candidates(args.out_candidates, WIDE_OUT if wide else NARROW_OUT)),
+            (in_shape, candidates(args.in_candidates, WIDE_IN if wide else NARROW_IN)),
+            (lm_shape, candidates(args.lm_candidates, WIDE_LM if wide else NARROW_LM))]
         for shape, cands in sweeps:
             for cfg in cands:
                 if cfg == best[shape]:
