@@ -47,6 +47,35 @@ PRODUCT = mamba2.Mamba2Mixer.folded_residual_verify
 EMULATIONS = ("split_serial", "z_side", "chain_side", "chain_beside_in_proj")
 
 
+def _chain(self, xBC, dt_raw, z, cache, parents, pending):
+    """The conv and the gated scan of the product's layer: (x, B, gated, dt, g_sq)."""
+    c = self.cfg
+    xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
+    x, B, C = self._split_conv_out(xBC_conv)
+    gated, dt, g_sq = dispatch.tree_scan_gated(x, dt_raw, self.dt_bias, c.dt_min, c.dt_max, self.A, B, C, self.D,
+                                               z, parents, cache.ssm_state, return_sq=True, pending=pending)
+    return x, B, gated, dt, g_sq
+
+
+def _out_proj(self, h, xBC, x, B, gated, dt, g_sq):
+    """out_proj with the gated norm and the residual, as the product's layer ends."""
+    if g_sq.shape[1] != self.cfg.d_inner // self.norm.group_size:
+        g_sq = None
+    out, out_sq = dispatch.norm_linear(gated, self.out_proj.weight, self.out_proj.bias,
+                                       self.cfg.d_inner // self.norm.group_size, self.norm.eps, residual=h, x_sq=g_sq,
+                                       return_sq=True, reuse_residual=True)
+    return out, out_sq, mamba2.MambaTreeActivations(xBC=xBC, x=x, dt=dt, B=B)
+
+
+def _fixed(self, h, width: int) -> torch.Tensor:
+    """A fixed random (rows, width) tensor per mixer: the timing-only inputs the emulations read."""
+    key = (tuple(h.shape[:-1]), h.dtype, width)
+    store = self.__dict__.setdefault("_probe_fixed", {})
+    if key not in store:
+        store[key] = torch.randn(*h.shape[:-1], width, device=h.device, dtype=h.dtype)
+    return store[key]
+
+
 def probe_verify(self, h, cache, parents, pre_norm_eps, h_sq=None, pending=None):
     mode = MODE["name"]
     if mode not in EMULATIONS:
@@ -56,73 +85,39 @@ def probe_verify(self, h, cache, parents, pre_norm_eps, h_sq=None, pending=None)
     main = torch.cuda.current_stream()
     side = overlap.side_stream(h.device)
     if mode == "chain_beside_in_proj":
-        return _chain_beside_in_proj(self, h, cache, parents, pre_norm_eps, h_sq, pending, main, side)
+        # the ceiling of any overlap of the chain with in_proj: the whole in_proj on the main
+        # stream while the conv and the scan run on the second one from fixed inputs
+        z, xBC, dt_raw = _fixed(self, h, w.shape[0]).split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            x, B, gated, dt, g_sq = _chain(self, xBC, dt_raw, z, cache, parents, pending)
+        z = dispatch.norm_linear(h, w, None, 1, pre_norm_eps, x_sq=h_sq)
+        main.wait_stream(side)
+        return _out_proj(self, h, xBC, x, B, gated, dt, g_sq)
     xbcdt = dispatch.norm_linear(h, w[c.d_inner:], None, 1, pre_norm_eps, x_sq=h_sq)
     xBC, dt_raw = xbcdt.split([c.conv_dim, c.n_heads], dim=-1)
-    key = (tuple(h.shape[:-1]), h.dtype)
-    if getattr(self, "_stale_key", None) != key:  # the fixed gate of the timing-only scan
-        self._stale_z = torch.randn(*h.shape[:-1], c.d_inner, device=h.device, dtype=h.dtype)
-        self._stale_key = key
-    norm_groups = c.d_inner // self.norm.group_size
+    stale_z = _fixed(self, h, c.d_inner)  # the scan's gate, so that it need not wait for z's GEMM
 
     def z_gemm():
         return dispatch.norm_linear(h, w[: c.d_inner], None, 1, pre_norm_eps, x_sq=h_sq)
 
-    def chain():
-        xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
-        x, B, C = self._split_conv_out(xBC_conv)
-        gated, dt, g_sq = dispatch.tree_scan_gated(x, dt_raw, self.dt_bias, c.dt_min, c.dt_max, self.A, B, C, self.D,
-                                                   self._stale_z, parents, cache.ssm_state, return_sq=True,
-                                                   pending=pending)
-        return x, B, gated, dt, g_sq
-
     if mode == "split_serial":
         z = z_gemm()
-        x, B, gated, dt, g_sq = chain()
+        x, B, gated, dt, g_sq = _chain(self, xBC, dt_raw, stale_z, cache, parents, pending)
     elif mode == "z_side":
         side.wait_stream(main)
         with torch.cuda.stream(side):
             z = z_gemm()
-        x, B, gated, dt, g_sq = chain()
+        x, B, gated, dt, g_sq = _chain(self, xBC, dt_raw, stale_z, cache, parents, pending)
         main.wait_stream(side)
     else:  # chain_side
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            x, B, gated, dt, g_sq = chain()
+            x, B, gated, dt, g_sq = _chain(self, xBC, dt_raw, stale_z, cache, parents, pending)
         z = z_gemm()
         main.wait_stream(side)
     del z  # computed for its cost only
-    if g_sq.shape[1] != norm_groups:
-        g_sq = None
-    out, out_sq = dispatch.norm_linear(gated, self.out_proj.weight, self.out_proj.bias, norm_groups,
-                                       self.norm.eps, residual=h, x_sq=g_sq, return_sq=True, reuse_residual=True)
-    return out, out_sq, mamba2.MambaTreeActivations(xBC=xBC, x=x, dt=dt, B=B)
-
-
-def _chain_beside_in_proj(self, h, cache, parents, pre_norm_eps, h_sq, pending, main, side):
-    """The ceiling of any overlap of the chain with in_proj: the whole in_proj on the main stream
-    while the conv and the scan run on the second one from fixed inputs (timing only)."""
-    c = self.cfg
-    key = (tuple(h.shape[:-1]), h.dtype, "in_proj")
-    if getattr(self, "_stale_in_key", None) != key:
-        self._stale_in = torch.randn(*h.shape[:-1], self.in_proj.weight.shape[0], device=h.device, dtype=h.dtype)
-        self._stale_in_key = key
-    z, xBC, dt_raw = self._stale_in.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
-    norm_groups = c.d_inner // self.norm.group_size
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
-        x, B, C = self._split_conv_out(xBC_conv)
-        gated, dt, g_sq = dispatch.tree_scan_gated(x, dt_raw, self.dt_bias, c.dt_min, c.dt_max, self.A, B, C, self.D,
-                                                   z, parents, cache.ssm_state, return_sq=True, pending=pending)
-    zxbcdt = dispatch.norm_linear(h, self.in_proj.weight, None, 1, pre_norm_eps, x_sq=h_sq)
-    main.wait_stream(side)
-    del zxbcdt  # computed for its cost only
-    if g_sq.shape[1] != norm_groups:
-        g_sq = None
-    out, out_sq = dispatch.norm_linear(gated, self.out_proj.weight, self.out_proj.bias, norm_groups,
-                                       self.norm.eps, residual=h, x_sq=g_sq, return_sq=True, reuse_residual=True)
-    return out, out_sq, mamba2.MambaTreeActivations(xBC=xBC, x=x, dt=dt, B=B)
+    return _out_proj(self, h, xBC, x, B, gated, dt, g_sq)
 
 
 def main() -> int:

@@ -433,28 +433,24 @@ stream_verify16(const VerifyLayer* __restrict__ layers, int n_layers, const int*
     if (t < NT) rms[t] = rsqrtf(rms[t] / D + eps);
     consumers_sync();
     STAMP(1);
-    for (int r = in_lo; r < in_hi; r += ROWS) {
-      const unsigned char* slot = acquire();
-      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      slot_mma(slot, col0, lane, a, c);
-      release();
-      const float s = reduce_slot(c);
-      if (t < NT * ROWS && r + t % ROWS < in_hi) zx[(t / ROWS) * NIN + r + t % ROWS] = __float2bfloat16(s * rms[t / ROWS]);
-    }
+    auto in_proj_rows = [&](int lo, int hi) {  // in_proj's rows [lo, hi) of every node, from the ring
+      for (int r = lo; r < hi; r += ROWS) {
+        const unsigned char* slot = acquire();
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        slot_mma(slot, col0, lane, a, c);
+        release();
+        const float s = reduce_slot(c);
+        if (t < NT * ROWS && r + t % ROWS < hi) zx[(t / ROWS) * NIN + r + t % ROWS] = __float2bfloat16(s * rms[t / ROWS]);
+      }
+    };
+    in_proj_rows(in_lo, in_hi);
     STAMP(2);
 
     grid_arrive(counter);
 #ifdef Z_BESIDE
     // z's rows, then one release for the heads' gates (the head CTAs do theirs after M3)
     auto z_rows = [&]() {
-      for (int r = z_lo; r < z_hi; r += ROWS) {
-        const unsigned char* slot = acquire();
-        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        slot_mma(slot, col0, lane, a, c);
-        release();
-        const float s = reduce_slot(c);
-        if (t < NT * ROWS && r + t % ROWS < z_hi) zx[(t / ROWS) * NIN + r + t % ROWS] = __float2bfloat16(s * rms[t / ROWS]);
-      }
+      in_proj_rows(z_lo, z_hi);
       consumers_sync();
       if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(z_counter) : "memory");
     };

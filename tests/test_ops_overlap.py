@@ -43,7 +43,7 @@ def _verify_both_ways(model, tokens, tree, monkeypatch):
         monkeypatch.setattr(overlap, "SPLIT_IN_PROJ", True)
         monkeypatch.setattr(overlap, "SPLIT_IN_PROJ_MIN_ROWS", 2)
         splits.clear()
-        got, acts = model.verify(tokens[:, 3:], tree, cache)
+        got, _ = model.verify(tokens[:, 3:], tree, cache)
     return want, got, sum(splits)
 
 
