@@ -24,7 +24,7 @@ import torch
 from ssmspec.decoding.generate import PENDING_MAX_NODES, PENDING_SLOTS, pending_slots_for
 from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
-from ssmspec.ops import dispatch, overlap, pdl, stream_layers
+from ssmspec.ops import dispatch, overlap, pdl, stream_layers, stream_proj
 from ssmspec.ops.gemv import triton as gemv
 from ssmspec.trees.tree import Tree
 
@@ -257,6 +257,7 @@ def main() -> int:
         return median_ms(lambda: graph(ids), iters=100), graph
 
     step_logits = {}
+    ar_stream_ms = None  # the one-launch AR step (ops/stream_layers), when timed
     to_profile = []  # (fn, label) profiled once every row is timed
     if not args.skip_reference:
         dispatch.set_backend("reference")
@@ -308,7 +309,8 @@ def main() -> int:
             else:  # ops/stream_layers: every layer in one persistent launch (opt-in in the product)
                 os.environ[stream_layers.cuda.ENV] = "1"
                 try:
-                    record("AR step CUDA graph [folded, one-launch layer stack]", step_graph_ms(m)[0])
+                    ar_stream_ms = step_graph_ms(m)[0]
+                    record("AR step CUDA graph [folded, one-launch layer stack]", ar_stream_ms)
                     stream_layers.cuda.USE_PDL = False
                     record("AR step CUDA graph [folded, one-launch layer stack, no PDL]", step_graph_ms(m)[0])
                     stream_layers.cuda.USE_PDL = True
@@ -354,6 +356,23 @@ def main() -> int:
                     record(f"  same, in_proj not split, {plain_pending or 'no'} pending slots [{tree.num_nodes} nodes, {name}]",
                            time_tree_iteration(m, prompt, tree, vocab, plain_pending)["ms"])
                     overlap.SPLIT_IN_PROJ = True
+                stream_reason = stream_proj.unsupported_reason(m, tree.num_nodes, torch.device("cuda"))
+                if not args.skip_stream_layers and stream_reason is None:
+                    # the opt-in one-launch mode's verify: projections on the weight stream (ops/stream_proj)
+                    os.environ[stream_layers.cuda.ENV] = "1"
+                    try:
+                        info_s = time_tree_iteration(m, prompt, tree, vocab, pending)
+                    finally:
+                        del os.environ[stream_layers.cuda.ENV]
+                    record(f"  same, projections on the weight stream (SSMSPEC_STREAM_LAYERS=1) "
+                           f"[{tree.num_nodes} nodes, {name}]", info_s["ms"])
+                    if ar_stream_ms:
+                        RESULTS[f"stream_mode_ratio_{tree.num_nodes}"] = info_s["ms"] / ar_stream_ms
+                        print(f"    = {info_s['ms'] / ar_stream_ms:.3f}x the one-launch AR step ({ar_stream_ms:.3f} ms); "
+                              f"accepted {info_s['accepted']}/{tree.max_depth}; produced == step-graph greedy chain: "
+                              f"{info_s['greedy_chain_matches']}", flush=True)
+                elif not args.skip_stream_layers:
+                    print(f"    (weight-stream projections not timed: {stream_reason})")
                 gemv.ENABLED = False
                 record(f"  same, cuBLAS projections [{tree.num_nodes} nodes, {name}]",
                        time_tree_iteration(m, prompt, tree, vocab, pending)["ms"])

@@ -67,17 +67,26 @@ def main() -> int:
                     help="with --tree: tree tokens along the target's greedy chain (every level accepted, as "
                          "bench_decode.py times it) instead of random ones")
     ap.add_argument("--tree", default=None, help="trace a greedy tree iteration of this configuration, e.g. 3,2,1")
+    ap.add_argument("--pending", type=int, default=None,
+                    help="with --tree: pending input slots of the cache (models/cache.py; 0: none); default: as the "
+                         "product's fast path gives the tree (the traced iteration starts from an empty slot set, "
+                         "so it appends without flushing)")
 
     args = ap.parse_args()
     dispatch.set_backend("triton")
     model = build_model(args.preset, dtype=torch.bfloat16, device="cuda")
     if not args.unfolded:
         model.fold_norm_weights_()
-    cache = model.new_cache(1, 256)
+    tree = Tree.from_config([int(b) for b in args.tree.split(",")]) if args.tree else None
+    pending = 0
+    if tree is not None:
+        from ssmspec.decoding.generate import pending_slots_for
+
+        pending = pending_slots_for(tree, model) if args.pending is None else args.pending
+    cache = model.new_cache(1, 256, pending=pending)
     with torch.inference_mode():
         model(torch.randint(0, 1000, (1, 16), device="cuda"), cache)
     if args.tree:
-        tree = Tree.from_config([int(b) for b in args.tree.split(",")])
         tokens = torch.randint(0, 1000, (1, tree.num_nodes), device="cuda")
         if args.full_accept:
             from bench_decode import tree_tokens_following  # bench/ is this script's directory
@@ -92,7 +101,7 @@ def main() -> int:
         def call():
             restore()
             graph(tokens)
-        what = f"tree {args.tree} ({tree.num_nodes} nodes) iteration"
+        what = f"tree {args.tree} ({tree.num_nodes} nodes, {pending} pending slots) iteration"
     else:
         ids = torch.randint(0, 1000, (1, 1), device="cuda")
         graph = StepGraph(model, cache)

@@ -153,6 +153,10 @@ def main() -> int:
                 ms = timed(f"{label} {cfg}")
                 if ms < best_ms:
                     best_ms, best[shape] = ms, cfg
+        if sweeps:  # the table's entries once more, for the spread between timings of one config
+            table.clear()
+            table.update(saved)
+            timed("current again")
         table.update({k: v for k, v in best.items() if v is not None})
         defaults = {name: getattr(scan, name) for setting in SCAN for name in setting}
         for setting in [] if args.skip_scan else SCAN:  # the scan's knobs with the best projections

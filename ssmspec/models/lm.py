@@ -330,6 +330,9 @@ class LanguageModel(nn.Module):
         """`verify` on the kernels, same math and contract (see `_fused_stack`)."""
         device = tokens.device
         parents = tree.parents_tensor(device)
+        runner = self._stream_proj(tokens)
+        if runner is not None:
+            return self._stream_proj_verify(runner, tokens, parents, cache)
         depth = tree.depth_tensor(device)
         mask = tree.mask_tensor(device)
 
@@ -347,6 +350,55 @@ class LanguageModel(nn.Module):
             return *_folded_mlp_residual(layer.mixer, h, layer.norm.eps, h_sq), None
 
         logits, acts = self._fused_stack(self.embeddings(tokens), run_mixer, run_folded)
+        return logits, TreeActivations(acts)
+
+    def _stream_proj(self, tokens: torch.Tensor):
+        """The verify's projections on the weight stream (ops/stream_proj) when the user asked for
+        the one-launch decode step (SSMSPEC_STREAM_LAYERS=1) and they can run this model and tree
+        size here; else None (with one warning per model saying why, when asked for)."""
+        from ..ops import stream_layers, stream_proj
+
+        if not stream_layers.enabled():
+            return None
+        rows = tokens.numel()
+        reason = stream_proj.unsupported_reason(self, rows, tokens.device)
+        if reason is not None:
+            if not getattr(self, "_stream_proj_warned", False) and rows <= stream_proj.MAX_NODES:
+                import warnings
+
+                warnings.warn(f"{stream_layers.cuda.ENV}=1, but the verify's weight-stream projections cannot run: "
+                              f"{reason}; the tree verify keeps the Triton kernels", stacklevel=4)
+                self._stream_proj_warned = True
+            return None
+        runner = getattr(self, "_stream_proj_runner", None)
+        if runner is None:
+            if torch.cuda.is_current_stream_capturing():  # its barrier counter would be the graph's
+                return None
+            runner = self._stream_proj_runner = stream_proj.StreamProj(self, tokens.device)
+        return runner
+
+    def _stream_proj_verify(self, runner, tokens: torch.Tensor, parents: torch.Tensor, cache: ModelCache):
+        """`verify` with every layer's projections on the weight stream: one launch per layer
+        boundary (layer i's out_proj, then layer i + 1's in_proj with its tree conv), the gated
+        scan between them as the Triton kernel. Same math and contract as `_fused_verify`."""
+        h = self.embeddings(tokens).contiguous()
+        mixers = [layer.mixer for layer in self.layers]
+        zx, xbc_conv = runner(h, in_mixer=mixers[0], in_eps=self.layers[0].norm.eps,
+                              conv_state=cache.layers[0].conv_state, parents=parents)
+        acts = []
+        for i, m in enumerate(mixers):
+            c = m.cfg
+            z, xBC, dt_raw = zx.view(*tokens.shape, -1).split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
+            gated, _, a = m.verify_conv_scan(z, xBC, dt_raw, cache.layers[i], parents, cache.pending_inputs(i),
+                                             xBC_conv=None if xbc_conv is None else xbc_conv.view(*tokens.shape, -1))
+            acts.append(a)
+            if i + 1 == len(mixers):
+                runner(h, out_mixer=m, g=gated)
+            else:
+                zx, xbc_conv = runner(h, out_mixer=m, g=gated, in_mixer=mixers[i + 1],
+                                      in_eps=self.layers[i + 1].norm.eps, conv_state=cache.layers[i + 1].conv_state,
+                                      parents=parents)
+        logits = dispatch.linear(self.norm_f(h), self.lm_head.weight, self.lm_head.bias).float()
         return logits, TreeActivations(acts)
 
     def replay(self, cache: ModelCache, acts: TreeActivations, path: torch.Tensor, path_len: torch.Tensor) -> None:

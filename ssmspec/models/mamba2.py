@@ -262,13 +262,9 @@ class Mamba2Mixer(nn.Module):
             else:  # the CPU interpreter runs launches one after another
                 z = dispatch.norm_linear(*z_args, x_sq=h_sq, ready_flags=z_flags)
             xBC, dt_raw = xbcdt.split([c.conv_dim, c.n_heads], dim=-1)
-        xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
-        x, B, C = self._split_conv_out(xBC_conv)
-        norm_groups = c.d_inner // self.norm.group_size
         try:
-            gated, dt, g_sq = dispatch.tree_scan_gated(x, dt_raw, self.dt_bias, c.dt_min, c.dt_max, self.A, B, C,
-                                                       self.D, z, parents, cache.ssm_state, return_sq=True,
-                                                       pending=pending, gate_flags=None if split is None else split[0])
+            gated, g_sq, acts = self.verify_conv_scan(z, xBC, dt_raw, cache, parents, pending,
+                                                      gate_flags=None if split is None else split[0])
         except Exception:
             if split is not None:  # z's GEMM raised the counters and no scan counted them down
                 if side is not None:
@@ -277,12 +273,29 @@ class Mamba2Mixer(nn.Module):
             raise
         if side is not None:
             main.wait_stream(side)
+        norm_groups = c.d_inner // self.norm.group_size
         if g_sq.shape[1] != norm_groups:  # norm groups other than the SSM groups: the norm reduces itself
             g_sq = None
         out, out_sq = dispatch.norm_linear(gated, self.out_proj.weight, self.out_proj.bias, norm_groups,
                                            self.norm.eps, residual=h, x_sq=g_sq, return_sq=True,
                                            reuse_residual=True)
-        return out, out_sq, MambaTreeActivations(xBC=xBC, x=x, dt=dt, B=B)
+        return out, out_sq, acts
+
+    def verify_conv_scan(self, z, xBC, dt_raw, cache: MambaLayerCache, parents: torch.Tensor, pending=None,
+                         gate_flags=None, xBC_conv: torch.Tensor | None = None):
+        """The verify layer between its projections, on the kernels: the tree conv of in_proj's
+        xBC (unless given as xBC_conv: ops/stream_proj computes it with in_proj) and the gated
+        tree scan (gated = y * silu(z), the time step from dt_raw inside).
+        -> (gated (B, N, d_inner), its partial sums of squares per SSM group, the activations
+        for `replay`). gate_flags: z's ready counters when z's GEMM runs beside (ops/overlap.py)."""
+        c = self.cfg
+        if xBC_conv is None:
+            xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
+        x, B, C = self._split_conv_out(xBC_conv)
+        gated, dt, g_sq = dispatch.tree_scan_gated(x, dt_raw, self.dt_bias, c.dt_min, c.dt_max, self.A, B, C,
+                                                   self.D, z, parents, cache.ssm_state, return_sq=True,
+                                                   pending=pending, gate_flags=gate_flags)
+        return gated, g_sq, MambaTreeActivations(xBC=xBC, x=x, dt=dt, B=B)
 
     def replay(self, cache: MambaLayerCache, acts: MambaTreeActivations, path: torch.Tensor, path_len: torch.Tensor):
         """Advance the cache over the accepted path (B, M) of valid length path_len (B,).

@@ -1,0 +1,12 @@
+"""The tree verify's Mamba projections at up to 16 nodes on the weight stream, in CUDA.
+
+`kernel.cu` runs one layer's out_proj and the next layer's in_proj in one launch, one CTA per SM
+streaming whole weight rows through shared memory (the design of ops/stream_layers); the tree conv
+and the gated scan stay the Triton kernels between launches. `cuda.py` builds it for a model's
+shape (nvcc and ninja, Hopper only). Opt-in with the one-launch decode step
+(`SSMSPEC_STREAM_LAYERS=1`, ops/stream_layers): `LanguageModel.verify` then takes it for trees of
+up to 16 nodes; its reference is the Triton path (`tests/gpu/test_stream_proj_gpu.py`).
+"""
+from .cuda import MAX_NODES, StreamProj, unsupported_reason
+
+__all__ = ["MAX_NODES", "StreamProj", "unsupported_reason"]

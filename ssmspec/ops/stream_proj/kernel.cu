@@ -1,0 +1,370 @@
+// The tree verify's two projections for up to 16 nodes (batch 1) on the weight stream of
+// ops/stream_layers: one CTA per SM streams its share of the weight rows through a ring of
+// shared-memory slots (bulk copies from one producer thread), and the nodes' activations sit in the
+// tensor cores' A fragments in registers. ops/stream_proj/cuda.py builds it and launches it; the
+// shape is fixed at build time (-D D_MODEL, D_INNER, N_IN).
+//
+// One launch runs layer l's out_proj and then layer l + 1's in_proj, with a grid barrier between
+// them (every CTA's in_proj needs all of h'):
+//   out_proj: h' = bf16(h + bf16(rsqrt(mean(g^2) + eps_out) * (W_out g)))   rows split across CTAs
+//   in_proj:  zx = bf16(rsqrt(mean(h'^2) + eps_in) * (W_in h'))             rows split across CTAs
+// (either alone too: the first layer's in_proj, the last layer's out_proj, which can then write
+// each node's partial sums of squares of h' for a final norm). The tree conv and the gated scan run
+// between launches as the Triton kernels they are.
+//
+// Why (BENCHMARKS.md, round 15): the Triton skinny GEMMs stream at ~2.0 (out_proj) and ~2.4 TB/s
+// (in_proj) at 16 rows, whatever their tiles (runs 207-208). Here the weights are read whole rows at
+// a time, every SM streams the same bytes, and the producer starts at launch, before the PDL wait:
+// weights depend on no earlier kernel, so this launch's first slots fill while the conv and the
+// scan before it still run (the scan lets it launch at its start).
+//
+// Deadlock freedom: the grid barrier needs every CTA resident. A launch lets the next kernel launch
+// (griddepcontrol.launch_dependents) only after its barrier, so no later kernel's CTAs can hold
+// the SMs that its own CTAs still need; earlier kernels never wait for it.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "pipeline.cuh"  // ops/stream_layers: mbarriers and bulk copies
+
+#ifndef D_MODEL  // the mamba2-2.7b shape unless the build names another
+#define D_MODEL 2560
+#define D_INNER 5120
+#define N_IN 10576
+#define CONV_DIM 5376
+#define CONV_K 4
+#endif
+#ifndef N_SLOTS
+#define N_SLOTS 4
+#endif
+#ifndef IN_FLIGHT  // slots whose copies may be in flight at once (ops/stream_layers/kernel.cu: 1)
+#define IN_FLIGHT 1
+#endif
+
+namespace {
+
+constexpr int D = D_MODEL, DI = D_INNER, NIN = N_IN, NT = 16;
+constexpr int CONV = CONV_DIM, KC = CONV_K;  // in_proj's rows DI .. DI + CONV are the conv's channels
+constexpr int MAX_IN_ROWS = 128;             // in_proj rows per CTA (NIN / SMs: 81 at 10576 on 132)
+constexpr int OUT_SEGS = DI / D;  // an out_proj row is OUT_SEGS slot rows of D columns
+constexpr int ROWS = 8, ROW_BYTES = D * 2;
+constexpr int ROW_STRIDE = ROW_BYTES + 64;  // B fragments by lds.128: rows 2i and 2i + 1 in opposite bank halves
+constexpr int SLOT_BYTES = ROWS * ROW_STRIDE;
+constexpr int WARPS = 8, CONSUMERS = WARPS * 32, THREADS = CONSUMERS + 32;
+constexpr int KW = D / WARPS, STEPS = KW / 16;  // a warp's columns of a slot row; mma k-steps per slot
+constexpr int MAX_OUT_ROWS = 64;                // out_proj rows per CTA (D / SMs: 20 at 2560 on 132)
+static_assert(KW % 32 == 0 && DI % D == 0 && CONSUMERS >= NT * ROWS, "the fragment and reduction mappings");
+static_assert(NT <= CONSUMERS && KC >= 2, "the conv windows' mapping");
+
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory"); }
+__device__ __forceinline__ uint4 ld_l2_v4(const void* p) {  // past L1: written by other CTAs or launches
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t ld_l2_b32(const void* p) {
+  uint32_t v;
+  asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ float lo_bf(uint32_t u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float hi_bf(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
+__device__ __forceinline__ float sq2(uint32_t u) { return lo_bf(u) * lo_bf(u) + hi_bf(u) * hi_bf(u); }
+__device__ __forceinline__ float round_bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
+__device__ __forceinline__ int split_lo(int n, int part, int parts) { return (int)(((long long)n * part) / parts); }
+
+// The grid barrier of one launch. Tickets count up across launches and graph replays (never reset):
+// a CTA's ticket names its launch's generation, whose end is the next multiple of the grid size.
+__device__ __forceinline__ void grid_barrier(unsigned* counter) {
+  consumers_sync();  // every consumer's stores before the release
+  if (threadIdx.x == 0) {
+    unsigned ticket, seen;
+    asm volatile("atom.add.release.gpu.global.u32 %0, [%1], 1;" : "=r"(ticket) : "l"(counter) : "memory");
+    const unsigned target = (ticket / gridDim.x + 1) * gridDim.x;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+    } while ((int)(seen - target) < 0);
+  }
+  consumers_sync();
+}
+
+// The nodes' activations as A fragments, straight from L2. The contraction index is permuted within
+// each block of 32 columns, the same way for A and B, so that both come in 16-byte pieces: thread
+// (m = lane / 4, c = lane % 4) holds columns 32 b + 8 c .. + 7 as its k pairs of k-steps 2 b
+// (columns +0..3) and 2 b + 1 (+4..7), for nodes m and m + 8 (zeros past `nodes`).
+struct AFrags {
+  uint4 lo[STEPS / 2], hi[STEPS / 2];
+};
+__device__ __forceinline__ void load_a(const __nv_bfloat16* x, int stride, int col0, int nodes, int lane, AFrags& a) {
+  const int m = lane >> 2, c = lane & 3;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int b = 0; b < STEPS / 2; ++b) {  // all issued before any is used
+    a.lo[b] = m < nodes ? ld_l2_v4(x + m * stride + col0 + 32 * b + 8 * c) : zero;
+    a.hi[b] = m + 8 < nodes ? ld_l2_v4(x + (m + 8) * stride + col0 + 32 * b + 8 * c) : zero;
+  }
+}
+__device__ __forceinline__ void add_sq(const AFrags& a, float& sq_lo, float& sq_hi) {
+#pragma unroll
+  for (int b = 0; b < STEPS / 2; ++b) {
+    sq_lo += sq2(a.lo[b].x) + sq2(a.lo[b].y) + sq2(a.lo[b].z) + sq2(a.lo[b].w);
+    sq_hi += sq2(a.hi[b].x) + sq2(a.hi[b].y) + sq2(a.hi[b].z) + sq2(a.hi[b].w);
+  }
+}
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// C (16 nodes x 8 rows) = A (the warp's columns) x B (the slot's 8 rows over the same columns), in
+// ACC independent accumulators: one chain of dependent mma.sync would make the consumers barely
+// faster than the stream, and then the ring is still full when a wait (the PDL wait, the grid
+// barrier, an activation fetch) begins, which stalls the stream.
+constexpr int ACC = STEPS < 4 ? STEPS : 4;
+static_assert(STEPS % ACC == 0, "k-steps split evenly over the accumulators");
+__device__ __forceinline__ void slot_mma(const unsigned char* slot, int col0, int lane, const AFrags& a, float (&c)[4]) {
+  const unsigned char* row = slot + (lane >> 2) * ROW_STRIDE + (col0 + 8 * (lane & 3)) * 2;
+  float part[ACC][4] = {};
+#pragma unroll
+  for (int b = 0; b < STEPS / 2; ++b) {
+    const uint4 w = *reinterpret_cast<const uint4*>(row + 64 * b);
+    float (&p0)[4] = part[(2 * b) % ACC];
+    float (&p1)[4] = part[(2 * b + 1) % ACC];
+    mma16816(p0, a.lo[b].x, a.hi[b].x, a.lo[b].y, a.hi[b].y, w.x, w.y);  // k-step 2 b: columns +0..3
+    mma16816(p1, a.lo[b].z, a.hi[b].z, a.lo[b].w, a.hi[b].w, w.z, w.w);  // k-step 2 b + 1: columns +4..7
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    float v = 0.0f;
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) v += part[i][e];
+    c[e] += v;
+  }
+}
+
+}  // namespace
+
+// With in_proj, the tree conv of its x, B and C rows too (in its epilogue: each CTA holds every node
+// of its rows), as ops/tree_conv computes it: conv_w (CONV, KC), conv_b (CONV), conv_state
+// (CONV, KC - 1) oldest first, parents (nodes) int64 (-1 at the root, parents first), into
+// xbc_conv (nodes, CONV) with silu; conv_w null: no conv.
+// out_w (D, DI) and in_w (NIN, D) bf16, either null to skip that projection. g (nodes, DI): the
+// gated scan's output; h (nodes, D): the residual stream (in_proj's input when out_w is null);
+// h_next (nodes, D): out_proj's result; h_sq (nodes, gridDim.x): each CTA's share of each node's
+// sum of squares of h_next, written when in_w is null (unless h_sq is null too); zx (nodes, NIN):
+// in_proj's result. h_next may be h (each element is read before it is written, by one thread).
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, const __nv_bfloat16* h,
+              __nv_bfloat16* h_next, float* h_sq, const __nv_bfloat16* __restrict__ in_w, __nv_bfloat16* zx,
+              int nodes, float eps_out, float eps_in, unsigned* counter, const __nv_bfloat16* conv_w,
+              const __nv_bfloat16* conv_b, const __nv_bfloat16* conv_state, const long long* parents,
+              __nv_bfloat16* xbc_conv) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* ring = smem;
+  float* red = reinterpret_cast<float*>(smem + N_SLOTS * SLOT_BYTES);  // [WARPS][NT][ROWS] partial C
+  float* acc = red + WARPS * NT * ROWS;                                 // [NT][MAX_OUT_ROWS] out_proj sums
+  float* sq = acc + NT * MAX_OUT_ROWS;                                  // [WARPS][NT] sums of squares
+  float* rms = sq + WARPS * NT;                                         // [NT]
+  float* xin = rms + NT;                                                // [NT][ROWS] a slot's conv inputs
+  float* cpar = xin + NT * ROWS;  // [MAX_IN_ROWS][2 KC]: the CTA's channels' taps, bias, cached inputs
+  int* win = reinterpret_cast<int*>(cpar + MAX_IN_ROWS * 2 * KC);  // [NT][KC] tap j's input (see below)
+  uint64_t* full = reinterpret_cast<uint64_t*>(win + NT * KC);
+  uint64_t* empty = full + N_SLOTS;
+
+  const int cta = blockIdx.x, ctas = gridDim.x;
+  const int out_lo = split_lo(D, cta, ctas), out_hi = split_lo(D, cta + 1, ctas);
+  const int in_lo = split_lo(NIN, cta, ctas), in_hi = split_lo(NIN, cta + 1, ctas);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = threadIdx.x;
+  if (t == 0) {
+    for (int i = 0; i < N_SLOTS; ++i) {
+      mbar_init(full + i, 1);
+      mbar_init(empty + i, WARPS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  const bool conv = in_w != nullptr && conv_w != nullptr;
+  if (conv && t < WARPS * 32) {
+    // Before the PDL wait: the tree's conv windows (parents only) and this CTA's conv parameters.
+    // The conv state was last written by a replay or step before this verify's embedding lookup, a
+    // plain launch that waits for all earlier work (as ops/tree_conv reads it early too).
+    if (t < nodes) {  // tap j of node t: tree node win >= 0, or cached input -1 - win (KC - 2 the latest)
+      int cur = t, back = 0;
+      for (int j = 0; j < KC; ++j) {
+        if (cur >= 0) {
+          win[t * KC + j] = cur;
+          cur = (int)parents[cur];
+        } else {
+          win[t * KC + j] = -1 - ((KC - 2) - back);
+          ++back;
+        }
+      }
+    }
+    for (int e = t; e < (in_hi - in_lo) * 2 * KC; e += WARPS * 32) {
+      const int j = e / (2 * KC), q = e % (2 * KC), ch = in_lo + j - DI;
+      if (ch < 0 || ch >= CONV) continue;
+      // q < KC: tap q (the input q tokens back); KC: the bias; KC + 1 ..: the cached inputs
+      float v;
+      if (q < KC) v = __bfloat162float(conv_w[ch * KC + KC - 1 - q]);
+      else if (q == KC) v = conv_b != nullptr ? __bfloat162float(conv_b[ch]) : 0.0f;
+      else v = __bfloat162float(conv_state[ch * (KC - 1) + q - KC - 1]);
+      cpar[j * 2 * KC + q] = v;
+    }
+  }
+  __syncthreads();
+
+  if (warp == WARPS) {  // producer: the weights, before and regardless of the PDL wait
+    if (lane == 0) {
+      uint64_t policy;
+      asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+      unsigned k = 0;
+      auto issue = [&](const __nv_bfloat16* first_row, int row_elems, int rows) {
+        const int slot = k % N_SLOTS;
+        mbar_wait(empty + slot, ((k / N_SLOTS) & 1) ^ 1);
+        if (k >= IN_FLIGHT) {  // at most IN_FLIGHT slots' copies in flight
+          const unsigned back = k - IN_FLIGHT;
+          mbar_wait(full + back % N_SLOTS, (back / N_SLOTS) & 1);
+        }
+        mbar_expect_tx(full + slot, rows * ROW_BYTES);
+        for (int r = 0; r < rows; ++r)
+          bulk_load(ring + slot * SLOT_BYTES + r * ROW_STRIDE, first_row + (size_t)r * row_elems, ROW_BYTES,
+                    full + slot, policy);
+        ++k;
+      };
+      if (out_w != nullptr)  // segment-major: the consumers hold one segment's A fragments at a time
+        for (int s = 0; s < OUT_SEGS; ++s)
+          for (int r = out_lo; r < out_hi; r += ROWS) issue(out_w + (size_t)r * DI + s * D, DI, min(ROWS, out_hi - r));
+      if (in_w != nullptr)
+        for (int r = in_lo; r < in_hi; r += ROWS) issue(in_w + (size_t)r * D, D, min(ROWS, in_hi - r));
+    }
+    return;
+  }
+
+  unsigned k = 0;
+  auto acquire = [&]() -> const unsigned char* {
+    mbar_wait(full + k % N_SLOTS, (k / N_SLOTS) & 1);
+    return ring + (k % N_SLOTS) * SLOT_BYTES;
+  };
+  auto release = [&]() {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + k % N_SLOTS);
+    ++k;
+  };
+  // The 16 x 8 sums of one slot: every warp's partial C through shared memory; thread t < 128 gets
+  // node t / 8, row t % 8.
+  auto reduce_slot = [&](const float (&c)[4]) -> float {
+    const int m = lane >> 2, n = 2 * (lane & 3);
+    float* mine = red + warp * NT * ROWS;
+    mine[m * ROWS + n] = c[0];
+    mine[m * ROWS + n + 1] = c[1];
+    mine[(m + 8) * ROWS + n] = c[2];
+    mine[(m + 8) * ROWS + n + 1] = c[3];
+    consumers_sync();
+    float s = 0.0f;
+    if (t < NT * ROWS) {
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) s += red[w * NT * ROWS + t];
+    }
+    consumers_sync();
+    return s;
+  };
+  // rms[n] = rsqrt(each node's sum of squares over every warp's fragments / k + eps)
+  auto set_rms = [&](float sq_lo, float sq_hi, int k_total, float eps) {
+    sq_lo += __shfl_xor_sync(0xffffffffu, sq_lo, 1);
+    sq_lo += __shfl_xor_sync(0xffffffffu, sq_lo, 2);
+    sq_hi += __shfl_xor_sync(0xffffffffu, sq_hi, 1);
+    sq_hi += __shfl_xor_sync(0xffffffffu, sq_hi, 2);
+    if ((lane & 3) == 0) {
+      sq[warp * NT + (lane >> 2)] = sq_lo;
+      sq[warp * NT + (lane >> 2) + 8] = sq_hi;
+    }
+    consumers_sync();
+    if (t < NT) {
+      float s = 0.0f;
+      for (int w = 0; w < WARPS; ++w) s += sq[w * NT + t];
+      rms[t] = rsqrtf(s / k_total + eps);
+    }
+    consumers_sync();
+  };
+
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // g, h: the kernels before this one
+  const int col0 = warp * KW;
+  const __nv_bfloat16* x_in = h;
+  if (out_w != nullptr) {
+    // One segment of g's columns at a time in the A fragments (as many registers as in_proj's), the
+    // rows' sums accumulated in shared memory: fewer registers leave room on the SM for the gated
+    // scan's programs, so that this launch's CTAs sit beside them and fill the ring during the scan.
+    float sq_lo = 0.0f, sq_hi = 0.0f;
+#pragma unroll 1
+    for (int s = 0; s < OUT_SEGS; ++s) {
+      AFrags a;
+      load_a(g, DI, s * D + col0, nodes, lane, a);
+      add_sq(a, sq_lo, sq_hi);
+      for (int r = out_lo, i = 0; r < out_hi; r += ROWS, i += ROWS) {
+        const unsigned char* slot = acquire();
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        slot_mma(slot, col0, lane, a, c);
+        release();
+        const float v = reduce_slot(c);
+        float* dst = acc + (t / ROWS) * MAX_OUT_ROWS + i + t % ROWS;
+        if (t < NT * ROWS && r + t % ROWS < out_hi) *dst = s == 0 ? v : *dst + v;
+      }
+    }
+    set_rms(sq_lo, sq_hi, DI, eps_out);  // its barriers also order the sums above before their reads
+    // h' = h + bf16(rms * sum) in bf16, and (last layer) each node's share of sum(h'^2)
+    const int rows = out_hi - out_lo;
+    for (int e = t; e < nodes * rows; e += CONSUMERS) {
+      const int n = e / rows, j = e % rows, row = out_lo + j;
+      const float o = round_bf(acc[n * MAX_OUT_ROWS + j] * rms[n]);
+      const uint32_t hv = ld_l2_b32(h + n * D + (row & ~1));  // the pair of bf16 holding h[n][row]
+      const float hn = round_bf(((row & 1) ? hi_bf(hv) : lo_bf(hv)) + o);
+      h_next[n * D + row] = __float2bfloat16(hn);
+      acc[n * MAX_OUT_ROWS + j] = hn;
+    }
+    if (in_w == nullptr) {
+      consumers_sync();
+      if (h_sq != nullptr && t < nodes) {
+        float s = 0.0f;
+        for (int j = 0; j < rows; ++j) s += acc[t * MAX_OUT_ROWS + j] * acc[t * MAX_OUT_ROWS + j];
+        h_sq[t * ctas + cta] = s;
+      }
+      asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+      return;
+    }
+    grid_barrier(counter);
+    x_in = h_next;
+  }
+  // every CTA is resident (past the barrier, or there is none): the next kernel may launch
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  AFrags a;
+  float sq_lo = 0.0f, sq_hi = 0.0f;
+  load_a(x_in, D, col0, nodes, lane, a);
+  add_sq(a, sq_lo, sq_hi);
+  set_rms(sq_lo, sq_hi, D, eps_in);
+  for (int r = in_lo; r < in_hi; r += ROWS) {
+    const unsigned char* slot = acquire();
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    slot_mma(slot, col0, lane, a, c);
+    release();
+    const float v = reduce_slot(c);
+    const int n = t / ROWS, row = r + t % ROWS;
+    const bool mine = t < NT * ROWS && n < nodes && row < in_hi;
+    const __nv_bfloat16 out = __float2bfloat16(v * rms[n < NT ? n : 0]);
+    if (mine) zx[n * NIN + row] = out;
+    if (conv && r + ROWS > DI && r < DI + CONV) {  // the slot holds conv channels: their conv, every node
+      if (t < NT * ROWS) xin[t] = __bfloat162float(out);
+      consumers_sync();  // (the next slot's reduce_slot orders these reads before xin's next writes)
+      const int ch = row - DI;
+      if (mine && ch >= 0 && ch < CONV) {
+        const float* p = cpar + (row - in_lo) * 2 * KC;
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < KC; ++j) {
+          const int src = win[n * KC + j];
+          s += (src >= 0 ? xin[src * ROWS + t % ROWS] : p[KC + 1 + (-1 - src)]) * p[j];
+        }
+        s += p[KC];
+        xbc_conv[n * CONV + ch] = __float2bfloat16(s / (1.0f + __expf(-s)));
+      }
+    }
+  }
+}
