@@ -371,42 +371,6 @@ else:
             GV.skinny_linear(x, w, None, config=(0, 32, 1, 1, 2, 1))
 
 
-    @pytest.mark.parametrize("m", [3, 16, 40])
-    def test_skinny_linear_split_k_matches_reference(m, nan_outputs):
-        """K split over 2-3 programs per tile (the config's eighth entry): partial tiles summed by
-        the last program of each tile, with the norm from the producer's parts, the residual, the
-        sums of squares and the ready flags in its epilogue; pointer loads and both TMA forms,
-        with preloaded boxes. The arrival counters are back at 0 after each launch."""
-        from ssmspec.ops.gemv.naive import naive_linear, naive_norm_linear
-        from ssmspec.ops.overlap import ready_counters
-
-        n, k = 70, 160  # 5 boxes of 32: shares of 3 + 2 and 2 + 2 + 1
-        x, w, b = torch.randn(1, m, k), torch.randn(n, k), torch.randn(n)
-        for cfg in ((16, 32, 1, 1, 0, 0, 0, 2), (32, 32, 1, 1, 0, 1, 0, 3), (16, 32, 1, 1, 0, 2, 0, 2),
-                    (64, 32, 1, 1, 0, 2, 3, 2), (16, 32, 1, 1, 0, 1, 2, 3)):
-            assert_close(GV.skinny_linear(x, w, b, config=cfg), naive_linear(x, w, b), atol=1e-4, rtol=1e-4,
-                         name=str(cfg))
-            tiles = -(-n // cfg[0])
-            assert not ready_counters(x.device, tiles, purpose="skinny split-K arrivals").any()
-        res = torch.randn(1, m, n)
-        want, want_sq = naive_norm_linear(x, w, None, 1, 1e-5, residual=res, return_sq=True)
-        x_sq = x.pow(2).sum(-1).reshape(m, 1, 1)
-        for cfg in ((16, 32, 1, 1, 0, 1, 2, 2), (32, 32, 1, 1, 0, 2, 3, 2), (16, 32, 1, 1, 0, 0, 0, 3)):
-            got, got_sq = GV.skinny_linear(x, w, None, config=cfg, norm_groups=1, eps=1e-5, residual=res, x_sq=x_sq,
-                                           return_sq=True)
-            assert got_sq.shape[-1] == -(-n // cfg[0])  # one part per tile, not per program
-            assert_close(got, want, atol=1e-4, rtol=1e-4, name=f"norm {cfg}")
-            assert_close(got_sq.sum(-1, keepdim=True), want_sq, atol=1e-3, rtol=1e-4, name=f"sq {cfg}")
-        # ready flags from the tile's last program only (ops/overlap.py)
-        flags = torch.zeros(n // 2, dtype=torch.int32)
-        GV.skinny_linear(x[..., :128], w[:64, :128], None, config=(32, 32, 1, 1, 0, 1, 0, 2), ready_flags=(flags, 2, 3))
-        assert flags[:32].eq(3).all() and not flags[32:].any()
-        with pytest.raises(ValueError, match="too few"):
-            GV.skinny_linear(x, w, None, config=(16, 32, 1, 1, 0, 1, 3, 3))  # 5 boxes: the last program's 1 < 2
-        with pytest.raises(ValueError, match="no split"):
-            GV.skinny_linear(x, w, None, config=(0, 32, 1, 1, 2, 0, 0, 2))
-
-
     def test_wide_skinny_route_takes_norm_parts_and_residual(nan_outputs, monkeypatch):
         """From 17 to SKINNY_WIDE_MAX_ROWS rows a shape listed in SKINNY_WIDE runs the skinny GEMM
         (norm from the producer's parts, residual in the epilogue, its own parts out) instead of

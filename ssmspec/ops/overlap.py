@@ -43,11 +43,11 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 _COUNTERS: dict = {}
 
 
-def ready_counters(device: torch.device, n: int, purpose: str = "ready") -> torch.Tensor | None:
-    """n int32 counters on `device` for `purpose`, zero between uses (shared: the layers that use
-    them run one after another). None when none exist yet and a CUDA graph is being captured: a
-    buffer first made inside a capture would belong to that graph's memory pool."""
-    key = (purpose, device.type, device.index, n)
+def ready_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """n int32 ready counters on `device`, zero between uses (shared: the layers that use them run
+    one after another). None when none exist yet and a CUDA graph is being captured: a buffer
+    first made inside a capture would belong to that graph's memory pool."""
+    key = (device.type, device.index, n)
     counters = _COUNTERS.get(key)
     if counters is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

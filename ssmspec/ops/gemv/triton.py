@@ -365,8 +365,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
                    xsq_ptr=None, n_xparts=1, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0,
                    BLOCK_Q: tl.constexpr = 16, ysq_ptr=None, WRITE_SQ: tl.constexpr = False,
                    BALANCED: tl.constexpr = False, ACT: tl.constexpr = 0, w_desc=None, TMA: tl.constexpr = 0,
-                   PRE: tl.constexpr = 0, flag_ptr=None, flag_unit=1, flag_count=1, FLAGS: tl.constexpr = 0,
-                   part_ptr=None, arrive_ptr=None, SPLIT: tl.constexpr = 1):
+                   PRE: tl.constexpr = 0, flag_ptr=None, flag_unit=1, flag_count=1, FLAGS: tl.constexpr = 0):
     # USE_PDL (a config's seventh entry): launched early, waiting at the start. In the pointer-load
     # sweep of round 2 early-launched instances ran 1.4x slower back to back (13.7 -> 20.5 us at 8
     # rows: they held their pipelines' shared memory while waiting); inside the tree iteration the
@@ -384,11 +383,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
     # FLAGS > 0 (tiled grid): once this program's output tile is stored, it adds flag_count to
     # the FLAGS ready counters of the flag_unit-wide column blocks the tile covers (ops/overlap.py:
     # a kernel on another stream waits for them instead of for this whole launch).
-    # SPLIT > 1 (tiled grid, one norm group at most): SPLIT programs share a tile, each over its
-    # share of K's boxes. Each stores its fp32 partial tile at part_ptr and counts itself in at
-    # the tile's arrival counter; the last to arrive sums the partials in split order (the same
-    # sum whichever arrives last), resets the counter to 0 and runs the epilogue. More programs
-    # than tiles fill the SMs that a few wide tiles leave idle (out_proj: 80 tiles, 132 SMs).
     if USE_PDL:
         gdc_launch_dependents()
         if PRE == 0:
@@ -399,43 +393,36 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
         offs_n = (pid * N) // tl.num_programs(0) + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n_hi
     else:
-        offs_n = tl.program_id(0) // SPLIT * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
-    tile = tl.program_id(0) // SPLIT
-    n0 = tile * BLOCK_N  # the weight box's first row (TMA: tiled grids only)
-    k_lo = 0
-    k_hi = K
-    if SPLIT > 1:  # this program's share of K, in whole BLOCK_K boxes
-        k_share = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
-        k_lo = (tl.program_id(0) % SPLIT) * k_share
-        k_hi = tl.minimum(K, k_lo + k_share)
+    n0 = tl.program_id(0) * BLOCK_N  # the weight box's first row (TMA: tiled grids only)
     if PRE > 0:
-        w_first = w_desc.load([n0, k_lo])
+        w_first = w_desc.load([n0, 0])
         if PRE > 1:
-            w_second = w_desc.load([n0, k_lo + BLOCK_K])
+            w_second = w_desc.load([n0, BLOCK_K])
         if USE_PDL:
             gdc_wait()
         if TMA == 2:  # the weight boxes as the tensor cores' A operand, as in _skinny_span
-            acc_t = _skinny_dot(w_first, tl.trans(_skinny_x_tile(x_ptr, offs_m, mask_m, k_lo, k_hi, sxm, BLOCK_K)),
+            acc_t = _skinny_dot(w_first, tl.trans(_skinny_x_tile(x_ptr, offs_m, mask_m, 0, K, sxm, BLOCK_K)),
                                 tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
             if PRE > 1:
-                acc_t = _skinny_dot(w_second, tl.trans(_skinny_x_tile(x_ptr, offs_m, mask_m, k_lo + BLOCK_K, k_hi, sxm,
-                                                                      BLOCK_K)), acc_t, IEEE)
+                acc_t = _skinny_dot(w_second, tl.trans(_skinny_x_tile(x_ptr, offs_m, mask_m, BLOCK_K, K, sxm, BLOCK_K)),
+                                    acc_t, IEEE)
             acc = tl.trans(acc_t)
         else:
-            acc = _skinny_dot(_skinny_x_tile(x_ptr, offs_m, mask_m, k_lo, k_hi, sxm, BLOCK_K), tl.trans(w_first),
+            acc = _skinny_dot(_skinny_x_tile(x_ptr, offs_m, mask_m, 0, K, sxm, BLOCK_K), tl.trans(w_first),
                               tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
             if PRE > 1:
-                acc = _skinny_dot(_skinny_x_tile(x_ptr, offs_m, mask_m, k_lo + BLOCK_K, k_hi, sxm, BLOCK_K),
-                                  tl.trans(w_second), acc, IEEE)
-        acc += _skinny_span(x_ptr, w_ptr, w_desc, offs_m, offs_n, mask_m, mask_n, n0, k_lo + PRE * BLOCK_K, k_hi,
-                            sxm, swn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+                acc = _skinny_dot(_skinny_x_tile(x_ptr, offs_m, mask_m, BLOCK_K, K, sxm, BLOCK_K), tl.trans(w_second),
+                                  acc, IEEE)
+        acc += _skinny_span(x_ptr, w_ptr, w_desc, offs_m, offs_n, mask_m, mask_n, n0, PRE * BLOCK_K, K, sxm, swn,
+                            IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
         if NORM_GROUPS == 1:
             acc *= _rstd_from_parts(xsq_ptr, offs_m, mask_m, 0, n_xparts, group_size, eps, 1, BLOCK_Q)[:, None]
     elif NORM_GROUPS <= 1:
-        acc = _skinny_span(x_ptr, w_ptr, w_desc, offs_m, offs_n, mask_m, mask_n, n0, k_lo, k_hi, sxm, swn, IEEE,
+        acc = _skinny_span(x_ptr, w_ptr, w_desc, offs_m, offs_n, mask_m, mask_n, n0, 0, K, sxm, swn, IEEE,
                            BLOCK_M, BLOCK_N, BLOCK_K, TMA)
         if NORM_GROUPS == 1:
             acc *= _rstd_from_parts(xsq_ptr, offs_m, mask_m, 0, n_xparts, group_size, eps, 1, BLOCK_Q)[:, None]
@@ -446,35 +433,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
                                 (grp + 1) * group_size, sxm, swn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
             r = _rstd_from_parts(xsq_ptr, offs_m, mask_m, grp, n_xparts, group_size, eps, NORM_GROUPS, BLOCK_Q)
             acc += part * r[:, None]
-    if SPLIT > 1:
-        offs_tile = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        tl.store(part_ptr + tl.program_id(0) * BLOCK_M * BLOCK_N + offs_tile, acc)
-        # every thread's stores, then one release (as FLAGS below); the acquire makes the other
-        # programs' partials visible to the last one, which reads them past L1 (.cg: an SM's L1
-        # may hold the workspace's lines from an earlier launch)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrive_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:
-            tl.debug_barrier()
-            acc = tl.load(part_ptr + tile * SPLIT * BLOCK_M * BLOCK_N + offs_tile, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT):
-                acc += tl.load(part_ptr + (tile * SPLIT + s) * BLOCK_M * BLOCK_N + offs_tile, cache_modifier=".cg")
-            tl.atomic_xchg(arrive_ptr + tile, 0)
-            _skinny_epilogue(acc, b_ptr, y_ptr, res_ptr, ysq_ptr, flag_ptr, offs_m, offs_n, mask_m, mask_n, n0, tile,
-                             tl.num_programs(0) // SPLIT, N, srm, sym, flag_unit, flag_count, HAS_BIAS, HAS_RES, ACT,
-                             WRITE_SQ, FLAGS)
-    else:
-        _skinny_epilogue(acc, b_ptr, y_ptr, res_ptr, ysq_ptr, flag_ptr, offs_m, offs_n, mask_m, mask_n, n0,
-                         tl.program_id(0), tl.num_programs(0), N, srm, sym, flag_unit, flag_count, HAS_BIAS, HAS_RES,
-                         ACT, WRITE_SQ, FLAGS)
-
-
-@triton.jit
-def _skinny_epilogue(acc, b_ptr, y_ptr, res_ptr, ysq_ptr, flag_ptr, offs_m, offs_n, mask_m, mask_n, n0, tile, tiles, N,
-                     srm, sym, flag_unit, flag_count, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                     ACT: tl.constexpr, WRITE_SQ: tl.constexpr, FLAGS: tl.constexpr):
-    """Bias, residual, activation, the store, the sums of squares and the ready flags of one
-    output tile `acc` (fp32, already normalised) of the skinny GEMM; `tile` of `tiles`."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
@@ -495,7 +453,7 @@ def _skinny_epilogue(acc, b_ptr, y_ptr, res_ptr, ysq_ptr, flag_ptr, offs_m, offs
     tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :], out, mask=mask)
     if WRITE_SQ:  # of the stored (rounded) values, as the next norm reads them
         of = tl.where(mask, out.to(tl.float32), 0.0)
-        tl.store(ysq_ptr + offs_m * tiles + tile, tl.sum(of * of, axis=1), mask=mask_m)
+        tl.store(ysq_ptr + offs_m * tl.num_programs(0) + tl.program_id(0), tl.sum(of * of, axis=1), mask=mask_m)
     if FLAGS > 0:
         # Every thread's stores before one release per counter (the pattern of a cooperative
         # grid sync: a CTA barrier, then a release at GPU scope).
@@ -510,9 +468,7 @@ grid balanced (k programs per SM, each owning N / (k * SMs) columns; BLOCK_N is 
 a sixth entry 1 or 2 reads the weight through a TMA descriptor (see `_skinny_span`); a seventh
 entry 1 launches it with PDL: its programs start while the kernel before ends and wait at their
 start, before any load (they hold their shared memory meanwhile); 2 or 3 also load their first
-1 or 2 weight boxes before waiting (TMA 1 or 2, one norm group at most); an eighth entry s > 1
-splits K over s programs per tile (tiled grids; the last of them to finish sums the fp32 partials
-in a fixed order and writes the tile; not where the kernel applies several norm groups)."""
+1 or 2 weight boxes before waiting (TMA 1 or 2, one norm group at most)."""
 # (N, K) -> config: the best at 16 rows of the H100 sweeps (bench/results/gemv_sweep-h100.log, then
 # `bench_kernels.py --skinny-sweep`, bench/results/round4/skinny_sweep*.log): mamba2-2.7b out_proj,
 # hybrid-8b Mamba in/out_proj, MLP up/down, attention q/o and k/v, LM head. Unlisted shapes use
@@ -628,10 +584,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if res.stride(-1) != 1:
             res = res.contiguous()
     block_n, block_k, warps, stages, *extra = config or _skinny_config(n, k, m)
-    per_sm, tma, early, split = (list(extra) + [0, 0, 0, 1][len(extra):])[:4]
-    if per_sm and (tma or split > 1):
-        raise ValueError(f"skinny_linear: config {config}: a balanced grid has no fixed weight box for TMA "
-                         f"and no split of K")
+    per_sm, tma, early = (list(extra) + [0, 0, 0])[:3]
+    if per_sm and tma:
+        raise ValueError(f"skinny_linear: config {config}: a balanced grid has no fixed weight box for TMA")
     flag_args = {}
     if ready_flags is not None:
         counters, unit, count = ready_flags
@@ -650,8 +605,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         while block_k > 16 and group_size % block_k:  # a K block must not straddle two groups
             block_k //= 2
     use_parts = bool(norm_groups) and x_sq is not None and group_size % block_k == 0
-    if use_parts and norm_groups > 1:
-        split = 1  # each program's K span would cross norm groups
     if use_parts:
         x_sq = _check_parts(x_sq, m, norm_groups, "x_sq")
     elif norm_groups:
@@ -662,30 +615,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         from ..step_update.triton import rms_norm
 
         rows = rms_norm(rows.reshape(-1, group_size), None, eps).reshape(m, k)
-    split_args = {}
-    if split > 1:
-        boxes = triton.cdiv(k, block_k)
-        share = triton.cdiv(boxes, split)
-        if boxes - (split - 1) * share < max(1, early - 1):
-            raise ValueError(f"skinny_linear: config {config}: K {k} has {boxes} boxes of {block_k}, too few for "
-                             f"{split} programs of {share} (and {max(0, early - 1)} preloaded) each")
-        from ..overlap import ready_counters
-
-        arrivals = ready_counters(x.device, grid, purpose="skinny split-K arrivals")
-        if arrivals is None:  # first met inside a CUDA-graph capture: no shared counters to take
-            split = 1
-        else:
-            parts = torch.empty(grid * split, max(16, triton.next_power_of_2(m)), block_n, device=x.device,
-                                dtype=torch.float32)
-            split_args = dict(part_ptr=parts, arrive_ptr=arrivals, SPLIT=split)
     y_sq = torch.empty(m, 1, grid, device=x.device, dtype=torch.float32) if return_sq else None
     w_desc = _weight_descriptor(weight, block_n, block_k) if tma else None
     use_pdl = bool(early) and pdl.enabled(x.device)
     # early 2 or 3: also the first 1 or 2 weight boxes before the wait (TMA 1 or 2, at most one
-    # norm group, each program's K covering them); else none
+    # norm group, K covering them); else none
     pre = early - 1 if (early > 1 and w_desc is not None and tma in (1, 2) and norm_groups <= 1
                         and k >= (early - 1) * block_k) else 0
-    _skinny_kernel[(grid * split,)](
+    _skinny_kernel[(grid,)](
         rows, weight, bias if bias is not None else weight, y, m, n, k, rows.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
@@ -697,7 +634,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         ysq_ptr=y_sq, WRITE_SQ=return_sq, BALANCED=bool(per_sm),
         ACT=SKINNY_ACTIVATIONS[activation] if activation else 0,
         w_desc=w_desc, TMA=tma if w_desc is not None else 0, PRE=pre, **({"launch_pdl": True} if use_pdl else {}),
-        **flag_args, **split_args,
+        **flag_args,
     )
     y = y.reshape(tuple(x.shape[:-1]) + (n,))
     return (y, y_sq) if return_sq else y
