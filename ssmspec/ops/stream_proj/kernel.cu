@@ -45,7 +45,7 @@ namespace {
 constexpr int D = D_MODEL, DI = D_INNER, NIN = N_IN, NT = 16;
 constexpr int CONV = CONV_DIM, KC = CONV_K;  // in_proj's rows DI .. DI + CONV are the conv's channels
 constexpr int MAX_IN_ROWS = 128;             // in_proj rows per CTA (NIN / SMs: 81 at 10576 on 132)
-static_assert(DI == 2 * D, "an out_proj row is two slot rows of D columns: one for each CTA of a pair");
+constexpr int OUT_SEGS = DI / D;  // an out_proj row is OUT_SEGS slot rows of D columns
 constexpr int ROWS = 8, ROW_BYTES = D * 2;
 constexpr int ROW_STRIDE = ROW_BYTES + 64;  // B fragments by lds.128: rows 2i and 2i + 1 in opposite bank halves
 constexpr int SLOT_BYTES = ROWS * ROW_STRIDE;
@@ -71,24 +71,6 @@ __device__ __forceinline__ float hi_bf(uint32_t u) { return __uint_as_float(u & 
 __device__ __forceinline__ float sq2(uint32_t u) { return lo_bf(u) * lo_bf(u) + hi_bf(u) * hi_bf(u); }
 __device__ __forceinline__ float round_bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
 __device__ __forceinline__ int split_lo(int n, int part, int parts) { return (int)(((long long)n * part) / parts); }
-
-// The pair handshake (clusters of 2): one arrive on the peer's mbarrier, releasing this CTA's
-// shared-memory writes at cluster scope, and the matching wait with acquire.
-__device__ __forceinline__ void pair_arrive(uint64_t* bar, uint32_t peer) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(peer));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
-}
-__device__ __forceinline__ uint32_t peer_addr(const void* p, uint32_t peer) {
-  uint32_t a;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_addr(p)), "r"(peer));
-  return a;
-}
-__device__ __forceinline__ float ld_peer_f32(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
-  return v;
-}
 
 // The grid barrier of one launch. Tickets count up across launches and graph replays (never reset):
 // a CTA's ticket names its launch's generation, whose end is the next multiple of the grid size.
@@ -171,7 +153,7 @@ __device__ __forceinline__ void slot_mma(const unsigned char* slot, int col0, in
 // h_next (nodes, D): out_proj's result; h_sq (nodes, gridDim.x): each CTA's share of each node's
 // sum of squares of h_next, written when in_w is null (unless h_sq is null too); zx (nodes, NIN):
 // in_proj's result. h_next may be h (each element is read before it is written, by one thread).
-extern "C" __global__ void __launch_bounds__(THREADS, 1) __cluster_dims__(2, 1, 1)
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
 stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, const __nv_bfloat16* h,
               __nv_bfloat16* h_next, float* h_sq, const __nv_bfloat16* __restrict__ in_w, __nv_bfloat16* zx,
               int nodes, float eps_out, float eps_in, unsigned* counter, const __nv_bfloat16* conv_w,
@@ -185,18 +167,12 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
   float* rms = sq + WARPS * NT;                                         // [NT]
   float* xin = rms + NT;                                                // [NT][ROWS] a slot's conv inputs
   float* cpar = xin + NT * ROWS;  // [MAX_IN_ROWS][2 KC]: the CTA's channels' taps, bias, cached inputs
-  float* pair_sq = cpar + MAX_IN_ROWS * 2 * KC;  // [NT] this CTA's half of g's sums of squares
-  float* hsq = pair_sq + NT;                      // [NT] sums of squares of the h' rows it finishes
-  int* win = reinterpret_cast<int*>(hsq + NT);    // [NT][KC] tap j's input (see below)
+  int* win = reinterpret_cast<int*>(cpar + MAX_IN_ROWS * 2 * KC);  // [NT][KC] tap j's input (see below)
   uint64_t* full = reinterpret_cast<uint64_t*>(win + NT * KC);
   uint64_t* empty = full + N_SLOTS;
-  uint64_t* pair_bar = empty + N_SLOTS;  // [2]: the peer's partial sums are ready; it is done reading ours
 
-  // out_proj: the rows of this CTA's pair (a cluster of 2); each CTA streams one half of their
-  // columns (so it needs one half of g) and finishes one half of the rows from both halves' sums,
-  // read from the peer's shared memory
-  const int cta = blockIdx.x, ctas = gridDim.x, rank = cta & 1;
-  const int out_lo = split_lo(D, cta / 2, ctas / 2), out_hi = split_lo(D, cta / 2 + 1, ctas / 2);
+  const int cta = blockIdx.x, ctas = gridDim.x;
+  const int out_lo = split_lo(D, cta, ctas), out_hi = split_lo(D, cta + 1, ctas);
   const int in_lo = split_lo(NIN, cta, ctas), in_hi = split_lo(NIN, cta + 1, ctas);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = threadIdx.x;
   if (t == 0) {
@@ -204,11 +180,8 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
       mbar_init(full + i, 1);
       mbar_init(empty + i, WARPS);
     }
-    mbar_init(pair_bar, 1);  // one arrive each, from the peer
-    mbar_init(pair_bar + 1, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if (t < NT) hsq[t] = 0.0f;
   const bool conv = in_w != nullptr && conv_w != nullptr;
   if (conv && t < WARPS * 32) {
     // Before the PDL wait: the tree's conv windows (parents only) and this CTA's conv parameters.
@@ -237,8 +210,7 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
       cpar[j * 2 * KC + q] = v;
     }
   }
-  // both CTAs of the pair initialised before any remote arrive (and this CTA's shared arrays)
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+  __syncthreads();
 
   if (warp == WARPS) {  // producer: the weights, before and regardless of the PDL wait
     if (lane == 0) {
@@ -258,8 +230,9 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
                     full + slot, policy);
         ++k;
       };
-      if (out_w != nullptr)
-        for (int r = out_lo; r < out_hi; r += ROWS) issue(out_w + (size_t)r * DI + rank * D, DI, min(ROWS, out_hi - r));
+      if (out_w != nullptr)  // segment-major: the consumers hold one segment's A fragments at a time
+        for (int s = 0; s < OUT_SEGS; ++s)
+          for (int r = out_lo; r < out_hi; r += ROWS) issue(out_w + (size_t)r * DI + s * D, DI, min(ROWS, out_hi - r));
       if (in_w != nullptr)
         for (int r = in_lo; r < in_hi; r += ROWS) issue(in_w + (size_t)r * D, D, min(ROWS, in_hi - r));
     }
@@ -294,8 +267,8 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
     consumers_sync();
     return s;
   };
-  // Each node's sum of squares over every warp's fragments into dst[NT].
-  auto node_sq = [&](float sq_lo, float sq_hi, float* dst) {
+  // rms[n] = rsqrt(each node's sum of squares over every warp's fragments / k + eps)
+  auto set_rms = [&](float sq_lo, float sq_hi, int k_total, float eps) {
     sq_lo += __shfl_xor_sync(0xffffffffu, sq_lo, 1);
     sq_lo += __shfl_xor_sync(0xffffffffu, sq_lo, 2);
     sq_hi += __shfl_xor_sync(0xffffffffu, sq_hi, 1);
@@ -308,7 +281,7 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
     if (t < NT) {
       float s = 0.0f;
       for (int w = 0; w < WARPS; ++w) s += sq[w * NT + t];
-      dst[t] = s;
+      rms[t] = rsqrtf(s / k_total + eps);
     }
     consumers_sync();
   };
@@ -317,41 +290,43 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
   const int col0 = warp * KW;
   const __nv_bfloat16* x_in = h;
   if (out_w != nullptr) {
-    AFrags a;
+    // One segment of g's columns at a time in the A fragments (as many registers as in_proj's), the
+    // rows' sums accumulated in shared memory: fewer registers leave room on the SM for the gated
+    // scan's programs, so that this launch's CTAs sit beside them and fill the ring during the scan.
     float sq_lo = 0.0f, sq_hi = 0.0f;
-    load_a(g, DI, rank * D + col0, nodes, lane, a);
-    add_sq(a, sq_lo, sq_hi);
-    for (int r = out_lo, i = 0; r < out_hi; r += ROWS, i += ROWS) {
-      const unsigned char* slot = acquire();
-      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      slot_mma(slot, col0, lane, a, c);
-      release();
-      const float v = reduce_slot(c);
-      if (t < NT * ROWS && r + t % ROWS < out_hi) acc[(t / ROWS) * MAX_OUT_ROWS + i + t % ROWS] = v;
+#pragma unroll 1
+    for (int s = 0; s < OUT_SEGS; ++s) {
+      AFrags a;
+      load_a(g, DI, s * D + col0, nodes, lane, a);
+      add_sq(a, sq_lo, sq_hi);
+      for (int r = out_lo, i = 0; r < out_hi; r += ROWS, i += ROWS) {
+        const unsigned char* slot = acquire();
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        slot_mma(slot, col0, lane, a, c);
+        release();
+        const float v = reduce_slot(c);
+        float* dst = acc + (t / ROWS) * MAX_OUT_ROWS + i + t % ROWS;
+        if (t < NT * ROWS && r + t % ROWS < out_hi) *dst = s == 0 ? v : *dst + v;
+      }
     }
-    node_sq(sq_lo, sq_hi, pair_sq);  // ends with a barrier: acc and pair_sq complete
-    if (t == 0) pair_arrive(pair_bar, rank ^ 1);
-    mbar_wait<true>(pair_bar, 0);
-    const uint32_t peer_sq = peer_addr(pair_sq, rank ^ 1), peer_acc = peer_addr(acc, rank ^ 1);
-    if (t < NT) rms[t] = rsqrtf((pair_sq[t] + ld_peer_f32(peer_sq + 4 * t)) / DI + eps_out);
-    consumers_sync();
-    // h' = h + bf16(rms * (both halves' sums)) in bf16, for this CTA's half of the pair's rows
-    const int mid = out_lo + (out_hi - out_lo) / 2, fin_lo = rank ? mid : out_lo, fin_hi = rank ? out_hi : mid;
-    const int rows = fin_hi - fin_lo;
+    set_rms(sq_lo, sq_hi, DI, eps_out);  // its barriers also order the sums above before their reads
+    // h' = h + bf16(rms * sum) in bf16, and (last layer) each node's share of sum(h'^2)
+    const int rows = out_hi - out_lo;
     for (int e = t; e < nodes * rows; e += CONSUMERS) {
-      const int n = e / rows, row = fin_lo + e % rows, j = row - out_lo;
-      const float o = round_bf((acc[n * MAX_OUT_ROWS + j] + ld_peer_f32(peer_acc + 4 * (n * MAX_OUT_ROWS + j))) * rms[n]);
+      const int n = e / rows, j = e % rows, row = out_lo + j;
+      const float o = round_bf(acc[n * MAX_OUT_ROWS + j] * rms[n]);
       const uint32_t hv = ld_l2_b32(h + n * D + (row & ~1));  // the pair of bf16 holding h[n][row]
       const float hn = round_bf(((row & 1) ? hi_bf(hv) : lo_bf(hv)) + o);
       h_next[n * D + row] = __float2bfloat16(hn);
-      if (h_sq != nullptr) atomicAdd(hsq + n, hn * hn);
+      acc[n * MAX_OUT_ROWS + j] = hn;
     }
-    // done reading the peer's shared memory; neither CTA leaves (or reuses it) before the other is
-    consumers_sync();
-    if (t == 0) pair_arrive(pair_bar + 1, rank ^ 1);
-    mbar_wait<true>(pair_bar + 1, 0);
     if (in_w == nullptr) {
-      if (h_sq != nullptr && t < nodes) h_sq[t * ctas + cta] = hsq[t];
+      consumers_sync();
+      if (h_sq != nullptr && t < nodes) {
+        float s = 0.0f;
+        for (int j = 0; j < rows; ++j) s += acc[t * MAX_OUT_ROWS + j] * acc[t * MAX_OUT_ROWS + j];
+        h_sq[t * ctas + cta] = s;
+      }
       asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
       return;
     }
@@ -364,9 +339,7 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
   float sq_lo = 0.0f, sq_hi = 0.0f;
   load_a(x_in, D, col0, nodes, lane, a);
   add_sq(a, sq_lo, sq_hi);
-  node_sq(sq_lo, sq_hi, rms);
-  if (t < NT) rms[t] = rsqrtf(rms[t] / D + eps_in);
-  consumers_sync();
+  set_rms(sq_lo, sq_hi, D, eps_in);
   for (int r = in_lo; r < in_hi; r += ROWS) {
     const unsigned char* slot = acquire();
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
