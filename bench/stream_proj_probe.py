@@ -3,13 +3,13 @@
 
 Times the greedy tree iteration as bench_decode.py does (verify + accept + replay graph, pending
 slots as the product gives them, full acceptance) on the Triton projections, then on the
-weight-stream kernel built with each (slots, copies in flight, conv inside) setting, then on Triton again, all
+weight-stream kernel built with each (slots, copies in flight) setting, then on Triton again, all
 in one process, with the one-launch AR step for the ratio. The kernel variants build in parallel
 first (about a minute each with nvcc).
 
 Run on the GPU from the repository root:
 
-    python3 bench/stream_proj_probe.py [--tree 3,2,1] [--variants "4,1,1;4,1,0;5,1,0"]
+    python3 bench/stream_proj_probe.py [--tree 3,2,1] [--variants "4,1;5,1;4,2"]
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="mamba2-2.7b")
     ap.add_argument("--tree", default="3,2,1")
-    ap.add_argument("--variants", default="4,1,1;4,1,0", help="';'-separated slots,in_flight,fuse_conv settings")
+    ap.add_argument("--variants", default="4,1;5,1", help="';'-separated slots,in_flight settings")
     args = ap.parse_args()
     torch.manual_seed(0)
     dispatch.set_backend("triton")
@@ -44,10 +44,9 @@ def main() -> int:
     ids = torch.randint(0, vocab, (1, 1), device="cuda")
     variants = [tuple(int(v) for v in spec.split(",")) for spec in args.variants.split(";")]
     m = model.layers[0].mixer
-    shape = (m.in_proj.weight.shape[1], m.out_proj.weight.shape[1], m.in_proj.weight.shape[0], m.cfg.conv_dim,
-             m.cfg.conv_kernel)
+    shape = (m.in_proj.weight.shape[1], m.out_proj.weight.shape[1], m.in_proj.weight.shape[0])
     with concurrent.futures.ThreadPoolExecutor(len(variants)) as pool:  # nvcc builds in parallel
-        list(pool.map(lambda v: sp._module(*shape, *v[:2]), variants))
+        list(pool.map(lambda v: sp._module(*shape, *v), variants))
 
     os.environ[stream_layers.cuda.ENV] = "1"
     cache = prefilled_cache(model, prompt, 256)
@@ -71,10 +70,10 @@ def main() -> int:
               f"{info['greedy_chain_matches']}, accepted {info['accepted']}", flush=True)
 
     timed("Triton projections", False)
-    for slots, in_flight, fuse in variants:
-        sp.SLOTS, sp.IN_FLIGHT, sp.FUSE_CONV = slots, in_flight, bool(fuse)
+    for slots, in_flight in variants:
+        sp.SLOTS, sp.IN_FLIGHT = slots, in_flight
         model._stream_proj_runner = None  # rebuilt with this setting at the next verify
-        timed(f"weight stream, {slots} slots, {in_flight} in flight, conv {'inside' if fuse else 'Triton'}", True)
+        timed(f"weight stream, {slots} slots, {in_flight} in flight", True)
     timed("Triton projections, again", False)
     print(f"\n{'what':<52} {'ms':>7} {'x AR':>6}")
     for label, ms in rows:

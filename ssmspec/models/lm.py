@@ -379,25 +379,20 @@ class LanguageModel(nn.Module):
 
     def _stream_proj_verify(self, runner, tokens: torch.Tensor, parents: torch.Tensor, cache: ModelCache):
         """`verify` with every layer's projections on the weight stream: one launch per layer
-        boundary (layer i's out_proj, then layer i + 1's in_proj with its tree conv), the gated
-        scan between them as the Triton kernel. Same math and contract as `_fused_verify`."""
+        boundary (layer i's out_proj, then layer i + 1's in_proj), the tree conv and the gated
+        scan between them as Triton kernels. Same math and contract as `_fused_verify`."""
         h = self.embeddings(tokens).contiguous()
         mixers = [layer.mixer for layer in self.layers]
-        zx, xbc_conv = runner(h, in_mixer=mixers[0], in_eps=self.layers[0].norm.eps,
-                              conv_state=cache.layers[0].conv_state, parents=parents)
+        zx = runner(h, in_mixer=mixers[0], in_eps=self.layers[0].norm.eps)
         acts = []
         for i, m in enumerate(mixers):
             c = m.cfg
             z, xBC, dt_raw = zx.view(*tokens.shape, -1).split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
-            gated, _, a = m.verify_conv_scan(z, xBC, dt_raw, cache.layers[i], parents, cache.pending_inputs(i),
-                                             xBC_conv=None if xbc_conv is None else xbc_conv.view(*tokens.shape, -1))
+            gated, _, a = m.verify_conv_scan(z, xBC, dt_raw, cache.layers[i], parents, cache.pending_inputs(i))
             acts.append(a)
-            if i + 1 == len(mixers):
-                runner(h, out_mixer=m, g=gated)
-            else:
-                zx, xbc_conv = runner(h, out_mixer=m, g=gated, in_mixer=mixers[i + 1],
-                                      in_eps=self.layers[i + 1].norm.eps, conv_state=cache.layers[i + 1].conv_state,
-                                      parents=parents)
+            last = i + 1 == len(mixers)
+            zx = runner(h, out_mixer=m, g=gated, in_mixer=None if last else mixers[i + 1],
+                        in_eps=0.0 if last else self.layers[i + 1].norm.eps)
         logits = dispatch.linear(self.norm_f(h), self.lm_head.weight, self.lm_head.bias).float()
         return logits, TreeActivations(acts)
 

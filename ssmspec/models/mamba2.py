@@ -282,15 +282,13 @@ class Mamba2Mixer(nn.Module):
         return out, out_sq, acts
 
     def verify_conv_scan(self, z, xBC, dt_raw, cache: MambaLayerCache, parents: torch.Tensor, pending=None,
-                         gate_flags=None, xBC_conv: torch.Tensor | None = None):
+                         gate_flags=None):
         """The verify layer between its projections, on the kernels: the tree conv of in_proj's
-        xBC (unless given as xBC_conv: ops/stream_proj computes it with in_proj) and the gated
-        tree scan (gated = y * silu(z), the time step from dt_raw inside).
+        xBC and the gated tree scan (gated = y * silu(z), the time step from dt_raw inside).
         -> (gated (B, N, d_inner), its partial sums of squares per SSM group, the activations
         for `replay`). gate_flags: z's ready counters when z's GEMM runs beside (ops/overlap.py)."""
         c = self.cfg
-        if xBC_conv is None:
-            xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
+        xBC_conv = dispatch.tree_conv(xBC, cache.conv_state, self.conv_weight, self.conv1d.bias, parents)
         x, B, C = self._split_conv_out(xBC_conv)
         gated, dt, g_sq = dispatch.tree_scan_gated(x, dt_raw, self.dt_bias, c.dt_min, c.dt_max, self.A, B, C,
                                                    self.D, z, parents, cache.ssm_state, return_sq=True,

@@ -21,14 +21,11 @@ SLOTS = 4
 """Ring slots of 8 weight rows (40 KB at d_model 2560) per CTA."""
 IN_FLIGHT = 1
 """Slots whose copies the producer keeps in flight at once (ops/stream_layers: 1)."""
-FUSE_CONV = True
-"""Whether in_proj's launch also runs the layer's tree conv (else the Triton conv kernel does)."""
 ROWS = 8  # weight rows per ring slot: kernel.cu's ROWS
 MAX_SMEM = 227 * 1024
 WARPS = 8
 THREADS = WARPS * 32 + 32
 MAX_OUT_ROWS = 64  # kernel.cu's MAX_OUT_ROWS: out_proj rows per CTA
-MAX_IN_ROWS = 128  # kernel.cu's MAX_IN_ROWS: in_proj rows per CTA
 USE_PDL = True
 """Launch with programmatic dependent launch where ops/pdl.py does (False: for a timing A/B only)."""
 
@@ -44,9 +41,7 @@ static const __nv_bfloat16* bf16_or_null(const c10::optional<torch::Tensor>& t) 
 void launch(c10::optional<torch::Tensor> out_w, c10::optional<torch::Tensor> g, torch::Tensor h,
             c10::optional<torch::Tensor> h_next, c10::optional<torch::Tensor> h_sq, c10::optional<torch::Tensor> in_w,
             c10::optional<torch::Tensor> zx, int64_t nodes, double eps_out, double eps_in, torch::Tensor counter,
-            c10::optional<torch::Tensor> conv_w, c10::optional<torch::Tensor> conv_b,
-            c10::optional<torch::Tensor> conv_state, c10::optional<torch::Tensor> parents,
-            c10::optional<torch::Tensor> xbc_conv, int64_t smem, bool pdl) {
+            int64_t smem, bool pdl) {
   static int64_t configured = -1;  // the dynamic shared-memory limit is set once per process
   if (configured != smem) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(stream_proj16, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
@@ -68,26 +63,20 @@ void launch(c10::optional<torch::Tensor> out_w, c10::optional<torch::Tensor> g, 
       h_next.has_value() ? reinterpret_cast<__nv_bfloat16*>(h_next->data_ptr()) : nullptr,
       h_sq.has_value() ? h_sq->data_ptr<float>() : nullptr, bf16_or_null(in_w),
       zx.has_value() ? reinterpret_cast<__nv_bfloat16*>(zx->data_ptr()) : nullptr, (int)nodes, (float)eps_out,
-      (float)eps_in, reinterpret_cast<unsigned*>(counter.data_ptr()), bf16_or_null(conv_w), bf16_or_null(conv_b),
-      bf16_or_null(conv_state), parents.has_value() ? reinterpret_cast<const long long*>(parents->data_ptr()) : nullptr,
-      xbc_conv.has_value() ? reinterpret_cast<__nv_bfloat16*>(xbc_conv->data_ptr()) : nullptr));
+      (float)eps_in, reinterpret_cast<unsigned*>(counter.data_ptr())));
 }
 """
 _DECLARATION = ("void launch(c10::optional<torch::Tensor> out_w, c10::optional<torch::Tensor> g, torch::Tensor h, "
                 "c10::optional<torch::Tensor> h_next, c10::optional<torch::Tensor> h_sq, "
                 "c10::optional<torch::Tensor> in_w, c10::optional<torch::Tensor> zx, int64_t nodes, double eps_out, "
-                "double eps_in, torch::Tensor counter, c10::optional<torch::Tensor> conv_w, "
-                "c10::optional<torch::Tensor> conv_b, c10::optional<torch::Tensor> conv_state, "
-                "c10::optional<torch::Tensor> parents, c10::optional<torch::Tensor> xbc_conv, int64_t smem, bool pdl);")
+                "double eps_in, torch::Tensor counter, int64_t smem, bool pdl);")
 
 
-def smem_bytes(d_model: int, conv_k: int, slots: int | None = None) -> int:
-    """kernel.cu's dynamic shared memory: the ring, the reductions, the conv's windows and
-    parameters, the mbarriers."""
+def smem_bytes(d_model: int, slots: int | None = None) -> int:
+    """kernel.cu's dynamic shared memory: the ring, the reductions, the mbarriers."""
     slots = slots or SLOTS
     ring = slots * ROWS * (d_model * 2 + 64)
-    floats = WARPS * 16 * ROWS + 16 * MAX_OUT_ROWS + WARPS * 16 + 16 + 16 * ROWS + MAX_IN_ROWS * 2 * conv_k
-    return ring + floats * 4 + 16 * conv_k * 4 + 2 * slots * 8
+    return ring + (WARPS * 16 * ROWS + 16 * MAX_OUT_ROWS + WARPS * 16 + 16) * 4 + 2 * slots * 8
 
 
 def unsupported_reason(model, nodes: int, device: torch.device) -> str | None:
@@ -96,8 +85,7 @@ def unsupported_reason(model, nodes: int, device: torch.device) -> str | None:
     if not 1 <= nodes <= MAX_NODES:
         return f"{nodes} rows (batch x tree nodes); the kernel takes 1..{MAX_NODES}"
     d_model = model.config.d_model
-    conv_k = model.layers[0].mixer.cfg.conv_kernel if model.layers[0].kind == "mamba" else 4
-    if d_model % 256 or smem_bytes(d_model, conv_k) > MAX_SMEM:
+    if d_model % 256 or smem_bytes(d_model) > MAX_SMEM:
         return f"d_model {d_model} does not fit the kernel's tiling (a multiple of 256 up to 4096)"
     shapes = set()
     for layer in model.layers:
@@ -109,11 +97,9 @@ def unsupported_reason(model, nodes: int, device: torch.device) -> str | None:
                     f"(group size {m.norm.group_size})")
         if m.in_proj.bias is not None or m.out_proj.bias is not None:
             return "projection biases are not supported"
-        weights = (m.in_proj.weight, m.out_proj.weight, m.conv1d.weight) + (() if m.conv1d.bias is None else
-                                                                          (m.conv1d.bias,))
-        if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in weights):
-            return "bf16 contiguous projection and conv weights only"
-        shapes.add((tuple(m.in_proj.weight.shape), tuple(m.out_proj.weight.shape), c.conv_dim, c.conv_kernel))
+        if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in (m.in_proj.weight, m.out_proj.weight)):
+            return "bf16 contiguous projection weights only"
+        shapes.add((tuple(m.in_proj.weight.shape), tuple(m.out_proj.weight.shape)))
     if len(shapes) != 1:
         return "the layers differ in shape"
     if device.type != "cuda":
@@ -121,8 +107,7 @@ def unsupported_reason(model, nodes: int, device: torch.device) -> str | None:
     if torch.cuda.get_device_capability(device) != (9, 0):
         return "needs a Hopper GPU (sm_90)"
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    n_in = model.layers[0].mixer.in_proj.weight.shape[0]
-    if -(-d_model // sms) > MAX_OUT_ROWS or -(-n_in // sms) > MAX_IN_ROWS:
+    if -(-d_model // sms) > MAX_OUT_ROWS:
         return f"d_model {d_model} needs more multiprocessors than the {sms} here"
     if shutil.which("nvcc") is None or shutil.which("ninja") is None:
         return "needs nvcc and ninja to build"
@@ -130,7 +115,7 @@ def unsupported_reason(model, nodes: int, device: torch.device) -> str | None:
 
 
 @functools.cache
-def _module(d_model: int, d_inner: int, n_in: int, conv_dim: int, conv_k: int, slots: int, in_flight: int):
+def _module(d_model: int, d_inner: int, n_in: int, slots: int, in_flight: int):
     """The extension for one shape (built once per shape and machine, then loaded from cache)."""
     from torch.utils.cpp_extension import load_inline
 
@@ -139,9 +124,8 @@ def _module(d_model: int, d_inner: int, n_in: int, conv_dim: int, conv_k: int, s
         source = f.read() + _LAUNCHER
     flags = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-diag-suppress", "177,550",
              "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", f"-DD_MODEL={d_model}", f"-DD_INNER={d_inner}", f"-DN_IN={n_in}",
-             f"-DCONV_DIM={conv_dim}", f"-DCONV_K={conv_k}",
              f"-DN_SLOTS={slots}", f"-DIN_FLIGHT={in_flight}"]
-    name = f"ssmspec_stream_proj_{d_model}_{d_inner}_{n_in}_{conv_dim}_{conv_k}_{slots}_{in_flight}"
+    name = f"ssmspec_stream_proj_{d_model}_{d_inner}_{n_in}_{slots}_{in_flight}"
     print(f"ssmspec: loading the tree verify's weight-stream projections {name} (built on first use on this "
           "machine, ~1 min; cached under TORCH_EXTENSIONS_DIR)", file=sys.stderr, flush=True)
     return load_inline(name=name, cpp_sources=_DECLARATION, cuda_sources=source, functions=["launch"],
@@ -152,47 +136,32 @@ def _module(d_model: int, d_inner: int, n_in: int, conv_dim: int, conv_k: int, s
 class StreamProj:
     """A verify's Mamba projections at up to 16 rows (batch 1) on the weight stream.
 
-    `runner(h, out_mixer=None, g=None, in_mixer=None, in_eps=0.0, conv_state=None, parents=None)`
-    launches out_mixer's out_proj (h + out_proj(gated_norm(g)), in place into h), then in_mixer's
-    in_proj (in_proj(pre_norm(h))) and its tree conv over `parents` from the layer's `conv_state`,
-    either projection alone when the other mixer is None. Returns (zx (rows, N_in), xBC after the
-    conv (rows, conv_dim), or None when FUSE_CONV is off), or None without in_mixer. The norms' weights must be folded into the
-    projections (models/fold.py).
+    `runner(h, out_mixer=None, g=None, in_mixer=None, in_eps=0.0)` launches out_mixer's out_proj
+    (h + out_proj(gated_norm(g)), in place into h), then in_mixer's in_proj (in_proj(pre_norm(h)),
+    its pre-norm's eps in_eps), either alone when the other mixer is None, and returns zx
+    (rows, N_in), or None without in_mixer. The norms' weights must be folded into the projections
+    (models/fold.py).
     """
 
     def __init__(self, model, device: torch.device):
         m = model.layers[0].mixer
         self.n_in, self.d_model = m.in_proj.weight.shape
         self.d_inner = m.out_proj.weight.shape[1]
-        self.conv_dim, self.conv_k = m.cfg.conv_dim, m.cfg.conv_kernel
-        self.launch = _module(self.d_model, self.d_inner, self.n_in, self.conv_dim, self.conv_k, SLOTS,
-                              IN_FLIGHT).launch
-        self.smem = smem_bytes(self.d_model, self.conv_k, SLOTS)
+        self.launch = _module(self.d_model, self.d_inner, self.n_in, SLOTS, IN_FLIGHT).launch
+        self.smem = smem_bytes(self.d_model, SLOTS)
         # the grid barrier's tickets (kernel.cu: they count up across launches, never reset)
         self.counter = torch.zeros(1, device=device, dtype=torch.int32)
 
     def __call__(self, h: torch.Tensor, out_mixer=None, g: torch.Tensor | None = None, in_mixer=None,
-                 in_eps: float = 0.0, conv_state: torch.Tensor | None = None, parents: torch.Tensor | None = None):
+                 in_eps: float = 0.0) -> torch.Tensor | None:
         rows = h.numel() // self.d_model
         if not (1 <= rows <= MAX_NODES and h.is_contiguous() and h.dtype == torch.bfloat16):
             raise ValueError(f"stream_proj: h must be contiguous bf16 with 1..{MAX_NODES} rows of {self.d_model}")
         if out_mixer is not None and (g is None or not g.is_contiguous() or g.numel() != rows * self.d_inner):
             raise ValueError(f"stream_proj: g must be contiguous ({rows}, {self.d_inner})")
-        zx = xbc = None
-        conv_args = (None, None, None, None, None)
-        if in_mixer is not None:
-            if (conv_state is None or conv_state.dtype != torch.bfloat16 or not conv_state.is_contiguous()
-                    or conv_state.numel() != self.conv_dim * (self.conv_k - 1)
-                    or parents is None or parents.dtype != torch.int64 or parents.numel() != rows):
-                raise ValueError(f"stream_proj: in_proj's tree conv needs the layer's contiguous bf16 conv state "
-                                 f"({self.conv_dim}, {self.conv_k - 1}) and int64 parents of the {rows} nodes")
-            zx = torch.empty(rows, self.n_in, device=h.device, dtype=torch.bfloat16)
-            if FUSE_CONV:
-                xbc = torch.empty(rows, self.conv_dim, device=h.device, dtype=torch.bfloat16)
-                conv = in_mixer.conv1d
-                conv_args = (conv.weight, conv.bias, conv_state, parents, xbc)
+        zx = None if in_mixer is None else torch.empty(rows, self.n_in, device=h.device, dtype=torch.bfloat16)
         self.launch(None if out_mixer is None else out_mixer.out_proj.weight, g, h,
                     None if out_mixer is None else h, None, None if in_mixer is None else in_mixer.in_proj.weight,
-                    zx, rows, 0.0 if out_mixer is None else out_mixer.norm.eps, in_eps, self.counter, *conv_args,
-                    self.smem, USE_PDL and pdl.enabled(h.device))
-        return None if zx is None else (zx, xbc)
+                    zx, rows, 0.0 if out_mixer is None else out_mixer.norm.eps, in_eps, self.counter, self.smem,
+                    USE_PDL and pdl.enabled(h.device))
+        return zx

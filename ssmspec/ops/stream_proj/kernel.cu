@@ -13,10 +13,15 @@
 // between launches as the Triton kernels they are.
 //
 // Why (BENCHMARKS.md, round 15): the Triton skinny GEMMs stream at ~2.0 (out_proj) and ~2.4 TB/s
-// (in_proj) at 16 rows, whatever their tiles (runs 207-208). Here the weights are read whole rows at
-// a time, every SM streams the same bytes, and the producer starts at launch, before the PDL wait:
-// weights depend on no earlier kernel, so this launch's first slots fill while the conv and the
-// scan before it still run (the scan lets it launch at its start).
+// (in_proj) at 16 rows, whatever their tiles or K splits (runs 207-208). Here every SM streams the
+// same bytes, and the producer starts at launch, before the PDL wait: weights depend on no earlier
+// kernel, so this launch's ring fills while the conv and the scan before it still run (the scan lets
+// it launch at its start). For that its CTAs must fit on an SM beside a scan program (32 KB of shared
+// memory, 168 registers x 128 threads): hence 4 slots (5: 2.626 against 2.608 ms, run 211) and
+// out_proj's A fragments one half of g's columns at a time (141 registers instead of 168).
+// Measured slower and removed (round 15): the tree conv in in_proj's epilogue (runs 213-214), out_proj
+// split over CTA pairs with the partial sums through distributed shared memory (run 215), two copies
+// in flight (run 211).
 //
 // Deadlock freedom: the grid barrier needs every CTA resident. A launch lets the next kernel launch
 // (griddepcontrol.launch_dependents) only after its barrier, so no later kernel's CTAs can hold
@@ -30,8 +35,6 @@
 #define D_MODEL 2560
 #define D_INNER 5120
 #define N_IN 10576
-#define CONV_DIM 5376
-#define CONV_K 4
 #endif
 #ifndef N_SLOTS
 #define N_SLOTS 4
@@ -43,8 +46,6 @@
 namespace {
 
 constexpr int D = D_MODEL, DI = D_INNER, NIN = N_IN, NT = 16;
-constexpr int CONV = CONV_DIM, KC = CONV_K;  // in_proj's rows DI .. DI + CONV are the conv's channels
-constexpr int MAX_IN_ROWS = 128;             // in_proj rows per CTA (NIN / SMs: 81 at 10576 on 132)
 constexpr int OUT_SEGS = DI / D;  // an out_proj row is OUT_SEGS slot rows of D columns
 constexpr int ROWS = 8, ROW_BYTES = D * 2;
 constexpr int ROW_STRIDE = ROW_BYTES + 64;  // B fragments by lds.128: rows 2i and 2i + 1 in opposite bank halves
@@ -53,7 +54,6 @@ constexpr int WARPS = 8, CONSUMERS = WARPS * 32, THREADS = CONSUMERS + 32;
 constexpr int KW = D / WARPS, STEPS = KW / 16;  // a warp's columns of a slot row; mma k-steps per slot
 constexpr int MAX_OUT_ROWS = 64;                // out_proj rows per CTA (D / SMs: 20 at 2560 on 132)
 static_assert(KW % 32 == 0 && DI % D == 0 && CONSUMERS >= NT * ROWS, "the fragment and reduction mappings");
-static_assert(NT <= CONSUMERS && KC >= 2, "the conv windows' mapping");
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory"); }
 __device__ __forceinline__ uint4 ld_l2_v4(const void* p) {  // past L1: written by other CTAs or launches
@@ -144,10 +144,6 @@ __device__ __forceinline__ void slot_mma(const unsigned char* slot, int col0, in
 
 }  // namespace
 
-// With in_proj, the tree conv of its x, B and C rows too (in its epilogue: each CTA holds every node
-// of its rows), as ops/tree_conv computes it: conv_w (CONV, KC), conv_b (CONV), conv_state
-// (CONV, KC - 1) oldest first, parents (nodes) int64 (-1 at the root, parents first), into
-// xbc_conv (nodes, CONV) with silu; conv_w null: no conv.
 // out_w (D, DI) and in_w (NIN, D) bf16, either null to skip that projection. g (nodes, DI): the
 // gated scan's output; h (nodes, D): the residual stream (in_proj's input when out_w is null);
 // h_next (nodes, D): out_proj's result; h_sq (nodes, gridDim.x): each CTA's share of each node's
@@ -156,19 +152,14 @@ __device__ __forceinline__ void slot_mma(const unsigned char* slot, int col0, in
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, const __nv_bfloat16* h,
               __nv_bfloat16* h_next, float* h_sq, const __nv_bfloat16* __restrict__ in_w, __nv_bfloat16* zx,
-              int nodes, float eps_out, float eps_in, unsigned* counter, const __nv_bfloat16* conv_w,
-              const __nv_bfloat16* conv_b, const __nv_bfloat16* conv_state, const long long* parents,
-              __nv_bfloat16* xbc_conv) {
+              int nodes, float eps_out, float eps_in, unsigned* counter) {
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char* ring = smem;
   float* red = reinterpret_cast<float*>(smem + N_SLOTS * SLOT_BYTES);  // [WARPS][NT][ROWS] partial C
   float* acc = red + WARPS * NT * ROWS;                                 // [NT][MAX_OUT_ROWS] out_proj sums
   float* sq = acc + NT * MAX_OUT_ROWS;                                  // [WARPS][NT] sums of squares
   float* rms = sq + WARPS * NT;                                         // [NT]
-  float* xin = rms + NT;                                                // [NT][ROWS] a slot's conv inputs
-  float* cpar = xin + NT * ROWS;  // [MAX_IN_ROWS][2 KC]: the CTA's channels' taps, bias, cached inputs
-  int* win = reinterpret_cast<int*>(cpar + MAX_IN_ROWS * 2 * KC);  // [NT][KC] tap j's input (see below)
-  uint64_t* full = reinterpret_cast<uint64_t*>(win + NT * KC);
+  uint64_t* full = reinterpret_cast<uint64_t*>(rms + NT);
   uint64_t* empty = full + N_SLOTS;
 
   const int cta = blockIdx.x, ctas = gridDim.x;
@@ -181,34 +172,6 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
       mbar_init(empty + i, WARPS);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  const bool conv = in_w != nullptr && conv_w != nullptr;
-  if (conv && t < WARPS * 32) {
-    // Before the PDL wait: the tree's conv windows (parents only) and this CTA's conv parameters.
-    // The conv state was last written by a replay or step before this verify's embedding lookup, a
-    // plain launch that waits for all earlier work (as ops/tree_conv reads it early too).
-    if (t < nodes) {  // tap j of node t: tree node win >= 0, or cached input -1 - win (KC - 2 the latest)
-      int cur = t, back = 0;
-      for (int j = 0; j < KC; ++j) {
-        if (cur >= 0) {
-          win[t * KC + j] = cur;
-          cur = (int)parents[cur];
-        } else {
-          win[t * KC + j] = -1 - ((KC - 2) - back);
-          ++back;
-        }
-      }
-    }
-    for (int e = t; e < (in_hi - in_lo) * 2 * KC; e += WARPS * 32) {
-      const int j = e / (2 * KC), q = e % (2 * KC), ch = in_lo + j - DI;
-      if (ch < 0 || ch >= CONV) continue;
-      // q < KC: tap q (the input q tokens back); KC: the bias; KC + 1 ..: the cached inputs
-      float v;
-      if (q < KC) v = __bfloat162float(conv_w[ch * KC + KC - 1 - q]);
-      else if (q == KC) v = conv_b != nullptr ? __bfloat162float(conv_b[ch]) : 0.0f;
-      else v = __bfloat162float(conv_state[ch * (KC - 1) + q - KC - 1]);
-      cpar[j * 2 * KC + q] = v;
-    }
   }
   __syncthreads();
 
@@ -347,24 +310,6 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
     release();
     const float v = reduce_slot(c);
     const int n = t / ROWS, row = r + t % ROWS;
-    const bool mine = t < NT * ROWS && n < nodes && row < in_hi;
-    const __nv_bfloat16 out = __float2bfloat16(v * rms[n < NT ? n : 0]);
-    if (mine) zx[n * NIN + row] = out;
-    if (conv && r + ROWS > DI && r < DI + CONV) {  // the slot holds conv channels: their conv, every node
-      if (t < NT * ROWS) xin[t] = __bfloat162float(out);
-      consumers_sync();  // (the next slot's reduce_slot orders these reads before xin's next writes)
-      const int ch = row - DI;
-      if (mine && ch >= 0 && ch < CONV) {
-        const float* p = cpar + (row - in_lo) * 2 * KC;
-        float s = 0.0f;
-#pragma unroll
-        for (int j = 0; j < KC; ++j) {
-          const int src = win[n * KC + j];
-          s += (src >= 0 ? xin[src * ROWS + t % ROWS] : p[KC + 1 + (-1 - src)]) * p[j];
-        }
-        s += p[KC];
-        xbc_conv[n * CONV + ch] = __float2bfloat16(s / (1.0f + __expf(-s)));
-      }
-    }
+    if (t < NT * ROWS && n < nodes && row < in_hi) zx[n * NIN + row] = __float2bfloat16(v * rms[n]);
   }
 }
