@@ -98,7 +98,8 @@ class GreedyTreeGraph:
         self.out_tokens = self.out_len = self.out_last = None  # out_last: (B,) deepest accepted node
 
         def iteration():
-            logits, acts = model.verify(self.tokens_in, tree, cache)
+            # only argmaxes are taken: the logits may stay bf16 (no cast launch; the same argmax)
+            logits, acts = model.verify(self.tokens_in, tree, cache, float_logits=False)
             path, path_len, out, last = dispatch.greedy_accept(logits, self.tokens_in, self.parents, self.depth,
                                                                self.mask, self.paths)
             model.replay(cache, acts, path, path_len)

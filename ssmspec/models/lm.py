@@ -204,7 +204,7 @@ class LanguageModel(nn.Module):
         cache.seqlen += 1
         return self._logits(h)
 
-    def _fused_stack(self, h: torch.Tensor, run_mixer, run_folded):
+    def _fused_stack(self, h: torch.Tensor, run_mixer, run_folded, float_logits: bool = True):
         """The sublayers on the kernel path: each residual add runs inside the next sublayer's
         RMSNorm (one launch instead of two: ops/step_update add_rms_norm) and the LM head goes
         through `dispatch.linear` (one-row GEMV or skinny GEMM). Sublayers whose norms are folded
@@ -216,7 +216,7 @@ class LanguageModel(nn.Module):
         activations or None), where h_sq are h's (or None): a folded sublayer's output projection
         hands the next one's norm its sums of squares (ops/gemv `norm_linear`). run_folded may
         overwrite h (the residual add in place): h is dead once its sublayer has run.
-        Returns (logits, acts).
+        Returns (logits, acts): fp32 logits, or in the LM head's dtype when not float_logits.
         """
         x = None  # the previous sublayer's output, not yet added to h
         h_sq = None  # h's partial sums of squares while h is a folded sublayer's output
@@ -238,7 +238,8 @@ class LanguageModel(nn.Module):
             normed = self.norm_f(h)
         else:
             _, normed = dispatch.add_rms_norm(x, h, self.norm_f.weight, self.norm_f.eps)
-        return dispatch.linear(normed, self.lm_head.weight, self.lm_head.bias).float(), acts
+        logits = dispatch.linear(normed, self.lm_head.weight, self.lm_head.bias)
+        return (logits.float() if float_logits else logits), acts
 
     def _stream_layers(self, input_ids: torch.Tensor):
         """The one-launch layer stack (ops/stream_layers) when the user asked for it
@@ -287,20 +288,23 @@ class LanguageModel(nn.Module):
         cache.seqlen += 1
         return logits
 
-    def verify(self, tokens: torch.Tensor, tree, cache: ModelCache):
+    def verify(self, tokens: torch.Tensor, tree, cache: ModelCache, float_logits: bool = True):
         """Logits of every node of a packed token tree in one call; the cache is left untouched.
 
         Args:
             tokens: (B, N) packed tree tokens, node 0 the root.
             tree: a `ssmspec.trees.Tree` (parents, depths, ancestor mask).
             cache: the state after the prefix.
+            float_logits: False lets the kernel path keep the logits in the LM head's dtype (bf16
+                models: half the bytes, no cast launch), for callers that only take their argmax.
         Returns:
-            logits (B, N, V) fp32, and TreeActivations for `replay`.
+            logits (B, N, V) fp32 (or, see float_logits, the LM head's dtype), and TreeActivations
+            for `replay`.
         """
         device = tokens.device
         if (not torch.is_grad_enabled() and dispatch.uses_kernel("add_rms_norm", device)
                 and self.config.d_model <= _ADD_NORM_MAX_DIM):
-            return self._fused_verify(tokens, tree, cache)
+            return self._fused_verify(tokens, tree, cache, float_logits)
         parents = tree.parents_tensor(device)
         depth = tree.depth_tensor(device)
         mask = tree.mask_tensor(device)
@@ -326,13 +330,13 @@ class LanguageModel(nn.Module):
         return any(layer.kind == "mamba" and layer.norms_folded
                    and layer.mixer.verify_splits_in_proj(batch * nodes, batch, self.device) for layer in self.layers)
 
-    def _fused_verify(self, tokens: torch.Tensor, tree, cache: ModelCache):
+    def _fused_verify(self, tokens: torch.Tensor, tree, cache: ModelCache, float_logits: bool = True):
         """`verify` on the kernels, same math and contract (see `_fused_stack`)."""
         device = tokens.device
         parents = tree.parents_tensor(device)
         runner = self._stream_proj(tokens)
         if runner is not None:
-            return self._stream_proj_verify(runner, tokens, parents, cache)
+            return self._stream_proj_verify(runner, tokens, parents, cache, float_logits)
         depth = tree.depth_tensor(device)
         mask = tree.mask_tensor(device)
 
@@ -349,7 +353,7 @@ class LanguageModel(nn.Module):
                                                           cache.pending_inputs(i))
             return *_folded_mlp_residual(layer.mixer, h, layer.norm.eps, h_sq), None
 
-        logits, acts = self._fused_stack(self.embeddings(tokens), run_mixer, run_folded)
+        logits, acts = self._fused_stack(self.embeddings(tokens), run_mixer, run_folded, float_logits)
         return logits, TreeActivations(acts)
 
     def _stream_proj(self, tokens: torch.Tensor):
@@ -377,7 +381,8 @@ class LanguageModel(nn.Module):
             runner = self._stream_proj_runner = stream_proj.StreamProj(self, tokens.device)
         return runner
 
-    def _stream_proj_verify(self, runner, tokens: torch.Tensor, parents: torch.Tensor, cache: ModelCache):
+    def _stream_proj_verify(self, runner, tokens: torch.Tensor, parents: torch.Tensor, cache: ModelCache,
+                            float_logits: bool = True):
         """`verify` with every layer's projections on the weight stream: one launch per layer
         boundary (layer i's out_proj, then layer i + 1's in_proj), the tree conv and the gated
         scan between them as Triton kernels. Same math and contract as `_fused_verify`."""
@@ -393,8 +398,8 @@ class LanguageModel(nn.Module):
             last = i + 1 == len(mixers)
             zx = runner(h, out_mixer=m, g=gated, in_mixer=None if last else mixers[i + 1],
                         in_eps=0.0 if last else self.layers[i + 1].norm.eps)
-        logits = dispatch.linear(self.norm_f(h), self.lm_head.weight, self.lm_head.bias).float()
-        return logits, TreeActivations(acts)
+        logits = dispatch.linear(self.norm_f(h), self.lm_head.weight, self.lm_head.bias)
+        return (logits.float() if float_logits else logits), TreeActivations(acts)
 
     def replay(self, cache: ModelCache, acts: TreeActivations, path: torch.Tensor, path_len: torch.Tensor) -> None:
         """Advance the cache along the accepted path: (B, M) node indices (root first), (B,) lengths.

@@ -26,6 +26,8 @@ MAX_SMEM = 227 * 1024
 WARPS = 8
 THREADS = WARPS * 32 + 32
 MAX_OUT_ROWS = 64  # kernel.cu's MAX_OUT_ROWS: out_proj rows per CTA
+TRACE = False
+"""Build with kernel.cu's TRACE stamps (bench/stream_proj_probe.py --trace; not for the product)."""
 USE_PDL = True
 """Launch with programmatic dependent launch where ops/pdl.py does (False: for a timing A/B only)."""
 
@@ -65,6 +67,12 @@ void launch(c10::optional<torch::Tensor> out_w, c10::optional<torch::Tensor> g, 
       zx.has_value() ? reinterpret_cast<__nv_bfloat16*>(zx->data_ptr()) : nullptr, (int)nodes, (float)eps_out,
       (float)eps_in, reinterpret_cast<unsigned*>(counter.data_ptr())));
 }
+#ifdef TRACE
+void set_trace(torch::Tensor buffer) {  // the stamps' buffer, [launch][CTA][TRACE_N] uint64
+  unsigned long long* p = reinterpret_cast<unsigned long long*>(buffer.data_ptr());
+  C10_CUDA_CHECK(cudaMemcpyToSymbol(g_trace, &p, sizeof(p)));
+}
+#endif
 """
 _DECLARATION = ("void launch(c10::optional<torch::Tensor> out_w, c10::optional<torch::Tensor> g, torch::Tensor h, "
                 "c10::optional<torch::Tensor> h_next, c10::optional<torch::Tensor> h_sq, "
@@ -115,7 +123,7 @@ def unsupported_reason(model, nodes: int, device: torch.device) -> str | None:
 
 
 @functools.cache
-def _module(d_model: int, d_inner: int, n_in: int, slots: int, in_flight: int):
+def _module(d_model: int, d_inner: int, n_in: int, slots: int, in_flight: int, trace: bool = False):
     """The extension for one shape (built once per shape and machine, then loaded from cache)."""
     from torch.utils.cpp_extension import load_inline
 
@@ -124,11 +132,12 @@ def _module(d_model: int, d_inner: int, n_in: int, slots: int, in_flight: int):
         source = f.read() + _LAUNCHER
     flags = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-diag-suppress", "177,550",
              "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", f"-DD_MODEL={d_model}", f"-DD_INNER={d_inner}", f"-DN_IN={n_in}",
-             f"-DN_SLOTS={slots}", f"-DIN_FLIGHT={in_flight}"]
-    name = f"ssmspec_stream_proj_{d_model}_{d_inner}_{n_in}_{slots}_{in_flight}"
+             f"-DN_SLOTS={slots}", f"-DIN_FLIGHT={in_flight}"] + (["-DTRACE"] if trace else [])
+    name = f"ssmspec_stream_proj_{d_model}_{d_inner}_{n_in}_{slots}_{in_flight}{'_trace' if trace else ''}"
     print(f"ssmspec: loading the tree verify's weight-stream projections {name} (built on first use on this "
           "machine, ~1 min; cached under TORCH_EXTENSIONS_DIR)", file=sys.stderr, flush=True)
-    return load_inline(name=name, cpp_sources=_DECLARATION, cuda_sources=source, functions=["launch"],
+    return load_inline(name=name, cpp_sources=_DECLARATION + (" void set_trace(torch::Tensor buffer);" if trace else ""),
+                       cuda_sources=source, functions=["launch"] + (["set_trace"] if trace else []),
                        extra_cuda_cflags=flags,
                        extra_include_paths=[here, os.path.join(os.path.dirname(here), "stream_layers")])
 
@@ -147,10 +156,12 @@ class StreamProj:
         m = model.layers[0].mixer
         self.n_in, self.d_model = m.in_proj.weight.shape
         self.d_inner = m.out_proj.weight.shape[1]
-        self.launch = _module(self.d_model, self.d_inner, self.n_in, SLOTS, IN_FLIGHT).launch
+        self.module = _module(self.d_model, self.d_inner, self.n_in, SLOTS, IN_FLIGHT, TRACE)
+        self.launch = self.module.launch
         self.smem = smem_bytes(self.d_model, SLOTS)
-        # the grid barrier's tickets (kernel.cu: they count up across launches, never reset)
-        self.counter = torch.zeros(1, device=device, dtype=torch.int32)
+        # the grid barrier's tickets (kernel.cu: they count up across launches, never reset); a
+        # second counter numbers the launches of a TRACE build
+        self.counter = torch.zeros(2, device=device, dtype=torch.int32)
 
     def __call__(self, h: torch.Tensor, out_mixer=None, g: torch.Tensor | None = None, in_mixer=None,
                  in_eps: float = 0.0) -> torch.Tensor | None:

@@ -43,8 +43,13 @@
 #define IN_FLIGHT 1
 #endif
 
+#ifdef TRACE  // bench/stream_proj_probe.py --trace: globaltimer stamps per launch and CTA
+__device__ unsigned long long* g_trace;  // [launch][CTA][TRACE_N], set by the launcher's set_trace
+#endif
+
 namespace {
 
+constexpr int TRACE_N = 16;
 constexpr int D = D_MODEL, DI = D_INNER, NIN = N_IN, NT = 16;
 constexpr int OUT_SEGS = DI / D;  // an out_proj row is OUT_SEGS slot rows of D columns
 constexpr int ROWS = 8, ROW_BYTES = D * 2;
@@ -71,6 +76,11 @@ __device__ __forceinline__ float hi_bf(uint32_t u) { return __uint_as_float(u & 
 __device__ __forceinline__ float sq2(uint32_t u) { return lo_bf(u) * lo_bf(u) + hi_bf(u) * hi_bf(u); }
 __device__ __forceinline__ float round_bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
 __device__ __forceinline__ int split_lo(int n, int part, int parts) { return (int)(((long long)n * part) / parts); }
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long v;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
+  return v;
+}
 
 // The grid barrier of one launch. Tickets count up across launches and graph replays (never reset):
 // a CTA's ticket names its launch's generation, whose end is the next multiple of the grid size.
@@ -166,6 +176,19 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
   const int out_lo = split_lo(D, cta, ctas), out_hi = split_lo(D, cta + 1, ctas);
   const int in_lo = split_lo(NIN, cta, ctas), in_hi = split_lo(NIN, cta + 1, ctas);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = threadIdx.x;
+#ifdef TRACE
+  // this launch's index: every CTA counts itself in at counter[1] (the probe allocates two counters)
+  __shared__ unsigned long long* trace;
+  if (t == 0) {
+    const unsigned ticket = atomicAdd(counter + 1, 1u);
+    trace = g_trace + ((size_t)(ticket / ctas) * ctas + cta) * TRACE_N;
+    trace[0] = now_ns();
+  }
+#define STAMP(i) \
+  if (t == 0) trace[i] = now_ns()
+#else
+#define STAMP(i)
+#endif
   if (t == 0) {
     for (int i = 0; i < N_SLOTS; ++i) {
       mbar_init(full + i, 1);
@@ -180,13 +203,27 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
       uint64_t policy;
       asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
       unsigned k = 0;
+#ifdef TRACE
+      unsigned long long ring_full_ns = 0, in_flight_ns = 0;
+      trace[10] = now_ns();
+#endif
       auto issue = [&](const __nv_bfloat16* first_row, int row_elems, int rows) {
         const int slot = k % N_SLOTS;
+#ifdef TRACE
+        const unsigned long long t0 = now_ns();
+#endif
         mbar_wait(empty + slot, ((k / N_SLOTS) & 1) ^ 1);
+#ifdef TRACE
+        const unsigned long long t1 = now_ns();
+        ring_full_ns += t1 - t0;
+#endif
         if (k >= IN_FLIGHT) {  // at most IN_FLIGHT slots' copies in flight
           const unsigned back = k - IN_FLIGHT;
           mbar_wait(full + back % N_SLOTS, (back / N_SLOTS) & 1);
         }
+#ifdef TRACE
+        in_flight_ns += now_ns() - t1;
+#endif
         mbar_expect_tx(full + slot, rows * ROW_BYTES);
         for (int r = 0; r < rows; ++r)
           bulk_load(ring + slot * SLOT_BYTES + r * ROW_STRIDE, first_row + (size_t)r * row_elems, ROW_BYTES,
@@ -198,6 +235,11 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
           for (int r = out_lo; r < out_hi; r += ROWS) issue(out_w + (size_t)r * DI + s * D, DI, min(ROWS, out_hi - r));
       if (in_w != nullptr)
         for (int r = in_lo; r < in_hi; r += ROWS) issue(in_w + (size_t)r * D, D, min(ROWS, in_hi - r));
+#ifdef TRACE
+      trace[8] = ring_full_ns;
+      trace[9] = in_flight_ns;
+      trace[11] = now_ns();
+#endif
     }
     return;
   }
@@ -250,6 +292,7 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
   };
 
   asm volatile("griddepcontrol.wait;" ::: "memory");  // g, h: the kernels before this one
+  STAMP(1);
   const int col0 = warp * KW;
   const __nv_bfloat16* x_in = h;
   if (out_w != nullptr) {
@@ -262,6 +305,7 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
       AFrags a;
       load_a(g, DI, s * D + col0, nodes, lane, a);
       add_sq(a, sq_lo, sq_hi);
+      if (s == 0) STAMP(2);
       for (int r = out_lo, i = 0; r < out_hi; r += ROWS, i += ROWS) {
         const unsigned char* slot = acquire();
         float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -272,6 +316,7 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
         if (t < NT * ROWS && r + t % ROWS < out_hi) *dst = s == 0 ? v : *dst + v;
       }
     }
+    STAMP(3);
     set_rms(sq_lo, sq_hi, DI, eps_out);  // its barriers also order the sums above before their reads
     // h' = h + bf16(rms * sum) in bf16, and (last layer) each node's share of sum(h'^2)
     const int rows = out_hi - out_lo;
@@ -293,7 +338,9 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
       asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
       return;
     }
+    STAMP(4);
     grid_barrier(counter);
+    STAMP(5);
     x_in = h_next;
   }
   // every CTA is resident (past the barrier, or there is none): the next kernel may launch
@@ -303,6 +350,7 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
   load_a(x_in, D, col0, nodes, lane, a);
   add_sq(a, sq_lo, sq_hi);
   set_rms(sq_lo, sq_hi, D, eps_in);
+  STAMP(6);
   for (int r = in_lo; r < in_hi; r += ROWS) {
     const unsigned char* slot = acquire();
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -312,4 +360,5 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
     const int n = t / ROWS, row = r + t % ROWS;
     if (t < NT * ROWS && n < nodes && row < in_hi) zx[n * NIN + row] = __float2bfloat16(v * rms[n]);
   }
+  STAMP(7);
 }
