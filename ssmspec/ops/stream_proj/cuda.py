@@ -70,7 +70,9 @@ void launch(c10::optional<torch::Tensor> out_w, c10::optional<torch::Tensor> g, 
 #ifdef TRACE
 void set_trace(torch::Tensor buffer) {  // the stamps' buffer, [launch][CTA][TRACE_N] uint64
   unsigned long long* p = reinterpret_cast<unsigned long long*>(buffer.data_ptr());
+  const unsigned launches = (unsigned)buffer.size(0);
   C10_CUDA_CHECK(cudaMemcpyToSymbol(g_trace, &p, sizeof(p)));
+  C10_CUDA_CHECK(cudaMemcpyToSymbol(g_trace_launches, &launches, sizeof(launches)));
 }
 #endif
 """
