@@ -101,12 +101,13 @@ def trace(model, prompt, tree, vocab) -> int:
     tokens, _ = tree_tokens_following(model, cache, int(prompt[0, -1]), tree, vocab)
     os.environ[stream_layers.cuda.ENV] = "1"
     try:
-        graph = GreedyTreeGraph(model, cache, tree)
-        runner = model._stream_proj_runner
+        # the stamps' buffer is set before the first launch (the graph's warm-up): the kernel writes it
+        runner = model._stream_proj_runner = sp.StreamProj(model, torch.device("cuda"))
         ctas = torch.cuda.get_device_properties(0).multi_processor_count
         launches = len(model.layers) + 1
         buffer = torch.zeros(launches, ctas, 16, dtype=torch.int64, device="cuda")
         runner.module.set_trace(buffer)
+        graph = GreedyTreeGraph(model, cache, tree)
         snapshot = cache.clone()
         for _ in range(3):
             cache.copy_(snapshot)

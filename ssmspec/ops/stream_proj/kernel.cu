@@ -59,9 +59,6 @@ constexpr int SLOT_BYTES = ROWS * ROW_STRIDE;
 constexpr int WARPS = 8, CONSUMERS = WARPS * 32, THREADS = CONSUMERS + 32;
 constexpr int KW = D / WARPS, STEPS = KW / 16;  // a warp's columns of a slot row; mma k-steps per slot
 constexpr int MAX_OUT_ROWS = 64;                // out_proj rows per CTA (D / SMs: 20 at 2560 on 132)
-// Registers per thread: with 288 threads a CTA then leaves 65536 - 288 x 144 = 24064 registers of an SM,
-// enough for one program of the gated scan beside it (168 x 128 = 21504)
-#define MAX_REGS 144
 static_assert(KW % 32 == 0 && DI % D == 0 && CONSUMERS >= NT * ROWS, "the fragment and reduction mappings");
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory"); }
@@ -84,17 +81,6 @@ __device__ __forceinline__ unsigned long long now_ns() {
   unsigned long long v;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
   return v;
-}
-
-// The slots of rows [lo, hi): a partial one first, then whole ones. The producer lets the copies
-// of a partial slot and of the slot after it be in flight together: as the last of a CTA's slots, a
-// partial one cost a whole copy round trip for a few rows, and the 16 CTAs with an 81st in_proj row
-// finished last in 88% of the launches (run 217's stamps).
-__device__ __forceinline__ int slot_count(int lo, int hi) { return (hi - lo + ROWS - 1) / ROWS; }
-__device__ __forceinline__ void slot_rows(int lo, int hi, int j, int& first, int& rows) {
-  const int rem = (hi - lo) % ROWS;
-  first = rem == 0 ? lo + j * ROWS : j == 0 ? lo : lo + rem + (j - 1) * ROWS;
-  rows = rem != 0 && j == 0 ? rem : ROWS;
 }
 
 // The grid barrier of one launch. Tickets count up across launches and graph replays (never reset):
@@ -174,7 +160,7 @@ __device__ __forceinline__ void slot_mma(const unsigned char* slot, int col0, in
 // h_next (nodes, D): out_proj's result; h_sq (nodes, gridDim.x): each CTA's share of each node's
 // sum of squares of h_next, written when in_w is null (unless h_sq is null too); zx (nodes, NIN):
 // in_proj's result. h_next may be h (each element is read before it is written, by one thread).
-extern "C" __global__ void __maxnreg__(MAX_REGS)
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
 stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, const __nv_bfloat16* h,
               __nv_bfloat16* h_next, float* h_sq, const __nv_bfloat16* __restrict__ in_w, __nv_bfloat16* zx,
               int nodes, float eps_out, float eps_in, unsigned* counter) {
@@ -218,7 +204,6 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
       uint64_t policy;
       asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
       unsigned k = 0;
-      bool after_partial = false;
 #ifdef TRACE
       unsigned long long ring_full_ns = 0, in_flight_ns = 0;
       trace[10] = now_ns();
@@ -233,7 +218,7 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
         const unsigned long long t1 = now_ns();
         ring_full_ns += t1 - t0;
 #endif
-        if (k >= IN_FLIGHT && !after_partial) {  // at most IN_FLIGHT whole slots' copies in flight
+        if (k >= IN_FLIGHT) {  // at most IN_FLIGHT slots' copies in flight
           const unsigned back = k - IN_FLIGHT;
           mbar_wait(full + back % N_SLOTS, (back / N_SLOTS) & 1);
         }
@@ -244,21 +229,13 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
         for (int r = 0; r < rows; ++r)
           bulk_load(ring + slot * SLOT_BYTES + r * ROW_STRIDE, first_row + (size_t)r * row_elems, ROW_BYTES,
                     full + slot, policy);
-        after_partial = rows < ROWS;
         ++k;
       };
-      int first, rows;
       if (out_w != nullptr)  // segment-major: the consumers hold one segment's A fragments at a time
         for (int s = 0; s < OUT_SEGS; ++s)
-          for (int j = 0; j < slot_count(out_lo, out_hi); ++j) {
-            slot_rows(out_lo, out_hi, j, first, rows);
-            issue(out_w + (size_t)first * DI + s * D, DI, rows);
-          }
+          for (int r = out_lo; r < out_hi; r += ROWS) issue(out_w + (size_t)r * DI + s * D, DI, min(ROWS, out_hi - r));
       if (in_w != nullptr)
-        for (int j = 0; j < slot_count(in_lo, in_hi); ++j) {
-          slot_rows(in_lo, in_hi, j, first, rows);
-          issue(in_w + (size_t)first * D, D, rows);
-        }
+        for (int r = in_lo; r < in_hi; r += ROWS) issue(in_w + (size_t)r * D, D, min(ROWS, in_hi - r));
 #ifdef TRACE
       trace[8] = ring_full_ns;
       trace[9] = in_flight_ns;
@@ -340,16 +317,14 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
       load_a(g, DI, s * D + col0, nodes, lane, a);
       add_sq(a, sq_lo, sq_hi);
       if (s == 0) STAMP(2);
-      for (int j = 0; j < slot_count(out_lo, out_hi); ++j) {
-        int first, n_rows;
-        slot_rows(out_lo, out_hi, j, first, n_rows);
+      for (int r = out_lo, i = 0; r < out_hi; r += ROWS, i += ROWS) {
         const unsigned char* slot = acquire();
         float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         slot_mma(slot, col0, lane, a, c);
         release();
         const float v = reduce_slot(c);
-        float* dst = acc + (t / ROWS) * MAX_OUT_ROWS + first - out_lo + t % ROWS;
-        if (t < NT * ROWS && t % ROWS < n_rows) *dst = s == 0 ? v : *dst + v;
+        float* dst = acc + (t / ROWS) * MAX_OUT_ROWS + i + t % ROWS;
+        if (t < NT * ROWS && r + t % ROWS < out_hi) *dst = s == 0 ? v : *dst + v;
       }
     }
     STAMP(3);
@@ -388,16 +363,14 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
   add_sq(a, sq_lo, sq_hi);
   set_rms(sq_lo, sq_hi, D, eps_in);
   STAMP(6);
-  for (int j = 0; j < slot_count(in_lo, in_hi); ++j) {
-    int first, n_rows;
-    slot_rows(in_lo, in_hi, j, first, n_rows);
+  for (int r = in_lo; r < in_hi; r += ROWS) {
     const unsigned char* slot = acquire();
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     slot_mma(slot, col0, lane, a, c);
     release();
     const float v = reduce_slot(c);
-    const int n = t / ROWS;
-    if (t < NT * ROWS && n < nodes && t % ROWS < n_rows) zx[n * NIN + first + t % ROWS] = __float2bfloat16(v * rms[n]);
+    const int n = t / ROWS, row = r + t % ROWS;
+    if (t < NT * ROWS && n < nodes && row < in_hi) zx[n * NIN + row] = __float2bfloat16(v * rms[n]);
   }
   STAMP(7);
 }
