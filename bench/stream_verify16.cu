@@ -15,7 +15,7 @@
 //   copied one bulk copy per row into padded rows, at most one slot's copies in flight;
 // - the nodes' activations go straight from L2 into the tensor cores' A fragments, 16-byte loads,
 //   because the contraction index is permuted within each block of 32 columns (the same way for A
-//   and B; see issue_a): no shared memory for them, so the ring is 4 slots deep (ACT_REG);
+//   and B; see load_a in fragments.cuh): no shared memory for them, so the ring is 4 slots deep (ACT_REG);
 // - out_proj's rows are split across pairs of CTAs (clusters of 2), each CTA streaming one half of
 //   the columns, so it needs one half of g; the pair adds its partial sums through distributed
 //   shared memory (OUT_SPLITK).
@@ -28,7 +28,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-#include "pipeline.cuh"  // ssmspec/ops/stream_layers
+#include "fragments.cuh"  // ssmspec/ops/stream_layers: A fragments from L2, bf16 pieces
+#include "pipeline.cuh"   // ssmspec/ops/stream_layers
 
 #ifndef N_SLOTS
 #define N_SLOTS 4
@@ -60,7 +61,7 @@ constexpr int W_STRIDE = NT + 4;    // fp32 W: tf32 A operand of W.x
 constexpr int BH_STRIDE = S + 32;   // bf16 B and C: the operands of C.B by lds.128, as the weight slots
 static_assert(KW % 32 == 0 && CONSUMERS == 4 * P && CONSUMERS == NT * NT && K == 4, "the thread mappings below");
 
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory"); }
+__device__ __forceinline__ void consumers_sync() { named_sync<CONSUMERS>(); }
 // The grid barrier in two halves: grid_arrive (after the CTA's writes), then grid_wait; loads issued
 // between them overlap the wait without delaying the release (which would wait for them).
 __device__ __forceinline__ void grid_arrive(unsigned* counter) {
@@ -84,29 +85,8 @@ __device__ __forceinline__ void grid_sync(unsigned* counter, unsigned round) {
   grid_arrive(counter);
   grid_wait(counter, round);
 }
-// Loads of what other CTAs wrote before the last grid barrier (L2, not L1, not hoisted).
-__device__ __forceinline__ uint32_t ld_l2_b32(const void* p) {
-  uint32_t v;
-  asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint4 ld_l2_v4(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ float lo_bf(uint32_t u) { return __uint_as_float(u << 16); }
-__device__ __forceinline__ float hi_bf(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
-__device__ __forceinline__ float sq2(uint32_t u) { return lo_bf(u) * lo_bf(u) + hi_bf(u) * hi_bf(u); }
-__device__ __forceinline__ float round_bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
 __device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.0f + __expf(-v)); }
 __device__ __forceinline__ float softplus(float v) { return v > 20.0f ? v : log1pf(__expf(v)); }  // torch's threshold
-__device__ __forceinline__ int split_lo(int n, int part, int parts) { return (int)(((long long)n * part) / parts); }
-__device__ __forceinline__ unsigned long long now_ns() {
-  unsigned long long v;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
-  return v;
-}
 
 // The pair handshake (clusters of 2): one arrive on the peer's mbarrier, releasing this CTA's
 // shared-memory writes at cluster scope, and the matching wait with acquire.
@@ -127,34 +107,6 @@ __device__ __forceinline__ float ld_peer_f32(uint32_t addr) {
   return v;
 }
 
-// The nodes' activations as A fragments, straight from L2. The contraction index is permuted within
-// each block of 32 columns, the same way for A and B, so that both come in 16-byte pieces: thread
-// (m = lane / 4, c = lane % 4) holds columns 32 b + 8 c .. 32 b + 8 c + 7 as its k pairs of k-steps
-// 2 b (columns +0..3) and 2 b + 1 (+4..7), for nodes m and m + 8.
-struct AFrags {
-  uint4 lo[STEPS / 2], hi[STEPS / 2];
-};
-__device__ __forceinline__ void issue_a(const __nv_bfloat16* x, int stride, int col0, int lane, AFrags& a) {
-  const int m = lane >> 2, c = lane & 3;
-#pragma unroll
-  for (int b = 0; b < STEPS / 2; ++b) {  // all issued before any is used
-    a.lo[b] = ld_l2_v4(x + m * stride + col0 + 32 * b + 8 * c);
-    a.hi[b] = ld_l2_v4(x + (m + 8) * stride + col0 + 32 * b + 8 * c);
-  }
-}
-__device__ __forceinline__ void add_sq(const AFrags& a, float& sq_lo, float& sq_hi) {
-#pragma unroll
-  for (int b = 0; b < STEPS / 2; ++b) {
-    sq_lo += sq2(a.lo[b].x) + sq2(a.lo[b].y) + sq2(a.lo[b].z) + sq2(a.lo[b].w);
-    sq_hi += sq2(a.hi[b].x) + sq2(a.hi[b].y) + sq2(a.hi[b].z) + sq2(a.hi[b].w);
-  }
-}
-__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 __device__ __forceinline__ uint32_t tf32(float v) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
@@ -167,16 +119,7 @@ __device__ __forceinline__ void mma1688(float (&c)[4], uint32_t a0, uint32_t a1,
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-// C (16 nodes x 8 rows) += A (the warp's columns) x B (the slot's 8 rows over the same columns).
-__device__ __forceinline__ void slot_mma(const unsigned char* slot, int col0, int lane, const AFrags& a, float (&c)[4]) {
-  const unsigned char* row = slot + (lane >> 2) * ROW_STRIDE + (col0 + 8 * (lane & 3)) * 2;
-#pragma unroll
-  for (int b = 0; b < STEPS / 2; ++b) {
-    const uint4 w = *reinterpret_cast<const uint4*>(row + 64 * b);
-    mma16816(c, a.lo[b].x, a.hi[b].x, a.lo[b].y, a.hi[b].y, w.x, w.y);  // k-step 2 b: columns +0..3
-    mma16816(c, a.lo[b].z, a.hi[b].z, a.lo[b].w, a.hi[b].w, w.z, w.w);  // k-step 2 b + 1: columns +4..7
-  }
-}
+using Frags = AFrags<STEPS>;
 
 }  // namespace
 
@@ -343,41 +286,10 @@ stream_verify16(const VerifyLayer* __restrict__ layers, int n_layers, const int*
     if (lane == 0) mbar_arrive(empty + k % N_SLOTS);
     ++k;
   };
-  // The 16 x 8 sums of one slot: every warp's partial C through shared memory; thread t < 128 gets
-  // node t / 8, row t % 8.
-  auto reduce_slot = [&](const float (&c)[4]) -> float {
-    const int m = lane >> 2, n = 2 * (lane & 3);
-    float* mine = red + warp * NT * ROWS;
-    mine[m * ROWS + n] = c[0];
-    mine[m * ROWS + n + 1] = c[1];
-    mine[(m + 8) * ROWS + n] = c[2];
-    mine[(m + 8) * ROWS + n + 1] = c[3];
-    consumers_sync();
-    float s = 0.0f;
-    if (t < NT * ROWS) {
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) s += red[w * NT * ROWS + t];
-    }
-    consumers_sync();
-    return s;
-  };
+  auto reduce_slot = [&](const float (&c)[4]) -> float { return slot_sums<WARPS>(c, red, warp, lane, t); };
   // Each node's sum of squares over this CTA's columns (from every warp's fragments) into dst[NT].
   auto node_sq = [&](float sq_lo, float sq_hi, float* dst) {
-    sq_lo += __shfl_xor_sync(0xffffffffu, sq_lo, 1);
-    sq_lo += __shfl_xor_sync(0xffffffffu, sq_lo, 2);
-    sq_hi += __shfl_xor_sync(0xffffffffu, sq_hi, 1);
-    sq_hi += __shfl_xor_sync(0xffffffffu, sq_hi, 2);
-    if ((lane & 3) == 0) {
-      sq[warp * NT + (lane >> 2)] = sq_lo;
-      sq[warp * NT + (lane >> 2) + 8] = sq_hi;
-    }
-    consumers_sync();
-    if (t < NT) {
-      float s = 0.0f;
-      for (int w = 0; w < WARPS; ++w) s += sq[w * NT + t];
-      dst[t] = s;
-    }
-    consumers_sync();
+    rows_sq<WARPS>(sq_lo, sq_hi, sq, dst, warp, lane, t, [](float s) { return s; });
   };
 
 #ifdef TRACE
@@ -387,7 +299,7 @@ stream_verify16(const VerifyLayer* __restrict__ layers, int n_layers, const int*
 #define STAMP(i)
 #endif
 
-  AFrags a;
+  Frags a;
   const int col0 = warp * KW;
   for (int l = 0; l < n_layers; ++l) {
     const VerifyLayer L = layers[l];
@@ -427,7 +339,7 @@ stream_verify16(const VerifyLayer* __restrict__ layers, int n_layers, const int*
     }
 #endif
     float sq_lo = 0.0f, sq_hi = 0.0f;
-    issue_a(h, D, col0, lane, a);
+    load_a(h, D, col0, NT, lane, a);
     add_sq(a, sq_lo, sq_hi);
     node_sq(sq_lo, sq_hi, rms);
     if (t < NT) rms[t] = rsqrtf(rms[t] / D + eps);
@@ -437,7 +349,7 @@ stream_verify16(const VerifyLayer* __restrict__ layers, int n_layers, const int*
       for (int r = lo; r < hi; r += ROWS) {
         const unsigned char* slot = acquire();
         float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        slot_mma(slot, col0, lane, a, c);
+        slot_mma<STEPS, ROW_STRIDE, 1>(slot, col0, lane, a, c);
         release();
         const float s = reduce_slot(c);
         if (t < NT * ROWS && r + t % ROWS < hi) zx[(t / ROWS) * NIN + r + t % ROWS] = __float2bfloat16(s * rms[t / ROWS]);
@@ -651,12 +563,12 @@ stream_verify16(const VerifyLayer* __restrict__ layers, int n_layers, const int*
 
     // C: out_proj, this CTA's half of the columns of the pair's rows, then the pair's sums and the residual
     sq_lo = sq_hi = 0.0f;
-    issue_a(g, DI, rank * D + col0, lane, a);
+    load_a(g, DI, rank * D + col0, NT, lane, a);
     add_sq(a, sq_lo, sq_hi);
     for (int r = out_lo, i = 0; r < out_hi; r += ROWS, i += ROWS) {
       const unsigned char* slot = acquire();
       float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      slot_mma(slot, col0, lane, a, c);
+      slot_mma<STEPS, ROW_STRIDE, 1>(slot, col0, lane, a, c);
       release();
       const float s = reduce_slot(c);
       if (t < NT * ROWS && r + t % ROWS < out_hi) acc[(t / ROWS) * MAX_OUT_ROWS + i + t % ROWS] = s;

@@ -42,3 +42,13 @@ def nan_outputs(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: nan_fill(empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan_fill(empty_like(*a, **k)))
+
+
+@pytest.fixture
+def triton_backend():
+    """The Triton kernels for the test (GPU tests comparing another kernel path with them)."""
+    from ssmspec.ops import dispatch
+
+    dispatch.set_backend("triton")
+    yield
+    dispatch.set_backend("auto")

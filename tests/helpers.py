@@ -77,3 +77,8 @@ def run_interpreted(test_file: str) -> None:
     )
     assert proc.returncode == 0, f"interpreted kernel tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
     assert " passed" in proc.stdout and "no tests ran" not in proc.stdout, proc.stdout[-2000:]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative Frobenius error of a against b, in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()

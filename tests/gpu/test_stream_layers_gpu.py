@@ -4,24 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import kernel_shaped_model
+from helpers import kernel_shaped_model, rel_err as _rel
 
-from ssmspec.ops import dispatch
 from ssmspec.ops.stream_layers import StreamLayers
 
 pytestmark = pytest.mark.requires_cuda
 DEV = "cuda"
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-@pytest.fixture
-def triton_backend():
-    dispatch.set_backend("triton")
-    yield
-    dispatch.set_backend("auto")
 
 
 def _prefilled(model, prompt):

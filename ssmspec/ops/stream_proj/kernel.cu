@@ -29,7 +29,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-#include "pipeline.cuh"  // ops/stream_layers: mbarriers and bulk copies
+#include "fragments.cuh"  // ops/stream_layers: A fragments from L2, bf16 pieces
+#include "pipeline.cuh"   // ops/stream_layers: mbarriers and bulk copies
 
 #ifndef D_MODEL  // the mamba2-2.7b shape unless the build names another
 #define D_MODEL 2560
@@ -61,27 +62,12 @@ constexpr int KW = D / WARPS, STEPS = KW / 16;  // a warp's columns of a slot ro
 constexpr int MAX_OUT_ROWS = 64;                // out_proj rows per CTA (D / SMs: 20 at 2560 on 132)
 static_assert(KW % 32 == 0 && DI % D == 0 && CONSUMERS >= NT * ROWS, "the fragment and reduction mappings");
 
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory"); }
-__device__ __forceinline__ uint4 ld_l2_v4(const void* p) {  // past L1: written by other CTAs or launches
-  uint4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint32_t ld_l2_b32(const void* p) {
-  uint32_t v;
-  asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ float lo_bf(uint32_t u) { return __uint_as_float(u << 16); }
-__device__ __forceinline__ float hi_bf(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
-__device__ __forceinline__ float sq2(uint32_t u) { return lo_bf(u) * lo_bf(u) + hi_bf(u) * hi_bf(u); }
-__device__ __forceinline__ float round_bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
-__device__ __forceinline__ int split_lo(int n, int part, int parts) { return (int)(((long long)n * part) / parts); }
-__device__ __forceinline__ unsigned long long now_ns() {
-  unsigned long long v;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
-  return v;
-}
+__device__ __forceinline__ void consumers_sync() { named_sync<CONSUMERS>(); }
+// ACC independent accumulators in slot_mma: one chain of dependent mma.sync would make the
+// consumers barely faster than the stream, and then the ring is still full when a wait (the PDL
+// wait, the grid barrier, an activation fetch) begins, which stalls the stream.
+constexpr int ACC = STEPS < 4 ? STEPS : 4;
+using Frags = AFrags<STEPS>;
 
 // The grid barrier of one launch. Tickets count up across launches and graph replays (never reset):
 // a CTA's ticket names its launch's generation, whose end is the next multiple of the grid size.
@@ -96,61 +82,6 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter) {
     } while ((int)(seen - target) < 0);
   }
   consumers_sync();
-}
-
-// The nodes' activations as A fragments, straight from L2. The contraction index is permuted within
-// each block of 32 columns, the same way for A and B, so that both come in 16-byte pieces: thread
-// (m = lane / 4, c = lane % 4) holds columns 32 b + 8 c .. + 7 as its k pairs of k-steps 2 b
-// (columns +0..3) and 2 b + 1 (+4..7), for nodes m and m + 8 (zeros past `nodes`).
-struct AFrags {
-  uint4 lo[STEPS / 2], hi[STEPS / 2];
-};
-__device__ __forceinline__ void load_a(const __nv_bfloat16* x, int stride, int col0, int nodes, int lane, AFrags& a) {
-  const int m = lane >> 2, c = lane & 3;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-#pragma unroll
-  for (int b = 0; b < STEPS / 2; ++b) {  // all issued before any is used
-    a.lo[b] = m < nodes ? ld_l2_v4(x + m * stride + col0 + 32 * b + 8 * c) : zero;
-    a.hi[b] = m + 8 < nodes ? ld_l2_v4(x + (m + 8) * stride + col0 + 32 * b + 8 * c) : zero;
-  }
-}
-__device__ __forceinline__ void add_sq(const AFrags& a, float& sq_lo, float& sq_hi) {
-#pragma unroll
-  for (int b = 0; b < STEPS / 2; ++b) {
-    sq_lo += sq2(a.lo[b].x) + sq2(a.lo[b].y) + sq2(a.lo[b].z) + sq2(a.lo[b].w);
-    sq_hi += sq2(a.hi[b].x) + sq2(a.hi[b].y) + sq2(a.hi[b].z) + sq2(a.hi[b].w);
-  }
-}
-__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-// C (16 nodes x 8 rows) = A (the warp's columns) x B (the slot's 8 rows over the same columns), in
-// ACC independent accumulators: one chain of dependent mma.sync would make the consumers barely
-// faster than the stream, and then the ring is still full when a wait (the PDL wait, the grid
-// barrier, an activation fetch) begins, which stalls the stream.
-constexpr int ACC = STEPS < 4 ? STEPS : 4;
-static_assert(STEPS % ACC == 0, "k-steps split evenly over the accumulators");
-__device__ __forceinline__ void slot_mma(const unsigned char* slot, int col0, int lane, const AFrags& a, float (&c)[4]) {
-  const unsigned char* row = slot + (lane >> 2) * ROW_STRIDE + (col0 + 8 * (lane & 3)) * 2;
-  float part[ACC][4] = {};
-#pragma unroll
-  for (int b = 0; b < STEPS / 2; ++b) {
-    const uint4 w = *reinterpret_cast<const uint4*>(row + 64 * b);
-    float (&p0)[4] = part[(2 * b) % ACC];
-    float (&p1)[4] = part[(2 * b + 1) % ACC];
-    mma16816(p0, a.lo[b].x, a.hi[b].x, a.lo[b].y, a.hi[b].y, w.x, w.y);  // k-step 2 b: columns +0..3
-    mma16816(p1, a.lo[b].z, a.hi[b].z, a.lo[b].w, a.hi[b].w, w.z, w.w);  // k-step 2 b + 1: columns +4..7
-  }
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    float v = 0.0f;
-#pragma unroll
-    for (int i = 0; i < ACC; ++i) v += part[i][e];
-    c[e] += v;
-  }
 }
 
 }  // namespace
@@ -255,41 +186,10 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
     if (lane == 0) mbar_arrive(empty + k % N_SLOTS);
     ++k;
   };
-  // The 16 x 8 sums of one slot: every warp's partial C through shared memory; thread t < 128 gets
-  // node t / 8, row t % 8.
-  auto reduce_slot = [&](const float (&c)[4]) -> float {
-    const int m = lane >> 2, n = 2 * (lane & 3);
-    float* mine = red + warp * NT * ROWS;
-    mine[m * ROWS + n] = c[0];
-    mine[m * ROWS + n + 1] = c[1];
-    mine[(m + 8) * ROWS + n] = c[2];
-    mine[(m + 8) * ROWS + n + 1] = c[3];
-    consumers_sync();
-    float s = 0.0f;
-    if (t < NT * ROWS) {
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) s += red[w * NT * ROWS + t];
-    }
-    consumers_sync();
-    return s;
-  };
+  auto reduce_slot = [&](const float (&c)[4]) -> float { return slot_sums<WARPS>(c, red, warp, lane, t); };
   // rms[n] = rsqrt(each node's sum of squares over every warp's fragments / k + eps)
   auto set_rms = [&](float sq_lo, float sq_hi, int k_total, float eps) {
-    sq_lo += __shfl_xor_sync(0xffffffffu, sq_lo, 1);
-    sq_lo += __shfl_xor_sync(0xffffffffu, sq_lo, 2);
-    sq_hi += __shfl_xor_sync(0xffffffffu, sq_hi, 1);
-    sq_hi += __shfl_xor_sync(0xffffffffu, sq_hi, 2);
-    if ((lane & 3) == 0) {
-      sq[warp * NT + (lane >> 2)] = sq_lo;
-      sq[warp * NT + (lane >> 2) + 8] = sq_hi;
-    }
-    consumers_sync();
-    if (t < NT) {
-      float s = 0.0f;
-      for (int w = 0; w < WARPS; ++w) s += sq[w * NT + t];
-      rms[t] = rsqrtf(s / k_total + eps);
-    }
-    consumers_sync();
+    rows_sq<WARPS>(sq_lo, sq_hi, sq, rms, warp, lane, t, [=](float s) { return rsqrtf(s / k_total + eps); });
   };
 
   asm volatile("griddepcontrol.wait;" ::: "memory");  // g, h: the kernels before this one
@@ -313,14 +213,14 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
     float sq_lo = 0.0f, sq_hi = 0.0f;
 #pragma unroll 1
     for (int s = 0; s < OUT_SEGS; ++s) {
-      AFrags a;
+      Frags a;
       load_a(g, DI, s * D + col0, nodes, lane, a);
       add_sq(a, sq_lo, sq_hi);
       if (s == 0) STAMP(2);
       for (int r = out_lo, i = 0; r < out_hi; r += ROWS, i += ROWS) {
         const unsigned char* slot = acquire();
         float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        slot_mma(slot, col0, lane, a, c);
+        slot_mma<STEPS, ROW_STRIDE, ACC>(slot, col0, lane, a, c);
         release();
         const float v = reduce_slot(c);
         float* dst = acc + (t / ROWS) * MAX_OUT_ROWS + i + t % ROWS;
@@ -357,7 +257,7 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
   }
   // every CTA is resident (past the barrier, or there is none): the next kernel may launch
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  AFrags a;
+  Frags a;
   float sq_lo = 0.0f, sq_hi = 0.0f;
   load_a(x_in, D, col0, nodes, lane, a);
   add_sq(a, sq_lo, sq_hi);
@@ -366,7 +266,7 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
   for (int r = in_lo; r < in_hi; r += ROWS) {
     const unsigned char* slot = acquire();
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    slot_mma(slot, col0, lane, a, c);
+    slot_mma<STEPS, ROW_STRIDE, ACC>(slot, col0, lane, a, c);
     release();
     const float v = reduce_slot(c);
     const int n = t / ROWS, row = r + t % ROWS;
