@@ -33,3 +33,40 @@ def test_refusals_name_the_reason():
     fp32 = kernel_shaped_model()
     fp32.layers[0].mixer.in_proj.weight.data = fp32.layers[0].mixer.in_proj.weight.data.float()
     assert unsupported_reason(fp32, 1, CPU) == "bf16 weights only"
+
+
+def test_stream_proj_refuses_with_the_reason():
+    """ops/stream_proj (the 16-node verify's weight-stream projections, same opt-in): what it
+    refuses, and the model keeps the Triton verify, with one warning, when it does."""
+    import warnings
+
+    import pytest
+
+    from ssmspec.ops import stream_proj
+
+    model = kernel_shaped_model()
+    assert stream_proj.unsupported_reason(model, 16, CPU) == "needs CUDA"
+    assert "rows" in stream_proj.unsupported_reason(model, 17, CPU)
+    assert "rows" in stream_proj.unsupported_reason(model, 0, CPU)
+    assert "Mamba-2" in stream_proj.unsupported_reason(kernel_shaped_model(("mamba", "mlp")), 16, CPU)
+    unfolded = kernel_shaped_model()
+    with torch.no_grad():
+        unfolded.layers[0].norm.weight.fill_(2.0)
+    assert "folded" in stream_proj.unsupported_reason(unfolded, 16, CPU)
+    fp32 = kernel_shaped_model()
+    fp32.layers[0].mixer.out_proj.weight.data = fp32.layers[0].mixer.out_proj.weight.data.float()
+    assert "bf16" in stream_proj.unsupported_reason(fp32, 16, CPU)
+    small = tiny_model().to(torch.bfloat16)
+    small.fold_norm_weights_()
+    assert "d_model 32" in stream_proj.unsupported_reason(small, 16, CPU)
+    # the ring of 4 slots of 8 rows at mamba2-2.7b fits beside a tree-scan program (32 KB of 228)
+    assert stream_proj.cuda.smem_bytes(2560) + 1024 + 33 * 1024 <= 228 * 1024
+
+    tokens = torch.zeros(1, 16, dtype=torch.long)
+    assert model._stream_proj(tokens) is None  # not asked for: no warning
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SSMSPEC_STREAM_LAYERS", "1")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert model._stream_proj(tokens) is None and model._stream_proj(tokens) is None
+        assert len(caught) == 1 and "needs CUDA" in str(caught[0].message)
