@@ -365,7 +365,12 @@ class LanguageModel(nn.Module):
         if not stream_layers.enabled():
             return None
         rows = tokens.numel()
-        reason = stream_proj.unsupported_reason(self, rows, tokens.device)
+        reasons = getattr(self, "_stream_proj_reasons", None)  # checked once per row count (as
+        if reasons is None:                                     # _stream_layers decides once)
+            reasons = self._stream_proj_reasons = {}
+        if rows not in reasons:
+            reasons[rows] = stream_proj.unsupported_reason(self, rows, tokens.device)
+        reason = reasons[rows]
         if reason is not None:
             if not getattr(self, "_stream_proj_warned", False) and rows <= stream_proj.MAX_NODES:
                 import warnings
