@@ -43,6 +43,11 @@
 
 namespace {
 
+#ifdef TRACE
+constexpr bool STAMPS = true;
+#else
+constexpr bool STAMPS = false;
+#endif
 constexpr int D = 2560, H = 80, P = 64, S = 128, K = 4, NT = 16;
 constexpr int DI = H * P, CONV = DI + 2 * S, NIN = DI + CONV + H;       // 5120, 5376, 10576
 constexpr int X_COL = DI, B_COL = 2 * DI, DT_COL = 2 * DI + 2 * S;      // zx columns: z | x | B | C | dt
@@ -234,58 +239,27 @@ stream_verify16(const VerifyLayer* __restrict__ layers, int n_layers, const int*
     if (lane == 0) {
       uint64_t policy;
       asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-      unsigned k = 0;
-      unsigned long long ring_full_ns = 0, in_flight_ns = 0;  // TRACE: the producer's waits in this layer
-      auto issue = [&](const __nv_bfloat16* first_row, int row_elems, int rows) {
-        const int slot = k % N_SLOTS;
-#ifdef TRACE
-        const unsigned long long t0 = now_ns();
-#endif
-        mbar_wait(empty + slot, ((k / N_SLOTS) & 1) ^ 1);
-#ifdef TRACE
-        const unsigned long long t1 = now_ns();
-        ring_full_ns += t1 - t0;
-#endif
-        if (k >= IN_FLIGHT) {  // at most IN_FLIGHT slots in flight (see ops/stream_layers/kernel.cu)
-          const unsigned back = k - IN_FLIGHT;
-          mbar_wait(full + back % N_SLOTS, (back / N_SLOTS) & 1);
-        }
-#ifdef TRACE
-        in_flight_ns += now_ns() - t1;
-#endif
-        mbar_expect_tx(full + slot, rows * ROW_BYTES);
-        for (int r = 0; r < rows; ++r)
-          bulk_load(ring + slot * SLOT_BYTES + r * ROW_STRIDE, first_row + (size_t)r * row_elems, ROW_BYTES,
-                    full + slot, policy);
-        ++k;
-      };
+      // TRACE: the producer's waits in each layer
+      RingProducer<N_SLOTS, IN_FLIGHT, SLOT_BYTES, ROW_STRIDE, ROW_BYTES, STAMPS> producer{ring, full, empty, policy};
       for (int l = 0; l < n_layers; ++l) {
         const VerifyLayer L = layers[l];
-        for (int r = in_lo; r < in_hi; r += ROWS) issue(L.in_w + (size_t)r * D, D, min(ROWS, in_hi - r));
+        for (int r = in_lo; r < in_hi; r += ROWS) producer.issue(L.in_w + (size_t)r * D, D, min(ROWS, in_hi - r));
 #ifdef Z_BESIDE
-        for (int r = z_lo; r < z_hi; r += ROWS) issue(L.in_w + (size_t)r * D, D, min(ROWS, z_hi - r));
+        for (int r = z_lo; r < z_hi; r += ROWS) producer.issue(L.in_w + (size_t)r * D, D, min(ROWS, z_hi - r));
 #endif
-        for (int r = out_lo; r < out_hi; r += ROWS) issue(L.out_w + (size_t)r * DI + rank * D, DI, min(ROWS, out_hi - r));
+        for (int r = out_lo; r < out_hi; r += ROWS) producer.issue(L.out_w + (size_t)r * DI + rank * D, DI, min(ROWS, out_hi - r));
 #ifdef TRACE
-        trace[((size_t)l * ctas + cta) * TRACE_N + 8] = ring_full_ns;
-        trace[((size_t)l * ctas + cta) * TRACE_N + 9] = in_flight_ns;
-        ring_full_ns = in_flight_ns = 0;
+        trace[((size_t)l * ctas + cta) * TRACE_N + 8] = producer.ring_full_ns;
+        trace[((size_t)l * ctas + cta) * TRACE_N + 9] = producer.in_flight_ns;
+        producer.ring_full_ns = producer.in_flight_ns = 0;
 #endif
       }
     }
     return;
   }
 
-  unsigned k = 0, rounds = 0;
-  auto acquire = [&]() -> const unsigned char* {
-    mbar_wait(full + k % N_SLOTS, (k / N_SLOTS) & 1);
-    return ring + (k % N_SLOTS) * SLOT_BYTES;
-  };
-  auto release = [&]() {
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty + k % N_SLOTS);
-    ++k;
-  };
+  unsigned rounds = 0;
+  RingConsumer<N_SLOTS, SLOT_BYTES> slots{ring, full, empty};
   auto reduce_slot = [&](const float (&c)[4]) -> float { return slot_sums<WARPS>(c, red, warp, lane, t); };
   // Each node's sum of squares over this CTA's columns (from every warp's fragments) into dst[NT].
   auto node_sq = [&](float sq_lo, float sq_hi, float* dst) {
@@ -347,10 +321,10 @@ stream_verify16(const VerifyLayer* __restrict__ layers, int n_layers, const int*
     STAMP(1);
     auto in_proj_rows = [&](int lo, int hi) {  // in_proj's rows [lo, hi) of every node, from the ring
       for (int r = lo; r < hi; r += ROWS) {
-        const unsigned char* slot = acquire();
+        const unsigned char* slot = slots.acquire();
         float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         slot_mma<STEPS, ROW_STRIDE, 1>(slot, col0, lane, a, c);
-        release();
+        slots.release(lane);
         const float s = reduce_slot(c);
         if (t < NT * ROWS && r + t % ROWS < hi) zx[(t / ROWS) * NIN + r + t % ROWS] = __float2bfloat16(s * rms[t / ROWS]);
       }
@@ -566,10 +540,10 @@ stream_verify16(const VerifyLayer* __restrict__ layers, int n_layers, const int*
     load_a(g, DI, rank * D + col0, NT, lane, a);
     add_sq(a, sq_lo, sq_hi);
     for (int r = out_lo, i = 0; r < out_hi; r += ROWS, i += ROWS) {
-      const unsigned char* slot = acquire();
+      const unsigned char* slot = slots.acquire();
       float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       slot_mma<STEPS, ROW_STRIDE, 1>(slot, col0, lane, a, c);
-      release();
+      slots.release(lane);
       const float s = reduce_slot(c);
       if (t < NT * ROWS && r + t % ROWS < out_hi) acc[(t / ROWS) * MAX_OUT_ROWS + i + t % ROWS] = s;
     }

@@ -5,6 +5,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "pipeline.cuh"
+
 namespace {
 
 template <int THREADS>
@@ -139,5 +141,57 @@ __device__ __forceinline__ void rows_sq(float sq_lo, float sq_hi, float* sq, flo
   }
   named_sync<WARPS * 32>();
 }
+
+// The two sides of a ring of N_SLOTS shared-memory slots of weight rows (ROW_BYTES of each row at
+// ROW_STRIDE apart), filled by one producer thread and read by WARPS consumer warps. The producer
+// copies slot k's rows once the consumers have released it, with at most IN_FLIGHT slots' copies in
+// flight (ops/stream_layers/kernel.cu: one); with STAMPS it adds up its two kinds of wait.
+template <int N_SLOTS, int IN_FLIGHT, int SLOT_BYTES, int ROW_STRIDE, int ROW_BYTES, bool STAMPS>
+struct RingProducer {
+  unsigned char* ring;
+  uint64_t* full;
+  uint64_t* empty;
+  uint64_t policy;
+  unsigned k = 0;
+  unsigned long long ring_full_ns = 0, in_flight_ns = 0;
+
+  __device__ __forceinline__ void issue(const __nv_bfloat16* first_row, int row_elems, int rows) {
+    const int slot = k % N_SLOTS;
+    unsigned long long t0 = 0, t1 = 0;
+    if constexpr (STAMPS) t0 = now_ns();
+    mbar_wait(empty + slot, ((k / N_SLOTS) & 1) ^ 1);
+    if constexpr (STAMPS) {
+      t1 = now_ns();
+      ring_full_ns += t1 - t0;
+    }
+    if (k >= IN_FLIGHT) {
+      const unsigned back = k - IN_FLIGHT;
+      mbar_wait(full + back % N_SLOTS, (back / N_SLOTS) & 1);
+    }
+    if constexpr (STAMPS) in_flight_ns += now_ns() - t1;
+    mbar_expect_tx(full + slot, rows * ROW_BYTES);
+    for (int r = 0; r < rows; ++r)
+      bulk_load(ring + slot * SLOT_BYTES + r * ROW_STRIDE, first_row + (size_t)r * row_elems, ROW_BYTES, full + slot,
+                policy);
+    ++k;
+  }
+};
+template <int N_SLOTS, int SLOT_BYTES>
+struct RingConsumer {
+  const unsigned char* ring;
+  uint64_t* full;
+  uint64_t* empty;
+  unsigned k = 0;
+
+  __device__ __forceinline__ const unsigned char* acquire() {  // the next slot, once its rows have landed
+    mbar_wait(full + k % N_SLOTS, (k / N_SLOTS) & 1);
+    return ring + (k % N_SLOTS) * SLOT_BYTES;
+  }
+  __device__ __forceinline__ void release(int lane) {  // this warp is done with it
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + k % N_SLOTS);
+    ++k;
+  }
+};
 
 }  // namespace

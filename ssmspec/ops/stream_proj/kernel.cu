@@ -52,6 +52,11 @@ __device__ unsigned g_trace_launches;    // its launches (the index wraps around
 namespace {
 
 constexpr int TRACE_N = 16;
+#ifdef TRACE
+constexpr bool STAMPS = true;
+#else
+constexpr bool STAMPS = false;
+#endif
 constexpr int D = D_MODEL, DI = D_INNER, NIN = N_IN, NT = 16;
 constexpr int OUT_SEGS = DI / D;  // an out_proj row is OUT_SEGS slot rows of D columns
 constexpr int ROWS = 8, ROW_BYTES = D * 2;
@@ -134,58 +139,25 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
     if (lane == 0) {
       uint64_t policy;
       asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-      unsigned k = 0;
 #ifdef TRACE
-      unsigned long long ring_full_ns = 0, in_flight_ns = 0;
       trace[10] = now_ns();
 #endif
-      auto issue = [&](const __nv_bfloat16* first_row, int row_elems, int rows) {
-        const int slot = k % N_SLOTS;
-#ifdef TRACE
-        const unsigned long long t0 = now_ns();
-#endif
-        mbar_wait(empty + slot, ((k / N_SLOTS) & 1) ^ 1);
-#ifdef TRACE
-        const unsigned long long t1 = now_ns();
-        ring_full_ns += t1 - t0;
-#endif
-        if (k >= IN_FLIGHT) {  // at most IN_FLIGHT slots' copies in flight
-          const unsigned back = k - IN_FLIGHT;
-          mbar_wait(full + back % N_SLOTS, (back / N_SLOTS) & 1);
-        }
-#ifdef TRACE
-        in_flight_ns += now_ns() - t1;
-#endif
-        mbar_expect_tx(full + slot, rows * ROW_BYTES);
-        for (int r = 0; r < rows; ++r)
-          bulk_load(ring + slot * SLOT_BYTES + r * ROW_STRIDE, first_row + (size_t)r * row_elems, ROW_BYTES,
-                    full + slot, policy);
-        ++k;
-      };
+      RingProducer<N_SLOTS, IN_FLIGHT, SLOT_BYTES, ROW_STRIDE, ROW_BYTES, STAMPS> producer{ring, full, empty, policy};
       if (out_w != nullptr)  // segment-major: the consumers hold one segment's A fragments at a time
         for (int s = 0; s < OUT_SEGS; ++s)
-          for (int r = out_lo; r < out_hi; r += ROWS) issue(out_w + (size_t)r * DI + s * D, DI, min(ROWS, out_hi - r));
+          for (int r = out_lo; r < out_hi; r += ROWS) producer.issue(out_w + (size_t)r * DI + s * D, DI, min(ROWS, out_hi - r));
       if (in_w != nullptr)
-        for (int r = in_lo; r < in_hi; r += ROWS) issue(in_w + (size_t)r * D, D, min(ROWS, in_hi - r));
+        for (int r = in_lo; r < in_hi; r += ROWS) producer.issue(in_w + (size_t)r * D, D, min(ROWS, in_hi - r));
 #ifdef TRACE
-      trace[8] = ring_full_ns;
-      trace[9] = in_flight_ns;
+      trace[8] = producer.ring_full_ns;
+      trace[9] = producer.in_flight_ns;
       trace[11] = now_ns();
 #endif
     }
     return;
   }
 
-  unsigned k = 0;
-  auto acquire = [&]() -> const unsigned char* {
-    mbar_wait(full + k % N_SLOTS, (k / N_SLOTS) & 1);
-    return ring + (k % N_SLOTS) * SLOT_BYTES;
-  };
-  auto release = [&]() {
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty + k % N_SLOTS);
-    ++k;
-  };
+  RingConsumer<N_SLOTS, SLOT_BYTES> slots{ring, full, empty};
   auto reduce_slot = [&](const float (&c)[4]) -> float { return slot_sums<WARPS>(c, red, warp, lane, t); };
   // rms[n] = rsqrt(each node's sum of squares over every warp's fragments / k + eps)
   auto set_rms = [&](float sq_lo, float sq_hi, int k_total, float eps) {
@@ -218,10 +190,10 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
       add_sq(a, sq_lo, sq_hi);
       if (s == 0) STAMP(2);
       for (int r = out_lo, i = 0; r < out_hi; r += ROWS, i += ROWS) {
-        const unsigned char* slot = acquire();
+        const unsigned char* slot = slots.acquire();
         float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         slot_mma<STEPS, ROW_STRIDE, ACC>(slot, col0, lane, a, c);
-        release();
+        slots.release(lane);
         const float v = reduce_slot(c);
         float* dst = acc + (t / ROWS) * MAX_OUT_ROWS + i + t % ROWS;
         if (t < NT * ROWS && r + t % ROWS < out_hi) *dst = s == 0 ? v : *dst + v;
@@ -264,10 +236,10 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
   set_rms(sq_lo, sq_hi, D, eps_in);
   STAMP(6);
   for (int r = in_lo; r < in_hi; r += ROWS) {
-    const unsigned char* slot = acquire();
+    const unsigned char* slot = slots.acquire();
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     slot_mma<STEPS, ROW_STRIDE, ACC>(slot, col0, lane, a, c);
-    release();
+    slots.release(lane);
     const float v = reduce_slot(c);
     const int n = t / ROWS, row = r + t % ROWS;
     if (t < NT * ROWS && n < nodes && row < in_hi) zx[n * NIN + row] = __float2bfloat16(v * rms[n]);
