@@ -18,10 +18,11 @@
 // kernel, so this launch's ring fills while the conv and the scan before it still run (the scan lets
 // it launch at its start). For that its CTAs must fit on an SM beside a scan program (32 KB of shared
 // memory, 168 registers x 128 threads): hence 4 slots (5: 2.626 against 2.608 ms, run 211) and
-// out_proj's A fragments one half of g's columns at a time (141 registers instead of 168).
+// out_proj's A fragments one half of g's columns at a time (144 registers instead of 168). The
+// residual of a CTA's out_proj rows is loaded right after the PDL wait (run 218: 2.545 against 2.613).
 // Measured slower and removed (round 15): the tree conv in in_proj's epilogue (runs 213-214), out_proj
 // split over CTA pairs with the partial sums through distributed shared memory (run 215), two copies
-// in flight (run 211).
+// in flight (run 211), partial slots first with their copy beside the next one's (run 220).
 //
 // Deadlock freedom: the grid barrier needs every CTA resident. A launch lets the next kernel launch
 // (griddepcontrol.launch_dependents) only after its barrier, so no later kernel's CTAs can hold
