@@ -27,37 +27,21 @@ USE_PDL = True
 
 _LAUNCHER = r"""
 #include <torch/extension.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
+#include "launch.cuh"
 
 void launch(torch::Tensor table, int64_t n_layers, torch::Tensor h_in, torch::Tensor h_out, torch::Tensor zx,
             torch::Tensor g, torch::Tensor hbuf, torch::Tensor counter, double eps_in, double eps_out,
             double dt_min, double dt_max, torch::Tensor lm_w, torch::Tensor norm_w, double eps_f,
             torch::Tensor logits, int64_t smem, bool pdl) {
-  static int64_t configured = -1;  // the dynamic shared-memory limit is set once per process
-  if (configured != smem) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(stream_layers, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    configured = smem;
-  }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);  // one CTA per SM
-  config.blockDim = dim3(THREADS);
-  config.dynamicSmemBytes = smem;
-  config.stream = at::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute attribute;  // programmatic dependent launch (ops/pdl.py)
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = pdl ? 1 : 0;
   // The grid barrier's counter starts at zero (a new tensor) and each launch leaves it at zero.
-  C10_CUDA_CHECK(cudaLaunchKernelEx(
-      &config, stream_layers, reinterpret_cast<const Layer*>(table.data_ptr()), (int)n_layers,
+  launch_one_cta_per_sm(
+      stream_layers, THREADS, smem, pdl, reinterpret_cast<const Layer*>(table.data_ptr()), (int)n_layers,
       reinterpret_cast<const __nv_bfloat16*>(h_in.data_ptr()), reinterpret_cast<__nv_bfloat16*>(h_out.data_ptr()),
       reinterpret_cast<__nv_bfloat16*>(zx.data_ptr()), reinterpret_cast<__nv_bfloat16*>(g.data_ptr()),
       reinterpret_cast<__nv_bfloat16*>(hbuf.data_ptr()), reinterpret_cast<unsigned*>(counter.data_ptr()),
       (float)eps_in, (float)eps_out, (float)dt_min, (float)dt_max,
       reinterpret_cast<const __nv_bfloat16*>(lm_w.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(norm_w.data_ptr()),
-      (int)lm_w.size(0), (float)eps_f, logits.data_ptr<float>()));
+      (int)lm_w.size(0), (float)eps_f, logits.data_ptr<float>());
 }
 """
 _DECLARATION = ("void launch(torch::Tensor table, int64_t n_layers, torch::Tensor h_in, torch::Tensor h_out, "

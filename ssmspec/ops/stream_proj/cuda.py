@@ -33,40 +33,24 @@ USE_PDL = True
 
 _LAUNCHER = r"""
 #include <torch/extension.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
+#include "launch.cuh"
 
 static const __nv_bfloat16* bf16_or_null(const c10::optional<torch::Tensor>& t) {
   return t.has_value() ? reinterpret_cast<const __nv_bfloat16*>(t->data_ptr()) : nullptr;
 }
 
 void launch(c10::optional<torch::Tensor> out_w, c10::optional<torch::Tensor> g, torch::Tensor h,
-            c10::optional<torch::Tensor> h_next, c10::optional<torch::Tensor> h_sq, c10::optional<torch::Tensor> in_w,
+            c10::optional<torch::Tensor> h_next, c10::optional<torch::Tensor> in_w,
             c10::optional<torch::Tensor> zx, int64_t nodes, double eps_out, double eps_in, torch::Tensor counter,
             int64_t smem, bool pdl) {
-  static int64_t configured = -1;  // the dynamic shared-memory limit is set once per process
-  if (configured != smem) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(stream_proj16, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    configured = smem;
-  }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);  // one CTA per SM
-  config.blockDim = dim3(THREADS);
-  config.dynamicSmemBytes = smem;
-  config.stream = at::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute attribute;  // programmatic dependent launch (ops/pdl.py)
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = pdl ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(
-      &config, stream_proj16, bf16_or_null(out_w), bf16_or_null(g),
+  launch_one_cta_per_sm(
+      stream_proj16, THREADS, smem, pdl, bf16_or_null(out_w), bf16_or_null(g),
       reinterpret_cast<const __nv_bfloat16*>(h.data_ptr()),
-      h_next.has_value() ? reinterpret_cast<__nv_bfloat16*>(h_next->data_ptr()) : nullptr,
-      h_sq.has_value() ? h_sq->data_ptr<float>() : nullptr, bf16_or_null(in_w),
+      h_next.has_value() ? reinterpret_cast<__nv_bfloat16*>(h_next->data_ptr()) : nullptr, bf16_or_null(in_w),
       zx.has_value() ? reinterpret_cast<__nv_bfloat16*>(zx->data_ptr()) : nullptr, (int)nodes, (float)eps_out,
-      (float)eps_in, reinterpret_cast<unsigned*>(counter.data_ptr())));
+      (float)eps_in, reinterpret_cast<unsigned*>(counter.data_ptr()));
 }
+
 #ifdef TRACE
 void set_trace(torch::Tensor buffer) {  // the stamps' buffer, [launch][CTA][TRACE_N] uint64
   unsigned long long* p = reinterpret_cast<unsigned long long*>(buffer.data_ptr());
@@ -77,9 +61,8 @@ void set_trace(torch::Tensor buffer) {  // the stamps' buffer, [launch][CTA][TRA
 #endif
 """
 _DECLARATION = ("void launch(c10::optional<torch::Tensor> out_w, c10::optional<torch::Tensor> g, torch::Tensor h, "
-                "c10::optional<torch::Tensor> h_next, c10::optional<torch::Tensor> h_sq, "
-                "c10::optional<torch::Tensor> in_w, c10::optional<torch::Tensor> zx, int64_t nodes, double eps_out, "
-                "double eps_in, torch::Tensor counter, int64_t smem, bool pdl);")
+                "c10::optional<torch::Tensor> h_next, c10::optional<torch::Tensor> in_w, c10::optional<torch::Tensor> zx, "
+                "int64_t nodes, double eps_out, double eps_in, torch::Tensor counter, int64_t smem, bool pdl);")
 
 
 def smem_bytes(d_model: int, slots: int | None = None) -> int:
@@ -174,7 +157,7 @@ class StreamProj:
             raise ValueError(f"stream_proj: g must be contiguous ({rows}, {self.d_inner})")
         zx = None if in_mixer is None else torch.empty(rows, self.n_in, device=h.device, dtype=torch.bfloat16)
         self.launch(None if out_mixer is None else out_mixer.out_proj.weight, g, h,
-                    None if out_mixer is None else h, None, None if in_mixer is None else in_mixer.in_proj.weight,
+                    None if out_mixer is None else h, None if in_mixer is None else in_mixer.in_proj.weight,
                     zx, rows, 0.0 if out_mixer is None else out_mixer.norm.eps, in_eps, self.counter, self.smem,
                     USE_PDL and pdl.enabled(h.device))
         return zx

@@ -8,8 +8,7 @@
 // them (every CTA's in_proj needs all of h'):
 //   out_proj: h' = bf16(h + bf16(rsqrt(mean(g^2) + eps_out) * (W_out g)))   rows split across CTAs
 //   in_proj:  zx = bf16(rsqrt(mean(h'^2) + eps_in) * (W_in h'))             rows split across CTAs
-// (either alone too: the first layer's in_proj, the last layer's out_proj, which can then write
-// each node's partial sums of squares of h' for a final norm). The tree conv and the gated scan run
+// (either alone too: the first layer's in_proj, the last layer's out_proj). The tree conv and the gated scan run
 // between launches as the Triton kernels they are.
 //
 // Why (BENCHMARKS.md, round 15): the Triton skinny GEMMs stream at ~2.0 (out_proj) and ~2.4 TB/s
@@ -94,12 +93,10 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter) {
 
 // out_w (D, DI) and in_w (NIN, D) bf16, either null to skip that projection. g (nodes, DI): the
 // gated scan's output; h (nodes, D): the residual stream (in_proj's input when out_w is null);
-// h_next (nodes, D): out_proj's result; h_sq (nodes, gridDim.x): each CTA's share of each node's
-// sum of squares of h_next, written when in_w is null (unless h_sq is null too); zx (nodes, NIN):
-// in_proj's result. h_next may be h (each element is read before it is written, by one thread).
+// h_next (nodes, D): out_proj's result; zx (nodes, NIN): in_proj's result. h_next may be h (each element is read before it is written, by one thread).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, const __nv_bfloat16* h,
-              __nv_bfloat16* h_next, float* h_sq, const __nv_bfloat16* __restrict__ in_w, __nv_bfloat16* zx,
+              __nv_bfloat16* h_next, const __nv_bfloat16* __restrict__ in_w, __nv_bfloat16* zx,
               int nodes, float eps_out, float eps_in, unsigned* counter) {
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char* ring = smem;
@@ -202,7 +199,7 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
     }
     STAMP(3);
     set_rms(sq_lo, sq_hi, DI, eps_out);  // its barriers also order the sums above before their reads
-    // h' = h + bf16(rms * sum) in bf16, and (last layer) each node's share of sum(h'^2)
+    // h' = h + bf16(rms * sum) in bf16
 #pragma unroll
     for (int q = 0; q < H_PER_THREAD; ++q) {
       const int e = t + q * CONSUMERS;
@@ -211,15 +208,8 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
       const float o = round_bf(acc[n * MAX_OUT_ROWS + j] * rms[n]);
       const float hn = round_bf(((row & 1) ? hi_bf(hv[q]) : lo_bf(hv[q])) + o);
       h_next[n * D + row] = __float2bfloat16(hn);
-      acc[n * MAX_OUT_ROWS + j] = hn;
     }
     if (in_w == nullptr) {
-      consumers_sync();
-      if (h_sq != nullptr && t < nodes) {
-        float s = 0.0f;
-        for (int j = 0; j < rows; ++j) s += acc[t * MAX_OUT_ROWS + j] * acc[t * MAX_OUT_ROWS + j];
-        h_sq[t * ctas + cta] = s;
-      }
       asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
       return;
     }
