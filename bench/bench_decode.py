@@ -9,6 +9,11 @@ All figures come from one process: the floor is the model's parameter bytes over
 device-to-device copy bandwidth measured here (bytes read + written, 1 GiB buffers). Steps are
 timed as CUDA-graph replays (median of many, after warm-up); "eager" rows are the same calls
 without a graph. mamba_ssm's own decode is timed against ours by bench/bench_mamba_ssm.py.
+
+The rows run the Triton kernels only (SSMSPEC_STREAM_LAYERS=0) unless they say "one-launch" or
+"weight stream": the product's default mode takes those CUDA kernels where they can run (the AR
+step; verifies of up to 16 nodes) and the Triton kernels elsewhere. The last table gives the
+default mode's ratios.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ import torch
 from ssmspec.decoding.generate import PENDING_MAX_NODES, PENDING_SLOTS, pending_slots_for
 from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
-from ssmspec.ops import dispatch, overlap, pdl, stream_layers, stream_proj
+from ssmspec.ops import dispatch, graph_tables, overlap, pdl, stream_layers, stream_proj
 from ssmspec.ops.gemv import triton as gemv
 from ssmspec.trees.tree import Tree
 
@@ -213,6 +218,7 @@ def main() -> int:
                     help="print per-kernel device time of the graphs (after all timings: the profiler slows later replays)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    os.environ[stream_layers.cuda.ENV] = "0"  # the Triton rows; set to 1 around the one-launch rows
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
     print(dev, torch.__version__, flush=True)
@@ -306,8 +312,8 @@ def main() -> int:
             reason = stream_layers.unsupported_reason(m, 1, torch.device("cuda"))
             if args.skip_stream_layers or reason is not None:
                 print(f"  (one-launch layer stack not timed: {reason or '--skip-stream-layers'})")
-            else:  # ops/stream_layers: every layer in one persistent launch (opt-in in the product)
-                os.environ[stream_layers.cuda.ENV] = "1"
+            else:  # ops/stream_layers: every layer in one persistent launch (the default mode's step)
+                os.environ[stream_layers.cuda.ENV] = "1"  # as the default, but a failed build raises
                 try:
                     ar_stream_ms = step_graph_ms(m)[0]
                     record("AR step CUDA graph [folded, one-launch layer stack]", ar_stream_ms)
@@ -319,7 +325,7 @@ def main() -> int:
                     a, b = step_logits[name].double(), StepGraph(m, cache)(ids).double()
                     del cache
                 finally:
-                    del os.environ[stream_layers.cuda.ENV]
+                    os.environ[stream_layers.cuda.ENV] = "0"
                 RESULTS["step_logits_rel_err_stream_layers"] = rel = ((a - b).norm() / a.norm()).item()
                 print(f"  step logits [one-launch layer stack] vs [folded]: rel err {rel:.2e}, same argmax "
                       f"{bool((a.argmax(-1) == b.argmax(-1)).all())}", flush=True)
@@ -334,6 +340,7 @@ def main() -> int:
                   f"rel err {rel:.2e}, same argmax {same}")
 
     tree_rows = []
+    default_mode = {}  # nodes -> the default mode's tree iteration (folded model)
     for spec in args.trees.split(";"):
         tree = Tree.from_config(tuple(int(v) for v in spec.split(",")))
         pending = args.pending if args.pending is not None else pending_slots_for(tree, variants.get("folded"))
@@ -350,6 +357,10 @@ def main() -> int:
                 other = 0 if pending else PENDING_SLOTS
                 record(f"  same, {other or 'no'} pending slots [{tree.num_nodes} nodes, {name}]",
                        time_tree_iteration(m, prompt, tree, vocab, other)["ms"])
+                graph_tables.ENABLED = False  # the replay's pointer table copied inside the graph
+                record(f"  same, the replay's table copied in the graph [{tree.num_nodes} nodes, {name}]",
+                       time_tree_iteration(m, prompt, tree, vocab, pending)["ms"])
+                graph_tables.ENABLED = True
                 if m.verify_splits_in_proj(tree.num_nodes):
                     overlap.SPLIT_IN_PROJ = False  # ops/overlap: in_proj as one GEMM, z not beside the scan
                     plain_pending = pending_slots_for(tree, m)  # the slots the product then takes
@@ -358,21 +369,31 @@ def main() -> int:
                     overlap.SPLIT_IN_PROJ = True
                 stream_reason = stream_proj.unsupported_reason(m, tree.num_nodes, torch.device("cuda"))
                 if not args.skip_stream_layers and stream_reason is None:
-                    # the opt-in one-launch mode's verify: projections on the weight stream (ops/stream_proj)
+                    # the default mode's verify: projections on the weight stream (ops/stream_proj)
                     os.environ[stream_layers.cuda.ENV] = "1"
                     try:
                         info_s = time_tree_iteration(m, prompt, tree, vocab, pending)
                     finally:
-                        del os.environ[stream_layers.cuda.ENV]
-                    record(f"  same, projections on the weight stream (SSMSPEC_STREAM_LAYERS=1) "
+                        os.environ[stream_layers.cuda.ENV] = "0"
+                    record(f"  same, projections on the weight stream (default mode) "
                            f"[{tree.num_nodes} nodes, {name}]", info_s["ms"])
+                    os.environ[stream_layers.cuda.ENV] = "1"
+                    graph_tables.ENABLED = False  # the replay's pointer table copied inside the graph
+                    try:
+                        record(f"  same, the replay's table copied in the graph [{tree.num_nodes} nodes, {name}]",
+                               time_tree_iteration(m, prompt, tree, vocab, pending)["ms"])
+                    finally:
+                        graph_tables.ENABLED = True
+                        os.environ[stream_layers.cuda.ENV] = "0"
+                    default_mode[tree.num_nodes] = info_s
                     if ar_stream_ms:
                         RESULTS[f"stream_mode_ratio_{tree.num_nodes}"] = info_s["ms"] / ar_stream_ms
                         print(f"    = {info_s['ms'] / ar_stream_ms:.3f}x the one-launch AR step ({ar_stream_ms:.3f} ms); "
                               f"accepted {info_s['accepted']}/{tree.max_depth}; produced == step-graph greedy chain: "
                               f"{info_s['greedy_chain_matches']}", flush=True)
-                elif not args.skip_stream_layers:
+                elif not args.skip_stream_layers:  # the default mode's verify is this row's Triton one
                     print(f"    (weight-stream projections not timed: {stream_reason})")
+                    default_mode[tree.num_nodes] = info
                 gemv.ENABLED = False
                 record(f"  same, cuBLAS projections [{tree.num_nodes} nodes, {name}]",
                        time_tree_iteration(m, prompt, tree, vocab, pending)["ms"])
@@ -421,6 +442,15 @@ def main() -> int:
     for r in rows:
         print(f"{r['what']:<58} {r['ms']:8.3f} {r['ms'] / floor_ms:8.2f} {r['ms'] / ar_ms:6.2f}")
     print(f"mamba_ssm: {RESULTS['mamba_ssm']}")
+    if ar_stream_ms:  # what a user gets without setting SSMSPEC_STREAM_LAYERS
+        print(f"\nthe default mode (one-launch CUDA kernels where they run): AR step {ar_stream_ms:.3f} ms "
+              f"= {ar_stream_ms / floor_ms:.3f}x the floor")
+        RESULTS["default_mode"] = {"ar_ms": ar_stream_ms, "ar_x_floor": ar_stream_ms / floor_ms, "trees": {}}
+        for nodes, info in default_mode.items():
+            ratio = info["ms"] / ar_stream_ms
+            RESULTS["default_mode"]["trees"][nodes] = {"ms": info["ms"], "x_ar": ratio}
+            print(f"  {nodes:>3}-node tree iteration {info['ms']:.3f} ms = {ratio:.3f}x the AR step; accepted "
+                  f"{info['accepted']}; produced == step-graph greedy chain: {info['greedy_chain_matches']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(RESULTS, f, indent=1)

@@ -13,6 +13,7 @@ Run on the device from the repository root: python3 bench/kernel_resources.py
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 from ssmspec.trees.tree import Tree
@@ -24,6 +25,10 @@ from ssmspec.ops.state_replay import triton as SR
 from ssmspec.ops.step_update import triton as SU
 from ssmspec.ops.tree_conv import triton as TC
 from ssmspec.ops.tree_scan import triton as TS
+
+# This probe studies the Triton kernels; the default mode would take the one-launch CUDA kernels
+# (ops/stream_layers, ops/stream_proj) where they run.
+os.environ.setdefault("SSMSPEC_STREAM_LAYERS", "0")
 
 KERNELS = {
     "gemv (in_proj / out_proj / lm_head)": GV._gemv_kernel,

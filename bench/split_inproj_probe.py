@@ -29,6 +29,7 @@ row count (SKINNY_TUNED up to 16 rows, SKINNY_WIDE above), each pair timed in tu
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -41,6 +42,10 @@ from ssmspec.models.presets import build_model  # noqa: E402
 from ssmspec.ops import dispatch, overlap  # noqa: E402
 from ssmspec.ops.gemv import triton as gemv  # noqa: E402
 from ssmspec.trees.tree import Tree  # noqa: E402
+
+# This probe studies the Triton kernels; the default mode would take the one-launch CUDA kernels
+# (ops/stream_layers, ops/stream_proj) where they run.
+os.environ.setdefault("SSMSPEC_STREAM_LAYERS", "0")
 
 MODE = {"name": "product"}
 PRODUCT = mamba2.Mamba2Mixer.folded_residual_verify

@@ -60,7 +60,7 @@ def main() -> int:
     step = StepGraph(model, cache)
     ar_ms = median_ms(lambda: step(ids), iters=100)
     del step, cache
-    del os.environ[stream_layers.cuda.ENV]
+    os.environ[stream_layers.cuda.ENV] = "0"  # the Triton rows
     print(f"{torch.cuda.get_device_name()}; {args.preset}; one-launch AR step {ar_ms:.3f} ms; tree {args.tree} "
           f"({tree.num_nodes} nodes)", flush=True)
     rows = []
@@ -71,7 +71,7 @@ def main() -> int:
         try:
             info = time_tree_iteration(model, prompt, tree, vocab)
         finally:
-            os.environ.pop(stream_layers.cuda.ENV, None)
+            os.environ[stream_layers.cuda.ENV] = "0"
         rows.append((label, info["ms"]))
         print(f"  {label:<52} {info['ms']:.3f} ms = {info['ms'] / ar_ms:.3f}x AR; greedy chain matches: "
               f"{info['greedy_chain_matches']}, accepted {info['accepted']}", flush=True)
@@ -102,7 +102,8 @@ def trace(model, prompt, tree, vocab) -> int:
     os.environ[stream_layers.cuda.ENV] = "1"
     try:
         # the stamps' buffer is set before the first launch (the graph's warm-up): the kernel writes it
-        runner = model._stream_proj_runner = sp.StreamProj(model, torch.device("cuda"))
+        runner = sp.StreamProj(model, torch.device("cuda"))
+        model._stream_proj_runner = (torch.device("cuda", torch.cuda.current_device()), runner)  # as verify keys it
         ctas = torch.cuda.get_device_properties(0).multi_processor_count
         launches = len(model.layers) + 1
         buffer = torch.zeros(launches, ctas, 16, dtype=torch.int64, device="cuda")
@@ -118,7 +119,7 @@ def trace(model, prompt, tree, vocab) -> int:
         graph(tokens)
         torch.cuda.synchronize()
     finally:
-        del os.environ[stream_layers.cuda.ENV]
+        os.environ[stream_layers.cuda.ENV] = "0"
     st = buffer.double().cpu() / 1e3  # us
     mid = range(8, 56)
     med = lambda v: float(v.median())  # noqa: E731

@@ -32,6 +32,11 @@ from ssmspec.models.presets import build_model  # noqa: E402
 from ssmspec.ops import dispatch  # noqa: E402
 from ssmspec.trees.tree import Tree  # noqa: E402
 
+# This probe studies the Triton kernels; the default mode would take the one-launch CUDA kernels
+# (ops/stream_layers, ops/stream_proj) where they run.
+os.environ.setdefault("SSMSPEC_STREAM_LAYERS", "0")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="mamba2-2.7b")

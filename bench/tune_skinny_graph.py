@@ -14,6 +14,7 @@ Run on the GPU from the repository root (after `pip install --no-deps -e .`):
 from __future__ import annotations
 
 import argparse
+import os
 import copy
 import sys
 
@@ -27,6 +28,10 @@ from ssmspec.ops.gemv import triton as gemv
 from ssmspec.ops.tree_conv import triton as conv
 from ssmspec.ops.tree_scan import triton as scan
 from ssmspec.trees.tree import Tree
+
+# This probe studies the Triton kernels; the default mode would take the one-launch CUDA kernels
+# (ops/stream_layers, ops/stream_proj) where they run.
+os.environ.setdefault("SSMSPEC_STREAM_LAYERS", "0")
 
 # candidates per row range, tried one projection at a time (the other at its best so far); the
 # current table entry is always timed too

@@ -98,6 +98,7 @@ import numpy as np
 import torch
 
 from .errors import InputError, ProfileMismatchError
+from .ops import graph_tables
 
 SCHEMA_NAME = "ssmspec.profile"
 SCHEMA_VERSION = 1
@@ -257,7 +258,7 @@ def _capture(fn: Callable[[], object], device: torch.device):
         with torch.cuda.stream(side):
             fn()  # allocations on the capture stream before capture, as torch recommends
         caller.wait_stream(side)
-        with torch.cuda.graph(graph):
+        with graph_tables.written_after_capture(), torch.cuda.graph(graph):
             fn()
         graph.replay()
         torch.cuda.synchronize(device)

@@ -45,10 +45,12 @@ def nan_outputs(monkeypatch):
 
 
 @pytest.fixture
-def triton_backend():
-    """The Triton kernels for the test (GPU tests comparing another kernel path with them)."""
+def triton_backend(monkeypatch):
+    """The Triton kernels only for the test (GPU tests comparing another kernel path with them):
+    the one-launch CUDA kernels off (SSMSPEC_STREAM_LAYERS=0) until the test sets it to 1."""
     from ssmspec.ops import dispatch
 
+    monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "0")
     dispatch.set_backend("triton")
     yield
     dispatch.set_backend("auto")

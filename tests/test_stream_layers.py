@@ -2,6 +2,7 @@
 kernel itself runs only on a Hopper GPU: tests/gpu/test_stream_layers_gpu.py)."""
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import kernel_shaped_model, tiny_model
 
@@ -40,8 +41,6 @@ def test_stream_proj_refuses_with_the_reason():
     refuses, and the model keeps the Triton verify, with one warning, when it does."""
     import warnings
 
-    import pytest
-
     from ssmspec.ops import stream_proj
 
     model = kernel_shaped_model()
@@ -70,3 +69,61 @@ def test_stream_proj_refuses_with_the_reason():
             warnings.simplefilter("always")
             assert model._stream_proj(tokens) is None and model._stream_proj(tokens) is None
         assert len(caught) == 1 and "needs CUDA" in str(caught[0].message)
+
+
+def test_the_mode_comes_from_the_environment(monkeypatch):
+    from ssmspec.ops import stream_layers
+
+    monkeypatch.delenv("SSMSPEC_STREAM_LAYERS", raising=False)
+    assert stream_layers.mode() == "auto" and stream_layers.enabled()
+    for value, want in (("auto", "auto"), ("1", "on"), (" ON ", "on"), ("0", "off"), ("off", "off")):
+        monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", value)
+        assert stream_layers.mode() == want
+    assert not stream_layers.enabled()
+    monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "yes please")
+    with pytest.raises(ValueError, match="expected 1 .* 0 .* auto"):
+        stream_layers.mode()
+
+
+def test_the_default_mode_falls_back_quietly_and_asking_warns(monkeypatch):
+    """On the CPU the one-launch kernels cannot run: the default mode keeps the Triton path
+    without a word; SSMSPEC_STREAM_LAYERS=1 says why, once per model; 0 does not even look."""
+    import warnings
+
+    monkeypatch.delenv("SSMSPEC_STREAM_LAYERS", raising=False)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernel_shaped_model()._stream_layers(ids) is None
+    model = kernel_shaped_model()
+    monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "1")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert model._stream_layers(ids) is None and model._stream_layers(ids) is None
+    assert len(caught) == 1 and "needs CUDA" in str(caught[0].message)
+    monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "0")
+    fresh = kernel_shaped_model()
+    assert fresh._stream_layers(ids) is None and getattr(fresh, "_stream_runner", None) is None
+
+
+def test_a_failed_build_warns_by_default_and_raises_when_asked(monkeypatch):
+    """A toolkit that cannot build the kernel: the default mode warns once and keeps the Triton
+    kernels (and does not try again for that model); SSMSPEC_STREAM_LAYERS=1 raises."""
+    import warnings
+
+    calls = []
+
+    def build():
+        calls.append(1)
+        raise RuntimeError("Error building extension 'x'")
+
+    monkeypatch.delenv("SSMSPEC_STREAM_LAYERS", raising=False)
+    model = kernel_shaped_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            assert model._one_launch_runner("_probe", CPU, lambda: None, build, "the kernel", "Triton") is None
+    assert len(calls) == 1 and len(caught) == 1 and "failed to build" in str(caught[0].message)
+    monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "1")
+    with pytest.raises(RuntimeError, match="=1, but the kernel failed to build"):
+        kernel_shaped_model()._one_launch_runner("_probe", CPU, lambda: None, build, "the kernel", "Triton")

@@ -242,26 +242,53 @@ class LanguageModel(nn.Module):
         return (logits.float() if float_logits else logits), acts
 
     def _stream_layers(self, input_ids: torch.Tensor):
-        """The one-launch layer stack (ops/stream_layers) when the user asked for it
-        (SSMSPEC_STREAM_LAYERS=1) and it can run this model here; else None (with one warning
-        saying why, when asked for)."""
+        """The one-launch layer stack (ops/stream_layers) where it can run this model's batch-1
+        step here and SSMSPEC_STREAM_LAYERS is not 0; else None (see `_one_launch_runner`)."""
         from ..ops import stream_layers
 
-        if not stream_layers.enabled() or input_ids.shape[0] != 1:
+        if input_ids.shape[0] != 1 or not stream_layers.enabled():
             return None
-        runner = getattr(self, "_stream_runner", None)
-        if runner is None:
-            reason = stream_layers.unsupported_reason(self, 1, input_ids.device)
-            if reason is not None:
+        device = input_ids.device
+        return self._one_launch_runner(
+            "_stream_runner", device, lambda: stream_layers.unsupported_reason(self, 1, device),
+            lambda: stream_layers.StreamLayers(self, device), "the one-launch layer stack",
+            "the decode step keeps the Triton kernels")
+
+    def _one_launch_runner(self, attr: str, device: torch.device, reason, build, what: str, fallback: str):
+        """The runner of a one-launch CUDA kernel (ops/stream_layers, ops/stream_proj), decided
+        once per model and device and kept in `attr`: built on first use, or None (the caller
+        keeps the Triton kernels) where `reason()` says it cannot run. Only SSMSPEC_STREAM_LAYERS=1
+        warns about that; the default mode falls back without a word. A failed build warns in the
+        default mode and raises with =1. Decided before a CUDA graph captures the call (StepGraph
+        and GreedyTreeGraph run it eagerly first): never built during a capture."""
+        from ..ops import stream_layers
+
+        kept = getattr(self, attr, None)
+        if kept is not None and kept[0] == device:
+            return kept[1]
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return None
+        asked = stream_layers.mode() == "on"
+        env = stream_layers.cuda.ENV
+        why = reason()
+        runner = None
+        if why is not None:
+            if asked:
                 import warnings
 
-                warnings.warn(f"{stream_layers.cuda.ENV}=1, but the one-launch layer stack cannot run: {reason}; "
-                              "the decode step keeps the Triton kernels", stacklevel=3)
-                runner = False
-            else:
-                runner = stream_layers.StreamLayers(self, input_ids.device)
-            self._stream_runner = runner
-        return runner or None
+                warnings.warn(f"{env}=1, but {what} cannot run: {why}; {fallback}", stacklevel=4)
+        else:
+            try:
+                runner = build()
+            except Exception as e:  # a compiler or toolkit that fails to build it
+                if asked:
+                    raise RuntimeError(f"{env}=1, but {what} failed to build: {e}") from e
+                import warnings
+
+                warnings.warn(f"{what} failed to build ({type(e).__name__}: {e}); {fallback} "
+                              f"({env}=0 skips the build)", stacklevel=4)
+        setattr(self, attr, (device, runner))
+        return runner
 
     def _fused_step(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor:
         """`step` on the kernels, same math (see `_fused_stack`). input_ids (B, 1) -> logits (B, 1, V)."""
@@ -357,34 +384,31 @@ class LanguageModel(nn.Module):
         return logits, TreeActivations(acts)
 
     def _stream_proj(self, tokens: torch.Tensor):
-        """The verify's projections on the weight stream (ops/stream_proj) when the user asked for
-        the one-launch decode step (SSMSPEC_STREAM_LAYERS=1) and they can run this model and tree
-        size here; else None (with one warning per model saying why, when asked for)."""
+        """The verify's projections on the weight stream (ops/stream_proj) where they can run this
+        model and tree size here and SSMSPEC_STREAM_LAYERS is not 0; else None. Decided once per
+        row count; see `_one_launch_runner` for the rest."""
         from ..ops import stream_layers, stream_proj
 
         if not stream_layers.enabled():
             return None
-        rows = tokens.numel()
-        reasons = getattr(self, "_stream_proj_reasons", None)  # checked once per row count (as
-        if reasons is None:                                     # _stream_layers decides once)
+        rows, device = tokens.numel(), tokens.device
+        reasons = getattr(self, "_stream_proj_reasons", None)
+        if reasons is None:
             reasons = self._stream_proj_reasons = {}
-        if rows not in reasons:
-            reasons[rows] = stream_proj.unsupported_reason(self, rows, tokens.device)
-        reason = reasons[rows]
-        if reason is not None:
-            if not getattr(self, "_stream_proj_warned", False) and rows <= stream_proj.MAX_NODES:
+        if (rows, device) not in reasons:
+            reasons[rows, device] = stream_proj.unsupported_reason(self, rows, device)
+        if reasons[rows, device] is not None:
+            if (rows <= stream_proj.MAX_NODES and stream_layers.mode() == "on"
+                    and not getattr(self, "_stream_proj_warned", False)):  # once per model
                 import warnings
 
                 warnings.warn(f"{stream_layers.cuda.ENV}=1, but the verify's weight-stream projections cannot run: "
-                              f"{reason}; the tree verify keeps the Triton kernels", stacklevel=4)
+                              f"{reasons[rows, device]}; the tree verify keeps the Triton kernels", stacklevel=4)
                 self._stream_proj_warned = True
             return None
-        runner = getattr(self, "_stream_proj_runner", None)
-        if runner is None:
-            if torch.cuda.is_current_stream_capturing():  # its barrier counter would be the graph's
-                return None
-            runner = self._stream_proj_runner = stream_proj.StreamProj(self, tokens.device)
-        return runner
+        return self._one_launch_runner(
+            "_stream_proj_runner", device, lambda: None, lambda: stream_proj.StreamProj(self, device),
+            "the verify's weight-stream projections", "the tree verify keeps the Triton kernels")
 
     def _stream_proj_verify(self, runner, tokens: torch.Tensor, parents: torch.Tensor, cache: ModelCache,
                             float_logits: bool = True):

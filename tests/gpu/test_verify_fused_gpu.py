@@ -91,13 +91,21 @@ def test_replay_states_gpu(tree_name, batch):
     assert_close(ssm_state, s_want, atol=1e-5, rtol=1e-5, name="ssm_state")
 
 
+@pytest.mark.parametrize("written_after", [False, True], ids=["copy-in-graph", "written-after-capture"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_replay_states_layers_in_cuda_graph_gpu(batch, monkeypatch):
+def test_replay_states_layers_in_cuda_graph_gpu(batch, written_after, monkeypatch):
     """All layers' replay in one launch, captured in a CUDA graph and replayed twice with other
-    lengths written into the static path_len: each replay reads the pointer table again (its
-    pinned host copy must outlive the capture) and advances every layer as the reference does."""
+    lengths written into the static path_len, advancing every layer as the reference does. The
+    pointer table is either copied by the graph at each replay (its pinned host buffer must
+    outlive the capture) or, inside `graph_tables.written_after_capture`, written once after the
+    capture (the graph then never reads the host buffer: it is overwritten before the replays).
+    Before the replay the graph writes a scratch tensor that it frees again, as a verify does with
+    its temporaries: a table in the graph's own pool could take that block and be overwritten at
+    every replay."""
+    import contextlib
     import gc
 
+    from ssmspec.ops import graph_tables
     from ssmspec.ops.state_replay import triton as SR
     from ssmspec.ops.state_replay.naive import naive_replay_states_layers
 
@@ -122,11 +130,18 @@ def test_replay_states_layers_in_cuda_graph_gpu(batch, monkeypatch):
     with torch.cuda.stream(side):
         SR.replay_states_layers(*args([c.clone() for c in conv], [h.clone() for h in ssm]))
     torch.cuda.current_stream().wait_stream(side)
-    tables = len(SR._CAPTURED_TABLES)
+    kept = len(graph_tables._kept)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_tables.written_after_capture() if written_after else contextlib.nullcontext(), torch.cuda.graph(graph):
+        scratch = torch.full((64 * 1024,), -1, dtype=torch.int64, device=DEV)
+        del scratch
         SR.replay_states_layers(*args(conv, ssm))
-    assert len(SR._CAPTURED_TABLES) == tables + 1
+    assert len(graph_tables._kept) == kept + 1
+    if written_after:
+        ((table, host),) = graph_tables._kept[-1]["tables"]
+        torch.cuda.synchronize()
+        assert table.tolist() == host.tolist()
+        host.fill_(-1)  # a graph that still read it would now follow wild pointers
     gc.collect()
     junk = [torch.full((n_layers, 7), -1, dtype=torch.int64, pin_memory=True) for _ in range(8)]  # noqa: F841
     c_want, s_want = [c.clone() for c in conv], [h.clone() for h in ssm]

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..graph_tables import device_table
 from ..pdl import gdc_launch_dependents, gdc_wait
 from ..step_update.triton import _pdl_args
 from .naive import layer_arguments, pending_per_layer
@@ -580,22 +581,6 @@ def _replay_states_layers_kernel(
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
-_CAPTURED_TABLES: list[torch.Tensor] = []
-"""Pinned host pointer tables of captured launches: a captured copy reads its host buffer at every
-replay of the graph, so these live as long as the process (a few KB per capture)."""
-
-
-def _pointer_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    """(L, 7) int64 addresses on `device`, built without a host sync and safe to capture in a CUDA graph."""
-    if device.type != "cuda":  # the interpreter reads host memory
-        return torch.tensor(rows, dtype=torch.int64)
-    host = torch.tensor(rows, dtype=torch.int64, pin_memory=True)
-    if torch.cuda.is_current_stream_capturing():
-        _CAPTURED_TABLES.append(host)
-    # Outside capture the caching host allocator keeps `host` until the copy has run.
-    return host.to(device, non_blocking=True)
-
-
 def _layout(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device
 
@@ -657,7 +642,7 @@ def replay_states_layers(
     if n_ssm + n_conv == 0:
         return
     rows = [[t.data_ptr() for t in layer] for layer in layers]
-    table = _pointer_table(rows, ssm_state.device)
+    table = device_table(rows, ssm_state.device)
     tile_programs = _tile_programs(n_ssm, pending)
     _replay_states_layers_kernel[(tile_programs + n_conv, len(layers))](
         table, path, path_len,
@@ -702,7 +687,7 @@ def settle_pending_layers(ssm_states: list[torch.Tensor], As: list[torch.Tensor]
         return
     rows = [[t.data_ptr() for t in layer] for layer in layers]
     _replay_states_layers_kernel[(n_ssm, len(layers))](  # a settle flushes: every tile its own program
-        _pointer_table(rows, device), path, no_steps,
+        device_table(rows, device), path, no_steps,
         n_ssm, n_bh, n_pblocks, n_cblocks,
         heads, head_dim, d_state, 1, heads // pB.shape[2], 1,
         *ssm_state.stride(), *px.stride(), *pdt.stride(), *pB.stride(),

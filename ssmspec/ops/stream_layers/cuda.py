@@ -50,9 +50,22 @@ _DECLARATION = ("void launch(torch::Tensor table, int64_t n_layers, torch::Tenso
                 "torch::Tensor logits, int64_t smem, bool pdl);")
 
 
+MODES = {"": "auto", "auto": "auto", "1": "on", "on": "on", "0": "off", "off": "off"}
+
+
+def mode() -> str:
+    """The one-launch kernels' mode from SSMSPEC_STREAM_LAYERS: "auto" (unset, the default: used
+    where they can run, else the Triton kernels without a word), "on" (1: as auto, but say why
+    when they cannot run, and fail loudly when they do not build) or "off" (0: Triton only)."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value not in MODES:
+        raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected 1 (on), 0 (off) or auto (the default, when unset)")
+    return MODES[value]
+
+
 def enabled() -> bool:
-    """Whether the user asked for the kernel (SSMSPEC_STREAM_LAYERS=1)."""
-    return os.environ.get(ENV, "") == "1"
+    """Whether the one-launch kernels may be used (SSMSPEC_STREAM_LAYERS is not 0)."""
+    return mode() != "off"
 
 
 def smem_bytes(d_model: int) -> int:
@@ -101,6 +114,14 @@ def unsupported_reason(model, batch: int, device: torch.device) -> str | None:
     return None
 
 
+def nvcc_flags(d_model: int, n_heads: int, head_dim: int, conv_k: int, param_fp32: bool) -> list[str]:
+    """nvcc's flags for one shape (bench/compile_extensions.py compiles with them off the GPU)."""
+    return ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-diag-suppress", "177,550",
+            "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", f"-DD_MODEL={d_model}", f"-DN_HEADS={n_heads}",
+            f"-DHEAD_DIM={head_dim}", "-DD_STATE=128", f"-DCONV_K={conv_k}", f"-DN_SLOTS={SLOTS}",
+            f"-DPARAM_T={'float' if param_fp32 else '__nv_bfloat16'}"]
+
+
 @functools.cache
 def _module(d_model: int, n_heads: int, head_dim: int, conv_k: int, param_fp32: bool):
     """The extension for one shape (built once per shape and machine, then loaded from cache)."""
@@ -108,16 +129,46 @@ def _module(d_model: int, n_heads: int, head_dim: int, conv_k: int, param_fp32: 
 
     with open(os.path.join(os.path.dirname(__file__), "kernel.cu")) as f:
         source = f.read() + _LAUNCHER
-    flags = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-diag-suppress", "177,550",
-             "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", f"-DD_MODEL={d_model}", f"-DN_HEADS={n_heads}",
-             f"-DHEAD_DIM={head_dim}", "-DD_STATE=128", f"-DCONV_K={conv_k}", f"-DN_SLOTS={SLOTS}",
-             f"-DPARAM_T={'float' if param_fp32 else '__nv_bfloat16'}"]
+    flags = nvcc_flags(d_model, n_heads, head_dim, conv_k, param_fp32)
     name = f"ssmspec_stream_layers_{d_model}_{n_heads}_{head_dim}_{conv_k}_{'f32' if param_fp32 else 'bf16'}"
     # A first build takes about a minute with no output of its own: say what the wait is.
     print(f"ssmspec: loading the one-launch decode kernel {name} (built on first use on this machine, ~1 min; "
           "cached under TORCH_EXTENSIONS_DIR)", file=sys.stderr, flush=True)
     return load_inline(name=name, cpp_sources=_DECLARATION, cuda_sources=source, functions=["launch"],
                        extra_cuda_cflags=flags, extra_include_paths=[os.path.dirname(os.path.abspath(__file__))])
+
+
+def build(model):
+    """The extension for `model`'s layer shape: built now if this machine has not yet (about a
+    minute; torch's loader keeps it under TORCH_EXTENSIONS_DIR), else loaded."""
+    first = model.layers[0].mixer
+    c = first.cfg
+    return _module(model.config.d_model, c.n_heads, c.head_dim, c.conv_kernel, first.dt_bias.dtype == torch.float32)
+
+
+def prebuild(models) -> list[str]:
+    """Build both one-launch extensions (this one and ops/stream_proj's) for every model that can
+    use them on this machine, in parallel (nvcc runs one process per build): one wait of about a
+    minute instead of one per shape at first use. Returns why each model that cannot was skipped."""
+    import concurrent.futures
+
+    from ..stream_proj import cuda as stream_proj
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    jobs, skipped = {}, []
+    for model in models:
+        m = model.layers[0].mixer
+        shape = (tuple(m.in_proj.weight.shape), tuple(m.out_proj.weight.shape), m.cfg.n_heads, m.cfg.conv_kernel,
+                 m.dt_bias.dtype)
+        for op, reason in ((sys.modules[__name__], unsupported_reason(model, 1, device)),
+                           (stream_proj, stream_proj.unsupported_reason(model, stream_proj.MAX_NODES, device))):
+            if reason is None:
+                jobs.setdefault((op.__name__, shape), (op, model))  # one build per shape
+            else:
+                skipped.append(f"{op.__name__.rsplit('.', 2)[-2]}: {reason}")
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(jobs))) as pool:
+        list(pool.map(lambda job: job[0].build(job[1]), jobs.values()))
+    return skipped
 
 
 class StreamLayers:
@@ -140,7 +191,7 @@ class StreamLayers:
         c = first.cfg
         self.d_model = model.config.d_model
         self.smem = smem_bytes(self.d_model)
-        self.launch = _module(self.d_model, c.n_heads, c.head_dim, c.conv_kernel, first.dt_bias.dtype == torch.float32).launch
+        self.launch = build(model).launch
         self.eps_in, self.eps_out = model.layers[0].norm.eps, first.norm.eps
         self.dt_min, self.dt_max = float(c.dt_min), float(c.dt_max)
         bf = torch.bfloat16

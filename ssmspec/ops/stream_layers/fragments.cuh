@@ -142,11 +142,11 @@ __device__ __forceinline__ void rows_sq(float sq_lo, float sq_hi, float* sq, flo
   named_sync<WARPS * 32>();
 }
 
-// The two sides of a ring of N_SLOTS shared-memory slots of weight rows (ROW_BYTES of each row at
+// The two sides of a ring of kSlots shared-memory slots of weight rows (ROW_BYTES of each row at
 // ROW_STRIDE apart), filled by one producer thread and read by WARPS consumer warps. The producer
-// copies slot k's rows once the consumers have released it, with at most IN_FLIGHT slots' copies in
+// copies slot k's rows once the consumers have released it, with at most kInFlight slots' copies in
 // flight (ops/stream_layers/kernel.cu: one); with STAMPS it adds up its two kinds of wait.
-template <int N_SLOTS, int IN_FLIGHT, int SLOT_BYTES, int ROW_STRIDE, int ROW_BYTES, bool STAMPS>
+template <int kSlots, int kInFlight, int SLOT_BYTES, int ROW_STRIDE, int ROW_BYTES, bool STAMPS>
 struct RingProducer {
   unsigned char* ring;
   uint64_t* full;
@@ -156,17 +156,17 @@ struct RingProducer {
   unsigned long long ring_full_ns = 0, in_flight_ns = 0;
 
   __device__ __forceinline__ void issue(const __nv_bfloat16* first_row, int row_elems, int rows) {
-    const int slot = k % N_SLOTS;
+    const int slot = k % kSlots;
     unsigned long long t0 = 0, t1 = 0;
     if constexpr (STAMPS) t0 = now_ns();
-    mbar_wait(empty + slot, ((k / N_SLOTS) & 1) ^ 1);
+    mbar_wait(empty + slot, ((k / kSlots) & 1) ^ 1);
     if constexpr (STAMPS) {
       t1 = now_ns();
       ring_full_ns += t1 - t0;
     }
-    if (k >= IN_FLIGHT) {
-      const unsigned back = k - IN_FLIGHT;
-      mbar_wait(full + back % N_SLOTS, (back / N_SLOTS) & 1);
+    if (k >= kInFlight) {
+      const unsigned back = k - kInFlight;
+      mbar_wait(full + back % kSlots, (back / kSlots) & 1);
     }
     if constexpr (STAMPS) in_flight_ns += now_ns() - t1;
     mbar_expect_tx(full + slot, rows * ROW_BYTES);
@@ -176,7 +176,7 @@ struct RingProducer {
     ++k;
   }
 };
-template <int N_SLOTS, int SLOT_BYTES>
+template <int kSlots, int SLOT_BYTES>
 struct RingConsumer {
   const unsigned char* ring;
   uint64_t* full;
@@ -184,12 +184,12 @@ struct RingConsumer {
   unsigned k = 0;
 
   __device__ __forceinline__ const unsigned char* acquire() {  // the next slot, once its rows have landed
-    mbar_wait(full + k % N_SLOTS, (k / N_SLOTS) & 1);
-    return ring + (k % N_SLOTS) * SLOT_BYTES;
+    mbar_wait(full + k % kSlots, (k / kSlots) & 1);
+    return ring + (k % kSlots) * SLOT_BYTES;
   }
   __device__ __forceinline__ void release(int lane) {  // this warp is done with it
     __syncwarp();
-    if (lane == 0) mbar_arrive(empty + k % N_SLOTS);
+    if (lane == 0) mbar_arrive(empty + k % kSlots);
     ++k;
   }
 };

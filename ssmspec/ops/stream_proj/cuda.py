@@ -107,6 +107,13 @@ def unsupported_reason(model, nodes: int, device: torch.device) -> str | None:
     return None
 
 
+def nvcc_flags(d_model: int, d_inner: int, n_in: int, slots: int, in_flight: int, trace: bool = False) -> list[str]:
+    """nvcc's flags for one shape (bench/compile_extensions.py compiles with them off the GPU)."""
+    return ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-diag-suppress", "177,550",
+            "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", f"-DD_MODEL={d_model}", f"-DD_INNER={d_inner}", f"-DN_IN={n_in}",
+            f"-DN_SLOTS={slots}", f"-DIN_FLIGHT={in_flight}"] + (["-DTRACE"] if trace else [])
+
+
 @functools.cache
 def _module(d_model: int, d_inner: int, n_in: int, slots: int, in_flight: int, trace: bool = False):
     """The extension for one shape (built once per shape and machine, then loaded from cache)."""
@@ -115,9 +122,7 @@ def _module(d_model: int, d_inner: int, n_in: int, slots: int, in_flight: int, t
     here = os.path.dirname(os.path.abspath(__file__))
     with open(os.path.join(here, "kernel.cu")) as f:
         source = f.read() + _LAUNCHER
-    flags = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-diag-suppress", "177,550",
-             "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", f"-DD_MODEL={d_model}", f"-DD_INNER={d_inner}", f"-DN_IN={n_in}",
-             f"-DN_SLOTS={slots}", f"-DIN_FLIGHT={in_flight}"] + (["-DTRACE"] if trace else [])
+    flags = nvcc_flags(d_model, d_inner, n_in, slots, in_flight, trace)
     name = f"ssmspec_stream_proj_{d_model}_{d_inner}_{n_in}_{slots}_{in_flight}{'_trace' if trace else ''}"
     print(f"ssmspec: loading the tree verify's weight-stream projections {name} (built on first use on this "
           "machine, ~1 min; cached under TORCH_EXTENSIONS_DIR)", file=sys.stderr, flush=True)
@@ -125,6 +130,14 @@ def _module(d_model: int, d_inner: int, n_in: int, slots: int, in_flight: int, t
                        cuda_sources=source, functions=["launch"] + (["set_trace"] if trace else []),
                        extra_cuda_cflags=flags,
                        extra_include_paths=[here, os.path.join(os.path.dirname(here), "stream_layers")])
+
+
+def build(model):
+    """The extension for `model`'s projection shape: built now if this machine has not yet (about
+    a minute; torch's loader keeps it under TORCH_EXTENSIONS_DIR), else loaded."""
+    m = model.layers[0].mixer
+    n_in, d_model = m.in_proj.weight.shape
+    return _module(d_model, m.out_proj.weight.shape[1], n_in, SLOTS, IN_FLIGHT, TRACE)
 
 
 class StreamProj:
@@ -141,7 +154,7 @@ class StreamProj:
         m = model.layers[0].mixer
         self.n_in, self.d_model = m.in_proj.weight.shape
         self.d_inner = m.out_proj.weight.shape[1]
-        self.module = _module(self.d_model, self.d_inner, self.n_in, SLOTS, IN_FLIGHT, TRACE)
+        self.module = build(model)
         self.launch = self.module.launch
         self.smem = smem_bytes(self.d_model, SLOTS)
         # the grid barrier's tickets (kernel.cu: they count up across launches, never reset); a

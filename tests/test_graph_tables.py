@@ -1,0 +1,29 @@
+"""ops/graph_tables off the GPU: tables on the CPU are plain tensors, and the capture context
+nests and leaves nothing behind (the capture itself: tests/gpu/test_verify_fused_gpu.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssmspec.ops import graph_tables
+
+
+def test_a_cpu_table_holds_the_rows():
+    table = graph_tables.device_table([[1, 2, 3], [4, 5, 6]], torch.device("cpu"))
+    assert table.dtype == torch.int64 and table.tolist() == [[1, 2, 3], [4, 5, 6]]
+
+
+def test_the_context_nests_and_restores_on_errors():
+    """(Its arena on the CPU here: the context itself is device-agnostic; tables are made only
+    while a CUDA stream captures.)"""
+    cpu = torch.device("cpu")
+    assert graph_tables._arena is None
+    with graph_tables.written_after_capture(cpu):
+        outer = graph_tables._arena
+        with graph_tables.written_after_capture(cpu):
+            assert graph_tables._arena is not outer and graph_tables._arena["tables"] == []
+        assert graph_tables._arena is outer
+    assert graph_tables._arena is None
+    with pytest.raises(RuntimeError), graph_tables.written_after_capture(cpu):
+        raise RuntimeError("capture failed")
+    assert graph_tables._arena is None
