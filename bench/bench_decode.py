@@ -45,6 +45,20 @@ def median_ms(fn, iters: int = 50, warmup: int = 5) -> float:
     return restored_call_times(lambda: None, fn, iters)[iters // 2]
 
 
+def gpu_state() -> str:
+    """The GPU's SM and memory clocks, temperature, power and active clock-limit reasons (nvidia-smi),
+    printed beside the rows that vary between processes (round 16), or why not."""
+    import subprocess
+
+    fields = "clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError) as e:
+        return f"(nvidia-smi: {e})"
+    return f"(sm, mem, temp, power, limits: {out})"
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     n = 1 << 30
@@ -221,7 +235,7 @@ def main() -> int:
     os.environ[stream_layers.cuda.ENV] = "0"  # the Triton rows; set to 1 around the one-launch rows
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
-    print(dev, torch.__version__, flush=True)
+    print(dev, torch.__version__, gpu_state(), flush=True)
     RESULTS["device"] = dev
 
     bw = copy_bandwidth()
@@ -317,6 +331,7 @@ def main() -> int:
                 try:
                     ar_stream_ms = step_graph_ms(m)[0]
                     record("AR step CUDA graph [folded, one-launch layer stack]", ar_stream_ms)
+                    print(f"    {gpu_state()}", flush=True)
                     stream_layers.cuda.USE_PDL = False
                     record("AR step CUDA graph [folded, one-launch layer stack, no PDL]", step_graph_ms(m)[0])
                     stream_layers.cuda.USE_PDL = True
@@ -377,6 +392,7 @@ def main() -> int:
                         os.environ[stream_layers.cuda.ENV] = "0"
                     record(f"  same, projections on the weight stream (default mode) "
                            f"[{tree.num_nodes} nodes, {name}]", info_s["ms"])
+                    print(f"    {gpu_state()}", flush=True)
                     os.environ[stream_layers.cuda.ENV] = "1"
                     graph_tables.ENABLED = False  # the replay's pointer table copied inside the graph
                     try:
