@@ -7,10 +7,12 @@ Needs nvcc (Hopper support) and torch's headers. The CUDA math-library headers t
 extension header includes but the kernels never use (a CUDA toolkit without cuBLAS, cuSPARSE and
 cuSOLVER) are stubbed when missing, with the handle and status types that torch's headers name.
 
-    python3 bench/compile_extensions.py            # both extensions at d_model 256 and 2560, TRACE too
+    python3 bench/compile_extensions.py                          # both extensions at d_model 256 and 2560, TRACE too
+    python3 bench/compile_extensions.py --d-models 768,1024,1536,2048   # the other mamba2 presets' shapes
 """
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -45,18 +47,20 @@ STUBS = {  # header -> what torch's CUDA context headers need of it
 }
 
 
-def jobs(work: str) -> list[tuple[str, list[str]]]:
-    """(label, nvcc arguments) of each build: the flags of the two `_module`s' load_inline calls."""
+def jobs(work: str, d_models: list[int], trace: bool) -> list[tuple[str, list[str]]]:
+    """(label, nvcc arguments) of each build: the flags of the two `_module`s' load_inline calls
+    (expand 2, head dim 64, d_state 128, one group)."""
     ops = os.path.join(ROOT, "ssmspec", "ops")
     out = []
-    for d_model, n_heads in ((256, 8), (2560, 80)):
+    for d_model in d_models:
+        n_heads = 2 * d_model // 64
         src = os.path.join(work, f"stream_layers_{d_model}.cu")
         with open(os.path.join(ops, "stream_layers", "kernel.cu")) as f, open(src, "w") as g:
             g.write(f.read() + stream_layers._LAUNCHER)
         flags = stream_layers.nvcc_flags(d_model, n_heads, 64, 4, True)
         out.append((f"stream_layers d_model {d_model}", flags + ["-I", os.path.join(ops, "stream_layers"), src]))
         n_in = 4 * d_model + 2 * 128 + n_heads
-        for trace in (False, True):
+        for trace in (False, True) if trace else (False,):
             src = os.path.join(work, f"stream_proj_{d_model}_{trace}.cu")
             with open(os.path.join(ops, "stream_proj", "kernel.cu")) as f, open(src, "w") as g:
                 g.write(f.read() + stream_proj._LAUNCHER)
@@ -67,6 +71,10 @@ def jobs(work: str) -> list[tuple[str, list[str]]]:
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--d-models", default="256,2560", help="comma-separated d_model values")
+    ap.add_argument("--no-trace", action="store_true", help="skip stream_proj's TRACE builds")
+    args = ap.parse_args()
     if shutil.which("nvcc") is None:
         print("needs nvcc")
         return 2
@@ -74,9 +82,9 @@ def main() -> int:
         stubs = os.path.join(work, "stubs")
         os.makedirs(stubs)
         failed = 0
-        for label, args in jobs(work):
+        for label, nvcc_args in jobs(work, [int(d) for d in args.d_models.split(",")], not args.no_trace):
             while True:  # stub each missing library header, then compile again
-                cmd = ["nvcc", *COMMON, "-I", stubs, *args, "-o", os.path.join(work, "out.o")]
+                cmd = ["nvcc", *COMMON, "-I", stubs, *nvcc_args, "-o", os.path.join(work, "out.o")]
                 run = subprocess.run(cmd, capture_output=True, text=True)
                 missing = re.search(r"fatal error: ([\w/.]+\.h): No such file", run.stdout + run.stderr)
                 if run.returncode == 0 or not missing:

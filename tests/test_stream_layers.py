@@ -127,3 +127,23 @@ def test_a_failed_build_warns_by_default_and_raises_when_asked(monkeypatch):
     monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "1")
     with pytest.raises(RuntimeError, match="=1, but the kernel failed to build"):
         kernel_shaped_model()._one_launch_runner("_probe", CPU, lambda: None, build, "the kernel", "Triton")
+
+
+def test_the_default_mode_waits_for_gpu_tests_at_other_widths(monkeypatch):
+    """mamba2-130m's width (768) fits both kernels but has not run their GPU tests: the default
+    mode refuses it with that reason; SSMSPEC_STREAM_LAYERS=1 goes on to the next check."""
+    import dataclasses
+
+    from ssmspec.models import LanguageModel
+    from ssmspec.models.presets import preset_config
+    from ssmspec.ops import stream_proj
+    from ssmspec.ops.stream_layers import GPU_TESTED_D_MODELS
+
+    assert 768 not in GPU_TESTED_D_MODELS
+    cfg = dataclasses.replace(preset_config("mamba2-130m", vocab_size=256), layers=["mamba"])
+    model = LanguageModel(cfg).to(torch.bfloat16).fold_norm_weights_()
+    monkeypatch.delenv("SSMSPEC_STREAM_LAYERS", raising=False)
+    for reason in (unsupported_reason(model, 1, CPU), stream_proj.unsupported_reason(model, 16, CPU)):
+        assert "d_model 768 has not run the kernels' GPU tests" in reason and "=1 takes them" in reason
+    monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "1")
+    assert unsupported_reason(model, 1, CPU) == stream_proj.unsupported_reason(model, 16, CPU) == "needs CUDA"

@@ -118,3 +118,42 @@ def test_stream_proj_refuses_what_it_cannot_run(triton_backend, monkeypatch):
     tokens = torch.randint(0, 64, (1, tree.num_nodes), device=DEV)
     (want, _), (got, _) = _verify_both(model, tokens, tree, cache, monkeypatch)
     assert getattr(model, "_stream_proj_runner", None) is None and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("preset", ["mamba2-130m", "mamba2-370m", "mamba2-780m", "mamba2-1.3b"])
+def test_both_kernels_at_the_smaller_mamba2_preset_shapes(preset, triton_backend, monkeypatch):
+    """Two layers of each smaller mamba2 preset's shape (d_model 768 to 2048): a 16-node verify and
+    a decode step on the one-launch kernels against the Triton ones. Not yet run on a GPU (round
+    16 ran out of device time): once it passes, these widths join GPU_TESTED_D_MODELS and the
+    default mode takes the kernels there too."""
+    import dataclasses
+
+    from ssmspec.models import LanguageModel
+    from ssmspec.models.init import init_weights
+    from ssmspec.models.presets import preset_config
+    from ssmspec.ops import stream_layers
+
+    cfg = dataclasses.replace(preset_config(preset, vocab_size=1024), layers=["mamba"] * 2)
+    model = init_weights(LanguageModel(cfg), seed=0, std=0.02).eval().to(DEV, torch.bfloat16)
+    model.fold_norm_weights_()
+    dev = torch.device(DEV)
+    monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "1")  # the default mode waits for this test (GPU_TESTED_D_MODELS)
+    assert stream_layers.unsupported_reason(model, 1, dev) is None and unsupported_reason(model, 16, dev) is None
+    monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "0")
+    tree = Tree.from_config((3, 2, 1))
+    cache = _prefilled(model, torch.randint(0, 1000, (1, 8), device=DEV))
+    tokens = torch.randint(0, 1000, (1, tree.num_nodes), device=DEV)
+    (want, _), (got, _) = _verify_both(model, tokens, tree, cache, monkeypatch)
+    assert isinstance(model._stream_proj_runner[1], StreamProj)
+    assert torch.isfinite(got).all() and _rel(got, want) < 1e-2, _rel(got, want)
+    ref_cache = cache.clone()
+    with torch.no_grad():
+        for t in torch.randint(0, 1000, (4, 1, 1), device=DEV):
+            want = model.step(t, ref_cache)
+            monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "1")
+            got = model.step(t, cache)
+            monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "0")
+            assert isinstance(model._stream_runner[1], stream_layers.StreamLayers)
+            assert torch.isfinite(got).all() and _rel(got, want) < 2e-2, _rel(got, want)
+    for lc, rc in zip(cache.layers, ref_cache.layers):
+        assert _rel(lc.ssm_state, rc.ssm_state) < 2e-2

@@ -9,6 +9,6 @@ auto, the default; 1 to be told why not; 0 for the Triton kernels only: `mode`).
 for its tests is the Triton path (`tests/gpu/test_stream_layers_gpu.py`). `fragments.cuh`
 holds the A-fragment helpers that ops/stream_proj and bench/stream_verify16.cu share.
 """
-from .cuda import StreamLayers, enabled, mode, unsupported_reason
+from .cuda import GPU_TESTED_D_MODELS, StreamLayers, enabled, mode, unsupported_reason
 
-__all__ = ["StreamLayers", "enabled", "mode", "unsupported_reason"]
+__all__ = ["GPU_TESTED_D_MODELS", "StreamLayers", "enabled", "mode", "unsupported_reason"]

@@ -73,6 +73,21 @@ def smem_bytes(d_model: int) -> int:
     return SLOTS * SLOT_SEGMENTS * d_model * 2 + (2 * 128 + 64 + 4 * 64) * 4 + 3 * SLOTS * 8
 
 
+GPU_TESTED_D_MODELS = (256, 2560)
+"""Widths at which both one-launch kernels (this one and ops/stream_proj) have run their GPU tests
+against the Triton kernels (tests/gpu). The default mode takes them only at these; with
+SSMSPEC_STREAM_LAYERS=1 they run at any width they fit (768-2048 compile, with the loader's flags:
+bench/compile_extensions.py; tests/gpu/test_stream_proj_gpu.py has the test that widens this)."""
+
+
+def untested_width(d_model: int) -> str | None:
+    """Why the default mode does not take a one-launch kernel at `d_model` (not GPU-tested), or None."""
+    if mode() == "on" or d_model in GPU_TESTED_D_MODELS:
+        return None
+    return (f"d_model {d_model} has not run the kernels' GPU tests yet (tested: "
+            f"{', '.join(map(str, GPU_TESTED_D_MODELS))}); {ENV}=1 takes them anyway")
+
+
 def unsupported_reason(model, batch: int, device: torch.device) -> str | None:
     """Why `model`'s decode step cannot run on the kernel here, or None when it can."""
     if batch != 1:
@@ -80,6 +95,8 @@ def unsupported_reason(model, batch: int, device: torch.device) -> str | None:
     d_model = model.config.d_model
     if d_model % 256 or smem_bytes(d_model) > MAX_SMEM:
         return f"d_model {d_model} does not fit the kernel's tiling (a multiple of 256 up to 2816)"
+    if (why := untested_width(d_model)) is not None:
+        return why
     limits = set()
     for layer in model.layers:
         if layer.kind != "mamba" or not layer.norms_folded:

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from .. import pdl
+from ..stream_layers.cuda import untested_width
 
 MAX_NODES = 16
 """Rows (batch 1 x tree nodes) of one launch: the tensor cores' 16-row A fragments."""
@@ -80,6 +81,8 @@ def unsupported_reason(model, nodes: int, device: torch.device) -> str | None:
     d_model = model.config.d_model
     if d_model % 256 or smem_bytes(d_model) > MAX_SMEM:
         return f"d_model {d_model} does not fit the kernel's tiling (a multiple of 256 up to 4096)"
+    if (why := untested_width(d_model)) is not None:
+        return why
     shapes = set()
     for layer in model.layers:
         if layer.kind != "mamba" or not layer.norms_folded:

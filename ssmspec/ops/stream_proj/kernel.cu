@@ -71,7 +71,8 @@ __device__ __forceinline__ void consumers_sync() { named_sync<CONSUMERS>(); }
 // ACC independent accumulators in slot_mma: one chain of dependent mma.sync would make the
 // consumers barely faster than the stream, and then the ring is still full when a wait (the PDL
 // wait, the grid barrier, an activation fetch) begins, which stalls the stream.
-constexpr int ACC = STEPS < 4 ? STEPS : 4;
+// The most that divide the k-steps evenly, up to 4 (d_model 768: 6 k-steps, 3 accumulators).
+constexpr int ACC = STEPS % 4 == 0 ? 4 : STEPS % 3 == 0 ? 3 : STEPS % 2 == 0 ? 2 : 1;
 using Frags = AFrags<STEPS>;
 
 // The grid barrier of one launch. Tickets count up across launches and graph replays (never reset):
