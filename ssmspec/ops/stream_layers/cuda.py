@@ -80,12 +80,27 @@ SSMSPEC_STREAM_LAYERS=1 they run at any width they fit (768-2048 compile, with t
 bench/compile_extensions.py; tests/gpu/test_stream_proj_gpu.py has the test that widens this)."""
 
 
-def untested_width(d_model: int) -> str | None:
-    """Why the default mode does not take a one-launch kernel at `d_model` (not GPU-tested), or None."""
+def width_reason(d_model: int, smem: int, widest: int) -> str | None:
+    """The width checks both one-launch kernels make (this one and ops/stream_proj), or None: the
+    tiling (a multiple of 256 whose shared memory, `smem`, fits), then, in the default mode, a
+    width whose GPU tests have run."""
+    if d_model % 256 or smem > MAX_SMEM:
+        return f"d_model {d_model} does not fit the kernel's tiling (a multiple of 256 up to {widest})"
     if mode() == "on" or d_model in GPU_TESTED_D_MODELS:
         return None
     return (f"d_model {d_model} has not run the kernels' GPU tests yet (tested: "
             f"{', '.join(map(str, GPU_TESTED_D_MODELS))}); {ENV}=1 takes them anyway")
+
+
+def machine_reason(device: torch.device) -> str | None:
+    """The machine checks both one-launch kernels make, or None: CUDA, Hopper, nvcc and ninja."""
+    if device.type != "cuda":
+        return "needs CUDA"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return "needs a Hopper GPU (sm_90)"
+    if shutil.which("nvcc") is None or shutil.which("ninja") is None:
+        return "needs nvcc and ninja to build"
+    return None
 
 
 def unsupported_reason(model, batch: int, device: torch.device) -> str | None:
@@ -93,9 +108,7 @@ def unsupported_reason(model, batch: int, device: torch.device) -> str | None:
     if batch != 1:
         return "batch 1 only"
     d_model = model.config.d_model
-    if d_model % 256 or smem_bytes(d_model) > MAX_SMEM:
-        return f"d_model {d_model} does not fit the kernel's tiling (a multiple of 256 up to 2816)"
-    if (why := untested_width(d_model)) is not None:
+    if (why := width_reason(d_model, smem_bytes(d_model), 2816)) is not None:
         return why
     limits = set()
     for layer in model.layers:
@@ -119,15 +132,11 @@ def unsupported_reason(model, batch: int, device: torch.device) -> str | None:
     if lm.bias is not None or lm.weight.dtype != torch.bfloat16 or not lm.weight.is_contiguous() \
             or norm_f.weight.dtype != torch.bfloat16:
         return "the LM head must be bf16 without bias, after a bf16 final norm"
-    if device.type != "cuda":
-        return "needs CUDA"
-    if torch.cuda.get_device_capability(device) != (9, 0):
-        return "needs a Hopper GPU (sm_90)"
+    if (why := machine_reason(device)) is not None:
+        return why
     ctas = torch.cuda.get_device_properties(device).multi_processor_count
     if -(-d_model // ctas) > 32 or -(-2 * d_model // ctas) > 64:
         return f"d_model {d_model} needs more multiprocessors than the {ctas} here"
-    if shutil.which("nvcc") is None or shutil.which("ninja") is None:
-        return "needs nvcc and ninja to build"
     return None
 
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import sys
 
 import torch
 
 from .. import pdl
-from ..stream_layers.cuda import untested_width
+from ..stream_layers.cuda import machine_reason, width_reason
 
 MAX_NODES = 16
 """Rows (batch 1 x tree nodes) of one launch: the tensor cores' 16-row A fragments."""
@@ -23,7 +22,6 @@ SLOTS = 4
 IN_FLIGHT = 1
 """Slots whose copies the producer keeps in flight at once (ops/stream_layers: 1)."""
 ROWS = 8  # weight rows per ring slot: kernel.cu's ROWS
-MAX_SMEM = 227 * 1024
 WARPS = 8
 THREADS = WARPS * 32 + 32
 MAX_OUT_ROWS = 64  # kernel.cu's MAX_OUT_ROWS: out_proj rows per CTA
@@ -79,9 +77,7 @@ def unsupported_reason(model, nodes: int, device: torch.device) -> str | None:
     if not 1 <= nodes <= MAX_NODES:
         return f"{nodes} rows (batch x tree nodes); the kernel takes 1..{MAX_NODES}"
     d_model = model.config.d_model
-    if d_model % 256 or smem_bytes(d_model) > MAX_SMEM:
-        return f"d_model {d_model} does not fit the kernel's tiling (a multiple of 256 up to 4096)"
-    if (why := untested_width(d_model)) is not None:
+    if (why := width_reason(d_model, smem_bytes(d_model), 4096)) is not None:
         return why
     shapes = set()
     for layer in model.layers:
@@ -98,15 +94,11 @@ def unsupported_reason(model, nodes: int, device: torch.device) -> str | None:
         shapes.add((tuple(m.in_proj.weight.shape), tuple(m.out_proj.weight.shape)))
     if len(shapes) != 1:
         return "the layers differ in shape"
-    if device.type != "cuda":
-        return "needs CUDA"
-    if torch.cuda.get_device_capability(device) != (9, 0):
-        return "needs a Hopper GPU (sm_90)"
+    if (why := machine_reason(device)) is not None:
+        return why
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if -(-d_model // sms) > MAX_OUT_ROWS:
         return f"d_model {d_model} needs more multiprocessors than the {sms} here"
-    if shutil.which("nvcc") is None or shutil.which("ninja") is None:
-        return "needs nvcc and ninja to build"
     return None
 
 
