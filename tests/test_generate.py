@@ -245,3 +245,36 @@ def test_prefill_by_chunks_equals_the_full_forward(arch, length):
     torch.testing.assert_close(logits_b, logits_a, atol=1e-4, rtol=1e-4)
     nxt = torch.tensor([[7]])
     torch.testing.assert_close(target.step(nxt, cache_b), target.step(nxt, cache_a), atol=1e-4, rtol=1e-4)
+
+
+def test_chain_prefill_sizes_cover_any_length_with_few_shapes():
+    from ssmspec.decoding.graphs import ChainPrefill
+
+    seen = set()
+    for length in range(1, 300):
+        sizes = ChainPrefill.sizes(length)
+        assert sum(sizes) == length and all(a >= b for a, b in zip(sizes, sizes[1:]))
+        seen.update(sizes)
+    assert seen == {64, 32, 16, 8, 4, 2, 1}  # every prompt length compiles and captures at most these
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+@pytest.mark.parametrize("length", [1, 5, 64, 150])
+@pytest.mark.parametrize("pending", [0, 16])
+def test_chain_prefill_equals_the_full_forward(arch, length, pending):
+    # The GPU prefill replays one graph per chain size (run eagerly here): same logits and state
+    # as the plain forward, with and without the fast path's pending slots.
+    from ssmspec.decoding.generate import prefill
+    from ssmspec.decoding.graphs import ChainPrefill
+
+    target = tiny_model(TARGETS[arch], seed=4)
+    prompt = torch.randint(0, 64, (1, length))
+    cache_a, logits_a = prefill(target, prompt, 200, by_chunks=False)
+    cache_b = target.new_cache(1, 200, pending=pending)
+    chains = ChainPrefill(target, cache_b, capture=False)
+    logits_b = chains(prompt)
+    torch.testing.assert_close(logits_b, logits_a, atol=1e-4, rtol=1e-4)
+    nxt = torch.tensor([[7]])
+    torch.testing.assert_close(target.step(nxt, cache_b), target.step(nxt, cache_a), atol=1e-4, rtol=1e-4)
+    cache_b.reset_()  # reused for a second prompt, as the fast path does
+    torch.testing.assert_close(chains(prompt), logits_a, atol=1e-4, rtol=1e-4)

@@ -14,6 +14,7 @@ import torch
 from ssmspec.trees import Tree
 
 from ..models.lm import LanguageModel
+from ..ops import dispatch
 from .sampling import SamplingParams, probabilities
 
 
@@ -81,6 +82,9 @@ class ModelDrafter:
     a GPU a whole greedy draft is one replayed CUDA graph.
     """
 
+    CAPACITY_BUCKET = 512
+    """Attention capacity of the drafter's caches is allocated in multiples of this many tokens."""
+
     def __init__(self, model: LanguageModel, sample_children: bool = True, graphs: bool | None = None):
         self.model = model
         self.sample_children = sample_children
@@ -94,6 +98,8 @@ class ModelDrafter:
         self._plans: dict = {}
         self._last = None  # the plan of the last draft, for `commit`
         self._max_len = 0
+        self._fused: dict = {}  # tree parents -> FusedGreedyDraft (tied to the cache)
+        self._prefill = None  # ChainPrefill on the cache (tied to it)
 
     @property
     def vocab_size(self) -> int:
@@ -107,14 +113,32 @@ class ModelDrafter:
     def begin(self, prompt_ids: torch.Tensor, max_len: int) -> None:
         """Prefill on the prompt (1, T)."""
         if self.cache is None or max_len > self._max_len:
-            self.cache = self.model.new_cache(1, max_len)
-            self._max_len = max_len
-            self._plans = {}  # buffers and graphs are tied to the cache
+            # Capacity in buckets, so that a slightly longer request keeps the captured graphs.
+            self._max_len = -(-max_len // self.CAPACITY_BUCKET) * self.CAPACITY_BUCKET
+            self.cache = self.model.new_cache(1, self._max_len)
+            self._plans, self._fused, self._prefill = {}, {}, None  # buffers and graphs are tied to the cache
         else:
             self.cache.reset_()
-        self.model(prompt_ids.to(self.model.device), self.cache, last_only=True)
+        prompt_ids = prompt_ids.to(self.model.device)
+        if self._use_graphs and dispatch.uses_kernel("tree_scan", self.model.device):
+            if self._prefill is None:  # the prompt as a few replayed chain graphs, not hundreds of launches
+                from .graphs import ChainPrefill
+
+                self._prefill = ChainPrefill(self.model, self.cache, capture=self.model.device.type == "cuda")
+            self._prefill(prompt_ids)
+        else:
+            self.model(prompt_ids, self.cache, last_only=True)
         self.pending = []
         self._last = None
+
+    def fused_draft(self, shape: Tree) -> "FusedGreedyDraft | None":
+        """The device-side greedy draft of `shape` (see FusedGreedyDraft), or None where the
+        shape cannot be drafted that way; built once per shape and cache."""
+        if not FusedGreedyDraft.supports(shape) or self.cache is None:
+            return None
+        if shape.parents not in self._fused:
+            self._fused[shape.parents] = FusedGreedyDraft(self, shape)
+        return self._fused[shape.parents]
 
     def start_from(self, cache) -> None:
         """Continue from an existing committed cache (batch 1) instead of a prompt (profiling)."""
@@ -122,6 +146,7 @@ class ModelDrafter:
         self.cache = cache
         self._max_len = max(capacities) if capacities else int(cache.seqlen.max()) + 1
         self._plans, self.pending, self._last = {}, [], None
+        self._fused, self._prefill = {}, None
 
     def commit(self, accepted: list[int], path: list[int] | None = None) -> None:
         """The target accepted `accepted` (tokens of `path[1:]`, path = tree nodes from the root).
@@ -244,6 +269,64 @@ class _DraftGraph:
         else:
             self.graph.replay()
         return self.tokens
+
+
+class FusedGreedyDraft:
+    """A greedy draft of one tree shape whose inputs and outputs stay on the device.
+
+    The drafter keeps its state after every node of the last draft, one cache row per node
+    (`node_cache`; nodes of one depth are contiguous in packed order, so each depth is a view
+    of it). Committing the accepted path is then a copy of one row, chosen by a device index
+    (`commit_row`, the deepest accepted node), and the next root token is a device tensor too
+    (`root`): draft -> verify -> commit runs with no host work, so the whole speculative
+    iteration can be one CUDA graph (decoding/graphs.py SpeculativeIterationGraph). The deepest
+    level is stepped as well (one batched drafter step more than `ModelDrafter.draft`), so that
+    every node has its state and no accepted token is left to feed.
+    """
+
+    def __init__(self, drafter: "ModelDrafter", shape: Tree):
+        if not self.supports(shape):
+            raise ValueError(f"tree {shape.spec()} cannot be drafted on the device (needs depth-ordered nodes)")
+        model = drafter.model
+        device = model.device
+        self.drafter, self.shape = drafter, shape
+        self.levels = _levels(shape, device)
+        self.node_cache = model.new_cache(shape.num_nodes, drafter._max_len)
+        starts = [int(level.nodes[0]) for level in self.levels]
+        self.level_rows = [self.node_cache.rows(start, len(level.nodes)) for start, level in zip(starts, self.levels)]
+        # The rows before each level: its parents' states (disjoint from the level's own rows).
+        self.above_rows = [self.node_cache.rows(0, start) for start in starts]
+        self.parent_nodes = [torch.tensor([shape.parents[int(n)] for n in level.nodes.tolist()], device=device)
+                             for level in self.levels]
+        self.root = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.commit_row = torch.zeros(1, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(shape.num_nodes, dtype=torch.long, device=device)
+        self.cache = drafter.cache  # the committed state this draft continues (captured by pointer)
+
+    @staticmethod
+    def supports(shape: Tree) -> bool:
+        depths = shape.depths
+        return shape.max_depth > 0 and all(a <= b for a, b in zip(depths, depths[1:]))
+
+    def start(self, root: int) -> None:
+        """Continue from the drafter's committed state (after `begin`) with `root` next."""
+        self.node_cache.rows(0, 1).copy_(self.cache)
+        self.commit_row.zero_()
+        self.root.fill_(root)
+
+    def run(self) -> None:
+        """Commit row `commit_row`, step `root`, draft every level into `tokens` (capturable)."""
+        model = self.drafter.model
+        self.cache.gather_(self.node_cache, self.commit_row)
+        logits = model.step(self.root, self.cache)[:, -1]
+        self.node_cache.rows(0, 1).copy_(self.cache)
+        self.tokens[:1].copy_(self.root[0])
+        for level, rows, above, parents in zip(self.levels, self.level_rows, self.above_rows, self.parent_nodes):
+            best = torch.topk(logits, level.max_children, dim=-1).indices  # (W_prev, k)
+            chosen = best[level.parent_rows, level.ranks]
+            self.tokens[level.nodes] = chosen
+            rows.gather_(above, parents)  # each node's row starts as its parent's state
+            logits = model.step(chosen[:, None], rows)[:, -1]
 
 
 class NgramDrafter:

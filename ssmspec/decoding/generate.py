@@ -18,7 +18,7 @@ from ..models.fold import fold_for_kernels
 from ..models.lm import LanguageModel
 from ..ops import dispatch
 from .acceptance import accept_deterministic, accept_greedy, accept_sampled
-from .drafters import Draft
+from .drafters import Draft, ModelDrafter
 from .sampling import SamplingParams, probabilities, sample
 
 METHODS = ("ar", "chain", "stree")
@@ -45,6 +45,10 @@ class GenerationConfig:
     """Run the target's decode calls as replayed CUDA graphs, greedy acceptance on the device.
     None = when the target is on CUDA and decoding is greedy. On the CPU, True runs the same
     device-side iteration eagerly (it is how the graph path is tested without a GPU)."""
+    timing: bool = False
+    """Synchronize around the phases and report their wall times in stats["time_split"]
+    (prefill_s, draft_s, verify_s, host_s). Costs a device sync per phase: for attribution, not
+    for speed figures. Where draft and verify run as one graph, draft_s is 0 and verify_s holds both."""
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -152,6 +156,7 @@ class _FastPath:
         self.cache = target.new_cache(1, max_len, pending=pending)
         self.step_graph = None
         self.tree_graphs: dict = {}
+        self.chain_prefill = None
 
     @classmethod
     def for_target(cls, target: LanguageModel, needed_len: int, capture: bool, pending: int = 0) -> "_FastPath":
@@ -174,6 +179,24 @@ class _FastPath:
         if self.step_graph is None:
             self.step_graph = StepGraph(self.target, self.cache)
         return self.step_graph(ids)[0, -1]
+
+    def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
+        """The prompt (1, T) into the cache as a few replayed chain graphs; last logits (V,)."""
+        from .graphs import ChainPrefill
+
+        if self.chain_prefill is None:
+            self.chain_prefill = ChainPrefill(self.target, self.cache, capture=self.capture)
+        return self.chain_prefill(prompt)
+
+    def speculation(self, draft) -> "SpeculativeIterationGraph":
+        """The whole greedy iteration with a device-side draft (drafters.FusedGreedyDraft)."""
+        from .graphs import SpeculativeIterationGraph
+
+        key = ("fused", draft.shape.parents)
+        kept = self.tree_graphs.get(key)
+        if kept is None or kept.draft is not draft:  # a new draft object: its buffers moved
+            self.tree_graphs[key] = SpeculativeIterationGraph(self.target, self.cache, draft, capture=self.capture)
+        return self.tree_graphs[key]
 
     def iterate(self, draft: Draft) -> tuple[list[int], list[int], int]:
         """verify + greedy accept + replay in one call; returns (path, accepted tokens, bonus)."""
@@ -206,6 +229,8 @@ def prefill(target: LanguageModel, prompt: torch.Tensor, max_len: int, fast: _Fa
         by_chunks = dispatch.uses_kernel("tree_scan", target.device)
     if not by_chunks:
         return cache, target(prompt, cache, last_only=True)[0, -1]
+    if fast is not None:
+        return cache, fast.prefill(prompt)
     for start in range(0, prompt.shape[1], PREFILL_CHUNK):
         chunk = prompt[:, start:start + PREFILL_CHUNK]
         n = chunk.shape[1]
@@ -266,6 +291,30 @@ def _fast_path(target: LanguageModel, cfg: GenerationConfig, max_len: int) -> _F
     return _FastPath.for_target(target, max_len, capture=on_cuda, pending=pending_slots_for(None if cfg.method == "ar" else cfg.tree, target))
 
 
+class _PhaseClock:
+    """Wall time per phase of the loop when asked (`GenerationConfig.timing`): each `mark`
+    waits for the device and charges the time since the last mark to a phase."""
+
+    PHASES = ("prefill_s", "draft_s", "verify_s", "host_s")
+
+    def __init__(self, enabled: bool, device: torch.device):
+        self.enabled, self.device = enabled, device
+        self.spent = dict.fromkeys(self.PHASES, 0.0)
+        self.last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        if not self.enabled:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.spent[phase] += now - self.last
+        self.last = now
+
+    def totals(self) -> dict:
+        return dict(self.spent)
+
+
 @torch.no_grad()
 def generate(
     target: LanguageModel,
@@ -295,6 +344,7 @@ def generate(
     max_len = prompt.shape[1] + cfg.max_new_tokens + tree_nodes + 1
 
     start = time.perf_counter()
+    clock = _PhaseClock(cfg.timing, target.device)
     out = _Output(cfg, decode, on_tokens)
     # On the kernel path the norms run inside the projections once their weights are folded into
     # them (models/fold.py): the same function, fewer launches per layer; done once, in place.
@@ -302,7 +352,10 @@ def generate(
     fast = _fast_path(target, cfg, max_len)
     cache, logits = prefill(target, prompt, max_len, fast)
     root = next_token(logits, cfg, generator)  # reading it back also waits for the prefill
+    if cfg.method != "ar":
+        drafter.begin(prompt, max_len)
     prefill_s = time.perf_counter() - start
+    clock.mark("prefill_s")
     out.emit([root])
     accepted_per_call: list[int] = []
 
@@ -313,12 +366,28 @@ def generate(
             else:
                 logits = target.step(torch.tensor([[root]], device=target.device), cache)[0, -1]
             root = next_token(logits, cfg, generator)
+            clock.mark("verify_s")
             out.emit([root])
             accepted_per_call.append(1)
+            clock.mark("host_s")
+    elif fast is not None and isinstance(drafter, ModelDrafter) and drafter.fused_draft(cfg.tree) is not None:
+        # Draft, verify, accept, replay and the drafter's commit as one graph: one read-back a call.
+        draft = drafter.fused_draft(cfg.tree)
+        iteration = fast.speculation(draft)
+        draft.start(root)
+        while not out.done:
+            tokens, n, _ = iteration()
+            packed = torch.cat([n, tokens[0]]).tolist()
+            count, produced = packed[0], packed[1:1 + packed[0]]
+            clock.mark("verify_s")
+            drafter.steps += cfg.tree.max_depth + 1
+            out.emit(produced)
+            accepted_per_call.append(count)
+            clock.mark("host_s")
     else:
-        drafter.begin(prompt, max_len)
         while not out.done:
             draft = draft_tree(drafter, root, cfg, generator)
+            clock.mark("draft_s")
             if fast is not None and draft.tree == cfg.tree:
                 path, accepted, bonus = fast.iterate(draft)  # verify + accept + replay, one graph
             else:
@@ -326,10 +395,12 @@ def generate(
                 path, bonus = accept_path(draft, logits[0], cfg, generator)
                 replay_state(target, cache, acts, path)
                 accepted = draft.tokens[path[1:]].tolist()
+            clock.mark("verify_s")
             drafter.commit(accepted, path)
             out.emit(accepted + [bonus])
             accepted_per_call.append(len(accepted) + 1)
             root = bonus
+            clock.mark("host_s")
 
     elapsed = time.perf_counter() - start
     calls = len(accepted_per_call)
@@ -351,4 +422,6 @@ def generate(
     }
     if drafter is not None and cfg.method != "ar":
         stats["drafter_steps"] = drafter.steps
+    if cfg.timing:
+        stats["time_split"] = clock.totals()
     return GenerationResult(out.tokens, stats, accepted_per_call, out.finish_reason)

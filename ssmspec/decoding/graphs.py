@@ -19,10 +19,12 @@ from ..models.lm import LanguageModel
 from ..ops import dispatch, graph_tables
 
 
-def _warm_up_and_capture(fn, cache: ModelCache, warmup: int = 2) -> torch.cuda.CUDAGraph:
-    """Run fn a few times on a side stream (compiles kernels, sets up cuBLAS), restore the cache,
-    then capture fn. The cache holds the same values afterwards as before."""
+def _warm_up_and_capture(fn, cache: ModelCache, warmup: int = 2, also=()) -> torch.cuda.CUDAGraph:
+    """Run fn a few times on a side stream (compiles kernels, sets up cuBLAS), restore the cache
+    (and the caches or tensors in `also`), then capture fn. They hold the same values afterwards
+    as before."""
     snapshot = cache.clone()
+    kept = [(x, x.clone()) for x in also]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -33,6 +35,8 @@ def _warm_up_and_capture(fn, cache: ModelCache, warmup: int = 2) -> torch.cuda.C
     with graph_tables.written_after_capture(), torch.cuda.graph(graph):  # no table copies in the graph
         fn()
     cache.copy_(snapshot)  # capture itself runs nothing, but the warm-up steps advanced the cache
+    for x, saved in kept:
+        x.copy_(saved)
     torch.cuda.synchronize()
     return graph
 
@@ -123,3 +127,112 @@ class GreedyTreeGraph:
             # must flush them first
             self.cache.pending_dirty = self.cache.pending_count is not None
         return self.out_tokens, self.out_len
+
+
+class ChainPrefill:
+    """A prompt run into a cache as chains of at most CHUNK tokens, each chain one replayed graph
+    (verify + replay of the whole chain: the state of stepping the prompt token by token).
+
+    A prompt of T tokens runs as T // CHUNK full chunks and the binary digits of the rest
+    (32, 16, ..., 1), so any prompt length uses at most 7 chain sizes: each is compiled and
+    captured once, and a prefill costs a few graph replays instead of hundreds of launches.
+    """
+
+    CHUNK = 64
+
+    def __init__(self, model: LanguageModel, cache: ModelCache, capture: bool = True):
+        self.model, self.cache, self.capture = model, cache, capture
+        self._chains: dict[int, tuple] = {}
+
+    @classmethod
+    def sizes(cls, length: int) -> list[int]:
+        """Chain sizes covering `length` tokens in order: full chunks, then powers of two."""
+        out = [cls.CHUNK] * (length // cls.CHUNK)
+        rest = length % cls.CHUNK
+        bit = cls.CHUNK // 2
+        while rest:
+            if rest >= bit:
+                out.append(bit)
+                rest -= bit
+            bit //= 2
+        return out
+
+    def _chain(self, n: int):
+        if n not in self._chains:
+            from ssmspec.trees import Tree
+
+            model, cache = self.model, self.cache
+            tree = Tree.chain(n - 1)
+            ids = torch.zeros(1, n, dtype=torch.long, device=cache.seqlen.device)
+            path = torch.arange(n, device=ids.device)[None]
+            path_len = torch.full((1,), n, device=ids.device)
+            out = {}
+
+            def run():
+                logits, acts = model.verify(ids, tree, cache)
+                model.replay(cache, acts, path, path_len)
+                out["logits"] = logits[0, -1]
+
+            graph = None
+            if self.capture:
+                with torch.inference_mode():
+                    graph = _warm_up_and_capture(run, cache)
+            self._chains[n] = (ids, graph, run, out)
+        return self._chains[n]
+
+    def __call__(self, prompt: torch.Tensor) -> torch.Tensor:
+        """prompt (1, T) into the cache (advanced in place); returns the last token's logits (V,)."""
+        start = 0
+        logits = None
+        for n in self.sizes(prompt.shape[1]):
+            ids, graph, run, out = self._chain(n)
+            ids.copy_(prompt[:, start:start + n])
+            if graph is None:
+                with torch.inference_mode():
+                    run()
+            else:
+                graph.replay()
+                self.cache.pending_dirty = self.cache.pending_count is not None
+            logits = out["logits"]
+            start += n
+        return logits
+
+
+class SpeculativeIterationGraph:
+    """One whole greedy speculative iteration, captured: the drafter's commit and draft
+    (decoding/drafters.py FusedGreedyDraft), then the target's verify, acceptance and replay
+    (GreedyTreeGraph), then the next root and commit row handed back to the drafter, all on
+    the device. The host replays it and reads back the produced tokens once per iteration.
+
+    Usage: `g = SpeculativeIterationGraph(target, cache, draft)`; `draft.start(root)` after the
+    prefills; then each `tokens, n, last = g()` advances both models over the accepted path.
+    """
+
+    def __init__(self, model: LanguageModel, cache: ModelCache, draft, capture: bool = True):
+        self.draft, self.cache = draft, cache
+        self.verify = GreedyTreeGraph(model, cache, draft.shape, capture=False)
+        verify = self.verify
+
+        def iteration():
+            draft.run()
+            verify.tokens_in.copy_(draft.tokens[None])
+            verify._iteration()
+            draft.commit_row.copy_(verify.out_last)
+            draft.root.copy_(verify.out_tokens.gather(1, (verify.out_len - 1)[:, None]))
+
+        self._iteration = iteration
+        self.graph = None
+        if capture:
+            with torch.inference_mode():
+                self.graph = _warm_up_and_capture(
+                    iteration, cache, also=(draft.cache, draft.node_cache, draft.root, draft.commit_row))
+
+    def __call__(self):
+        """-> (tokens (1, D+1), n (1,), last (1,)) static buffers (see GreedyTreeGraph)."""
+        if self.graph is None:
+            with torch.inference_mode():
+                self._iteration()
+        else:
+            self.graph.replay()
+            self.cache.pending_dirty = self.cache.pending_count is not None
+        return self.verify.out_tokens, self.verify.out_len, self.verify.out_last

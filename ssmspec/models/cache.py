@@ -36,9 +36,18 @@ class MambaLayerCache:
     def select(self, rows: torch.Tensor) -> "MambaLayerCache":
         return MambaLayerCache(**{name: t[rows] for name, t in self._tensors()})
 
+    def rows(self, start: int, length: int) -> "MambaLayerCache":
+        """A view of rows start .. start + length - 1 (writes go to this cache)."""
+        return MambaLayerCache(**{name: t.narrow(0, start, length) for name, t in self._tensors()})
+
     def copy_(self, other: "MambaLayerCache") -> None:
         for name, t in self._tensors():
             t.copy_(getattr(other, name))
+
+    def gather_(self, other: "MambaLayerCache", rows: torch.Tensor) -> None:
+        """Row r := other's row rows[r], one launch per tensor (no intermediate copy)."""
+        for name, t in self._tensors():
+            torch.index_select(getattr(other, name), 0, rows, out=t)
 
 
 @dataclass
@@ -51,9 +60,18 @@ class AttentionLayerCache:
     def select(self, rows: torch.Tensor) -> "AttentionLayerCache":
         return AttentionLayerCache(self.keys[rows], self.values[rows])
 
+    def rows(self, start: int, length: int) -> "AttentionLayerCache":
+        """A view of rows start .. start + length - 1 (writes go to this cache)."""
+        return AttentionLayerCache(self.keys.narrow(0, start, length), self.values.narrow(0, start, length))
+
     def copy_(self, other: "AttentionLayerCache") -> None:
         self.keys.copy_(other.keys)
         self.values.copy_(other.values)
+
+    def gather_(self, other: "AttentionLayerCache", rows: torch.Tensor) -> None:
+        """Row r := other's row rows[r]."""
+        torch.index_select(other.keys, 0, rows, out=self.keys)
+        torch.index_select(other.values, 0, rows, out=self.values)
 
 
 @dataclass
@@ -93,6 +111,12 @@ class ModelCache:
         return ModelCache([None if c is None else c.select(rows) for c in self.layers], self.seqlen[rows].clone(),
                           count, self.pending_dirty)
 
+    def rows(self, start: int, length: int) -> "ModelCache":
+        """A view of rows start .. start + length - 1: steps on it advance those rows of this cache."""
+        count = None if self.pending_count is None else self.pending_count.narrow(0, start, length)
+        return ModelCache([None if c is None else c.rows(start, length) for c in self.layers],
+                          self.seqlen.narrow(0, start, length), count, self.pending_dirty)
+
     def copy_(self, other: "ModelCache") -> None:
         for mine, theirs in zip(self.layers, other.layers):
             if mine is not None:
@@ -101,6 +125,16 @@ class ModelCache:
         if self.pending_count is not None:
             self.pending_count.copy_(other.pending_count)
             self.pending_dirty = other.pending_dirty
+
+    def gather_(self, other: "ModelCache", rows: torch.Tensor) -> None:
+        """Row r := other's row rows[r] (rows a device tensor: no host sync, capturable). Both
+        caches must have the same layout; a view from `rows()` may be the destination."""
+        for mine, theirs in zip(self.layers, other.layers):
+            if mine is not None:
+                mine.gather_(theirs, rows)
+        torch.index_select(other.seqlen, 0, rows, out=self.seqlen)
+        if self.pending_count is not None:
+            torch.index_select(other.pending_count, 0, rows, out=self.pending_count)
 
     def reset_(self) -> None:
         """Empty the cache in place (tensors keep their storage, so captured graphs stay valid)."""
