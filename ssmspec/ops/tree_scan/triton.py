@@ -388,7 +388,7 @@ SCAN_BLOCK_P: int | None = None
 
 def _block_p(head_dim: int) -> int:
     # One block of up to 64 channels: splitting P into 32s (more programs) measured slower,
-    # 4.4/6.7/13.5 us against 4.0/4.6/9.3 us for 15/31/63 nodes (BENCHMARKS.md): the cost is
+    # 4.4/6.7/13.5 us against 4.0/4.6/9.3 us for 15/31/63 nodes (H100): the cost is
     # the parent walk and the C.B product, which every P block repeats.
     return SCAN_BLOCK_P or min(64, max(16, triton.next_power_of_2(head_dim)))
 
