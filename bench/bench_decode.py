@@ -29,8 +29,7 @@ import torch
 from ssmspec.decoding.generate import PENDING_MAX_NODES, PENDING_SLOTS, pending_slots_for
 from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
-from ssmspec.ops import dispatch, graph_tables, overlap, pdl, stream_layers, stream_proj
-from ssmspec.ops.gemv import triton as gemv
+from ssmspec.ops import dispatch, stream_layers, stream_proj
 from ssmspec.trees.tree import Tree
 
 RESULTS: dict = {}
@@ -47,7 +46,7 @@ def median_ms(fn, iters: int = 50, warmup: int = 5) -> float:
 
 def gpu_state() -> str:
     """The GPU's SM and memory clocks, temperature, power and active clock-limit reasons (nvidia-smi),
-    printed beside the rows that vary between processes (round 16), or why not."""
+    printed beside the rows that vary most between processes, or why not."""
     import subprocess
 
     fields = "clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active"
@@ -181,23 +180,21 @@ def time_tree_iteration(model, prompt, tree: Tree, vocab: int, pending: int | No
 
 SPIN_CYCLES = 200_000
 """GPU cycles (~0.1 ms) of the spin queued before each timed call's start event: longer than the
-host takes to submit the call, so the interval holds GPU work only (run 79, bench/timing_probe.py:
-with an idle GPU before the start event the AR step read 15-50 us more than 100 back-to-back
-replays; with the spin, within 5 us of them)."""
+host takes to submit the call, so the interval holds GPU work only (with an idle GPU before the
+start event the AR step read 15-50 us more than 100 back-to-back replays; with the spin, within
+5 us of them)."""
 
 
-def restored_call_times(restore, call, iters: int, spin: bool = True) -> list[float]:
+def restored_call_times(restore, call, iters: int) -> list[float]:
     """Sorted ms of call() by CUDA events around it alone, after restore() each time (in stream
     order the start event follows the restore): subtracting a separately measured median restore
     time instead added up to ~10% of noise. A GPU spin between the restore and the start event
     keeps the GPU busy while the host submits the call (see SPIN_CYCLES): the time measured is
-    the call's GPU time, as the copy that sets the weight-read floor is measured (spin=False:
-    the timer before run 80, for bench/timing_probe.py)."""
+    the call's GPU time, as the copy that sets the weight-read floor is measured."""
     times = []
     for _ in range(iters):
         restore()
-        if spin:
-            torch.cuda._sleep(SPIN_CYCLES)
+        torch.cuda._sleep(SPIN_CYCLES)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         call()
@@ -205,15 +202,6 @@ def restored_call_times(restore, call, iters: int, spin: bool = True) -> list[fl
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)
-
-
-def restore_entries(table: dict, saved: dict) -> None:
-    """Put a config table's saved entries back (None: the entry was absent)."""
-    for shape, cfg in saved.items():
-        if cfg is None:
-            table.pop(shape, None)
-        else:
-            table[shape] = cfg
 
 
 def main() -> int:
@@ -293,36 +281,15 @@ def main() -> int:
         cache = prefilled_cache(m, prompt, 256)
         step_logits[name] = StepGraph(m, cache)(ids).clone()
         del cache
-        # The first row timed after the model build ran ~1% slow (runs 70-71: the same AR step
-        # 2.405-2.426 ms first, 2.363-2.376 ms as a later variant row): 3 s of replays first.
+        # The first row timed after the model build ran ~1% slow (the same AR step read
+        # 2.405-2.426 ms first, 2.363-2.376 ms as a later row): 3 s of replays first.
         ms, graph = step_graph_ms(m, warm_s=3.0 if ar_ms is None else 0.0)
         ar_ms = ar_ms or ms
         record(f"AR step CUDA graph [{name}]", ms)
-        if args.profile:  # profiled after every timing: torch.profiler slows later graph replays (run 54)
+        if args.profile:  # profiled after every timing: torch.profiler slows later graph replays
             to_profile.append((lambda graph=graph: graph(ids), f"AR step graph [{name}]"))
         graph = None  # free its buffers before the next capture (a profiled one is kept until the end)
         if name == "folded":
-            gemv.ENABLED = False  # the same step with cuBLAS projections
-            record("AR step CUDA graph [folded, cuBLAS projections]", step_graph_ms(m)[0])
-            gemv.ENABLED = True
-            pdl.ENABLED = False  # the same kernels launched without programmatic dependent launch
-            record("AR step CUDA graph [folded, no PDL]", step_graph_ms(m)[0])
-            pdl.ENABLED = True
-            gemv.TWO_PIECE_PRELOAD = False  # preloaded GEMV rows as one padded power-of-two block
-            record("AR step CUDA graph [folded, one padded preload block]", step_graph_ms(m)[0])
-            gemv.TWO_PIECE_PRELOAD = True
-            out_shape = tuple(m.layers[0].mixer.out_proj.weight.shape) if m.layers[0].kind == "mamba" else None
-            if out_shape:
-                in_shape = tuple(m.layers[0].mixer.in_proj.weight.shape)
-                saved = dict(gemv.TUNED)
-                for shape, cfg, what in ((out_shape, gemv.GemvConfig(1, 0, 8, preload=True), "out_proj 1 row x 8 warps"),
-                                         (in_shape, gemv.GemvConfig(1, 0, 2, preload=True), "in_proj 2 warps"),
-                                         (in_shape, gemv.GemvConfig(1, 0, 8, preload=True), "in_proj 8 warps")):
-                    gemv.TUNED[shape] = cfg  # other GEMV configs than the tuned / default ones
-                    record(f"AR step CUDA graph [folded, {what}]", step_graph_ms(m)[0])
-                    gemv.TUNED.clear()
-                    gemv.TUNED.update(saved)
-            record("AR step CUDA graph [folded, timed again after the variants]", step_graph_ms(m)[0])
             reason = stream_layers.unsupported_reason(m, 1, torch.device("cuda"))
             if args.skip_stream_layers or reason is not None:
                 print(f"  (one-launch layer stack not timed: {reason or '--skip-stream-layers'})")
@@ -332,10 +299,6 @@ def main() -> int:
                     ar_stream_ms = step_graph_ms(m)[0]
                     record("AR step CUDA graph [folded, one-launch layer stack]", ar_stream_ms)
                     print(f"    {gpu_state()}", flush=True)
-                    stream_layers.cuda.USE_PDL = False
-                    record("AR step CUDA graph [folded, one-launch layer stack, no PDL]", step_graph_ms(m)[0])
-                    stream_layers.cuda.USE_PDL = True
-                    record("AR step CUDA graph [folded, one-launch layer stack, again]", step_graph_ms(m)[0])
                     cache = prefilled_cache(m, prompt, 256)
                     a, b = step_logits[name].double(), StepGraph(m, cache)(ids).double()
                     del cache
@@ -372,16 +335,6 @@ def main() -> int:
                 other = 0 if pending else PENDING_SLOTS
                 record(f"  same, {other or 'no'} pending slots [{tree.num_nodes} nodes, {name}]",
                        time_tree_iteration(m, prompt, tree, vocab, other)["ms"])
-                graph_tables.ENABLED = False  # the replay's pointer table copied inside the graph
-                record(f"  same, the replay's table copied in the graph [{tree.num_nodes} nodes, {name}]",
-                       time_tree_iteration(m, prompt, tree, vocab, pending)["ms"])
-                graph_tables.ENABLED = True
-                if m.verify_splits_in_proj(tree.num_nodes):
-                    overlap.SPLIT_IN_PROJ = False  # ops/overlap: in_proj as one GEMM, z not beside the scan
-                    plain_pending = pending_slots_for(tree, m)  # the slots the product then takes
-                    record(f"  same, in_proj not split, {plain_pending or 'no'} pending slots [{tree.num_nodes} nodes, {name}]",
-                           time_tree_iteration(m, prompt, tree, vocab, plain_pending)["ms"])
-                    overlap.SPLIT_IN_PROJ = True
                 stream_reason = stream_proj.unsupported_reason(m, tree.num_nodes, torch.device("cuda"))
                 if not args.skip_stream_layers and stream_reason is None:
                     # the default mode's verify: projections on the weight stream (ops/stream_proj)
@@ -393,14 +346,6 @@ def main() -> int:
                     record(f"  same, projections on the weight stream (default mode) "
                            f"[{tree.num_nodes} nodes, {name}]", info_s["ms"])
                     print(f"    {gpu_state()}", flush=True)
-                    os.environ[stream_layers.cuda.ENV] = "1"
-                    graph_tables.ENABLED = False  # the replay's pointer table copied inside the graph
-                    try:
-                        record(f"  same, the replay's table copied in the graph [{tree.num_nodes} nodes, {name}]",
-                               time_tree_iteration(m, prompt, tree, vocab, pending)["ms"])
-                    finally:
-                        graph_tables.ENABLED = True
-                        os.environ[stream_layers.cuda.ENV] = "0"
                     default_mode[tree.num_nodes] = info_s
                     if ar_stream_ms:
                         RESULTS[f"stream_mode_ratio_{tree.num_nodes}"] = info_s["ms"] / ar_stream_ms
@@ -410,29 +355,6 @@ def main() -> int:
                 elif not args.skip_stream_layers:  # the default mode's verify is this row's Triton one
                     print(f"    (weight-stream projections not timed: {stream_reason})")
                     default_mode[tree.num_nodes] = info
-                gemv.ENABLED = False
-                record(f"  same, cuBLAS projections [{tree.num_nodes} nodes, {name}]",
-                       time_tree_iteration(m, prompt, tree, vocab, pending)["ms"])
-                gemv.ENABLED = True
-                if m.layers[0].kind == "mamba":  # the layer projections' skinny GEMMs with TMA weight loads
-                    shapes = [tuple(m.layers[0].mixer.in_proj.weight.shape), tuple(m.layers[0].mixer.out_proj.weight.shape)]
-                    table = gemv.SKINNY_TUNED if tree.num_nodes <= gemv.SKINNY_MAX_ROWS else gemv.SKINNY_WIDE
-                    saved = {s: table.get(s) for s in shapes}
-                    for tma_cfg in ((64, 128, 4, 4, 0, 2), (32, 256, 4, 4, 0, 1)):
-                        table.update({s: tma_cfg for s in shapes})
-                        record(f"  same, skinny TMA {tma_cfg} [{tree.num_nodes} nodes, {name}]",
-                               time_tree_iteration(m, prompt, tree, vocab, pending)["ms"])
-                    restore_entries(table, saved)
-                    if table is gemv.SKINNY_TUNED and shapes[0] == (10576, 2560):
-                        # mamba2-2.7b with round 8's entries: no boxes preloaded, the LM head without PDL
-                        lm_shape = tuple(m.lm_head.weight.shape)
-                        saved = {s_: table.get(s_) for s_ in (shapes[0], lm_shape)}
-                        table.update({shapes[0]: (64, 128, 4, 4, 0, 2, 1), lm_shape: (64, 128, 4, 4, 0, 2)})
-                        record(f"  same, round 8's in_proj and LM head configs [{tree.num_nodes} nodes, {name}]",
-                               time_tree_iteration(m, prompt, tree, vocab, pending)["ms"])
-                        restore_entries(table, saved)
-                        record(f"  same, again with this round's [{tree.num_nodes} nodes, {name}]",
-                               time_tree_iteration(m, prompt, tree, vocab, pending)["ms"])
             tree_rows.append({"tree": spec, "nodes": tree.num_nodes, "variant": name, "ms": info["ms"],
                               "ratio": info["ms"] / ar_ms, "accepted": info["accepted"],
                               "greedy_chain_matches": info["greedy_chain_matches"],

@@ -95,7 +95,7 @@ def speed(rows, new_tokens):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench_generate.json")
+    ap.add_argument("--out", default=None, help="write all figures as JSON here")
     ap.add_argument("--new-tokens", type=int, default=128)
     args = ap.parse_args()
     from ssmspec.ops import stream_layers
@@ -109,8 +109,9 @@ def main():
             print("  mismatch:", r)
     print(f"speed (mamba2-2.7b bf16), SSMSPEC_STREAM_LAYERS mode {stream_layers.mode()}:", flush=True)
     speed(results["speed"], args.new_tokens)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import triton
 from triton.testing import do_bench_cudagraph
 
 from ssmspec.ops import pdl
-from ssmspec.ops.gemv import triton as gemv
 from ssmspec.ops.gemv.triton import GemvConfig, gemv_partials, linear, skinny_linear
 from ssmspec.ops.state_replay.naive import naive_replay_conv_state, naive_replay_ssm_state
 from ssmspec.ops.state_replay.triton import replay_conv_state, replay_ssm_state
@@ -286,64 +285,6 @@ def skinny_sweep(shapes, ms=(8, 16, 32, 64), cfgs=SKINNY_CFGS) -> None:
         del wts
 
 
-def conv_sweep(n: int) -> None:
-    """tree_conv at the mamba2-2.7b shape over (nodes, channels, warps) per program."""
-    from ssmspec.ops.tree_conv import triton as conv
-
-    tree = Tree.from_config((3, 2, 1) if n == 16 else (3, 4, 2, 1))
-    xbc = torch.randn(1, n, CONV_DIM, device=DEV, dtype=BF16)
-    state = torch.randn(1, CONV_DIM, K - 1, device=DEV, dtype=BF16)
-    w, b = torch.randn(CONV_DIM, K, device=DEV, dtype=BF16), torch.randn(CONV_DIM, device=DEV, dtype=BF16)
-    args = (xbc, state, w, b, tree.parents_tensor(DEV))
-    default_tile = conv.CONV_TILE  # None: chosen by node count
-    ref = conv.tree_conv(*args)
-    default = time_us(lambda: conv.tree_conv(*args))
-    rows = []
-    for tile in ((1, 128, 1), (2, 128, 1), (4, 128, 1), (2, 256, 1), (2, 256, 2), (4, 256, 2), (1, 256, 1), (8, 128, 2),
-                 (2, 64, 1), (4, 64, 1)):
-        conv.CONV_TILE = tile
-        try:
-            check(f"conv {n} nodes {tile}", conv.tree_conv(*args), ref, 1e-2)
-            rows.append((tile, time_us(lambda: conv.tree_conv(*args))))
-        except Exception as e:
-            print(f"  conv {n} nodes {tile} failed: {e!r}"[:200], flush=True)
-    conv.CONV_TILE = default_tile
-    rows.sort(key=lambda r: r[1])
-    print(f"  conv {n} nodes: default {default_tile} {default:.2f} us | " + "; ".join(f"{c} {us:.2f}" for c, us in rows[:6]),
-          flush=True)
-    RESULTS["timings"].append({"what": f"conv sweep {n} nodes", "default_us": default, "rows": [(str(c), u) for c, u in rows]})
-
-
-def scan_sweep() -> None:
-    """tree_scan_gated (the verify path's scan) at the mamba2-2.7b shape, 16 and 64 nodes, over
-    warps per program and state chunk width, each checked against the default config's output."""
-    from ssmspec.ops.tree_scan import triton as scan
-
-    print("\ntree_scan_gated: (warps, BLOCK_S) -> us (default: 4 warps up to 32 nodes, else 8; BLOCK_S 64)")
-    for spec in ((3, 2, 1), (3, 4, 2, 1)):
-        tree = Tree.from_config(spec)
-        n = tree.num_nodes
-        x, dt, A, B, C, D, h0 = tree_inputs(1, n)
-        z = torch.randn(1, n, H * P, device=DEV, dtype=BF16)
-        args = (x, dt.to(BF16), torch.zeros(H, device=DEV), 1e-3, 0.1, A, B, C, D, z, tree.parents_tensor(DEV), h0)
-        ref, _ = scan.tree_scan_gated(*args)
-        rows = []
-        for warps in (2, 4, 8):
-            for block_s in (32, 64, 128):
-                scan.SCAN_WARPS, scan.SCAN_BLOCK_S = warps, block_s
-                try:
-                    check(f"scan {n} nodes ({warps}, {block_s})", scan.tree_scan_gated(*args)[0], ref, 1e-2)
-                    rows.append(((warps, block_s), time_us(lambda: scan.tree_scan_gated(*args))))
-                except Exception as e:
-                    print(f"  scan {n} nodes ({warps}, {block_s}) failed: {e!r}"[:200], flush=True)
-        scan.SCAN_WARPS = scan.SCAN_BLOCK_S = None
-        default = time_us(lambda: scan.tree_scan_gated(*args))
-        conv_sweep(n)
-        rows.sort(key=lambda r: r[1])
-        print(f"  {n} nodes: default {default:.2f} us | " + "; ".join(f"{c} {us:.2f}" for c, us in rows[:6]), flush=True)
-        RESULTS["timings"].append({"what": f"scan sweep {n} nodes", "default_us": default, "rows": [(str(c), u) for c, u in rows]})
-
-
 def gemv_sweep(only: str | None = None) -> None:
     """One-row GEMV and few-row skinny GEMM configs at the mamba2-2.7b projection shapes, against
     cuBLAS; rotating enough weight copies (>= 200 MB) that L2 cannot hold them. Prints tables
@@ -387,15 +328,11 @@ def gemv_sweep(only: str | None = None) -> None:
                 rows.append((str(tuple(cfg)), time_us(fn) / copies))
             except Exception as e:  # a config that fails to compile is reported, not fatal
                 print(f"  {label} {tuple(cfg)} failed: {e!r}"[:200], flush=True)
-        for cfg in (gemv.DEFAULT, GemvConfig(1, 0, 4, preload=True), GemvConfig(1, 0, 8, preload=True)):
-            pdl.ENABLED = False  # the same configs without programmatic dependent launch
-            rows.append((str(tuple(cfg)) + " no PDL", time_us(lambda cfg=cfg: [linear(xin, w_, config=cfg) for w_ in wts]) / copies))
-            pdl.ENABLED = True
         rows_sorted = sorted(rows[1:], key=lambda r: r[1])
         print(f"\n{label} {n_out}x{k_in} ({nbytes / 1e6:.1f} MB), {copies} rotating copies; cuBLAS {rows[0][1]:.2f} us "
               f"({nbytes / rows[0][1] / 1e6 / bw:.0%} of copy); config = (block_n, block_k, warps, split, persistent, unroll),"
               " split rows exclude the reduction")
-        for name, us in rows_sorted[:10] + [r for r in rows_sorted[10:] if "PDL" in r[0] or "True)" in r[0][-6:]]:
+        for name, us in rows_sorted[:10] + [r for r in rows_sorted[10:] if "True)" in r[0][-6:]]:
             print(f"  {name:<38} {us:7.2f} us  {nbytes / us / 1e6:5.2f} TB/s  {nbytes / us / 1e6 / bw:5.1%} of copy")
         best[label] = rows_sorted[0]
         RESULTS["timings"].append({"what": f"gemv sweep {label}", "bytes": nbytes, "rows": rows})
@@ -440,7 +377,6 @@ def main() -> int:
     ap.add_argument("--norm-linear", action="store_true", help="only time norm_linear against linear")
     ap.add_argument("--skinny-sweep", action="store_true",
                     help="only the skinny GEMM at 8 and 16 rows, tiled and balanced grids, 2.7b and hybrid-8b shapes")
-    ap.add_argument("--scan-sweep", action="store_true", help="only sweep tree_scan_gated's warps and state chunk")
     ap.add_argument("--shapes", default=None,
                     help="with --skinny-sweep: other shapes, label:N:K comma-separated (e.g. up:21504:4096)")
     args = ap.parse_args()
@@ -450,8 +386,6 @@ def main() -> int:
         norm_linear_timings()
     elif args.gemv_sweep:
         gemv_sweep(args.only)
-    elif args.scan_sweep:
-        scan_sweep()
     elif args.skinny_sweep:
         shapes = [("in_proj", 2 * D_INNER + 2 * G * S + H, 2560), ("out_proj", 2560, D_INNER),
                   ("in_proj-8b", 2 * 8192 + 2 * 8 * 128 + 128, 4096), ("out_proj-8b", 4096, 8192)]

@@ -1,13 +1,13 @@
 """Compile the one-launch CUDA extensions (ops/stream_layers, ops/stream_proj) with nvcc as torch's
 loader would, flags and macros included, on a machine without a GPU: catches a compile error before
-a GPU session pays for it (round 16: a template parameter that a -D macro of the loader's flags
-replaced compiled without the flags, and failed on the GPU with them).
+a GPU session pays for it (a template parameter that a -D macro of the loader's flags replaced
+once compiled without the flags, and failed on the GPU with them).
 
 Needs nvcc (Hopper support) and torch's headers. The CUDA math-library headers that torch's
 extension header includes but the kernels never use (a CUDA toolkit without cuBLAS, cuSPARSE and
 cuSOLVER) are stubbed when missing, with the handle and status types that torch's headers name.
 
-    python3 bench/compile_extensions.py                          # both extensions at d_model 256 and 2560, TRACE too
+    python3 bench/compile_extensions.py                          # both extensions at d_model 256 and 2560
     python3 bench/compile_extensions.py --d-models 768,1024,1536,2048   # the other mamba2 presets' shapes
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ STUBS = {  # header -> what torch's CUDA context headers need of it
 }
 
 
-def jobs(work: str, d_models: list[int], trace: bool) -> list[tuple[str, list[str]]]:
+def jobs(work: str, d_models: list[int]) -> list[tuple[str, list[str]]]:
     """(label, nvcc arguments) of each build: the flags of the two `_module`s' load_inline calls
     (expand 2, head dim 64, d_state 128, one group)."""
     ops = os.path.join(ROOT, "ssmspec", "ops")
@@ -60,20 +60,18 @@ def jobs(work: str, d_models: list[int], trace: bool) -> list[tuple[str, list[st
         flags = stream_layers.nvcc_flags(d_model, n_heads, 64, 4, True)
         out.append((f"stream_layers d_model {d_model}", flags + ["-I", os.path.join(ops, "stream_layers"), src]))
         n_in = 4 * d_model + 2 * 128 + n_heads
-        for trace in (False, True) if trace else (False,):
-            src = os.path.join(work, f"stream_proj_{d_model}_{trace}.cu")
-            with open(os.path.join(ops, "stream_proj", "kernel.cu")) as f, open(src, "w") as g:
-                g.write(f.read() + stream_proj._LAUNCHER)
-            flags = stream_proj.nvcc_flags(d_model, 2 * d_model, n_in, stream_proj.SLOTS, stream_proj.IN_FLIGHT, trace)
-            out.append((f"stream_proj d_model {d_model}{' TRACE' if trace else ''}",
-                        flags + ["-I", os.path.join(ops, "stream_proj"), "-I", os.path.join(ops, "stream_layers"), src]))
+        src = os.path.join(work, f"stream_proj_{d_model}.cu")
+        with open(os.path.join(ops, "stream_proj", "kernel.cu")) as f, open(src, "w") as g:
+            g.write(f.read() + stream_proj._LAUNCHER)
+        flags = stream_proj.nvcc_flags(d_model, 2 * d_model, n_in, stream_proj.SLOTS, stream_proj.IN_FLIGHT)
+        out.append((f"stream_proj d_model {d_model}",
+                    flags + ["-I", os.path.join(ops, "stream_proj"), "-I", os.path.join(ops, "stream_layers"), src]))
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d-models", default="256,2560", help="comma-separated d_model values")
-    ap.add_argument("--no-trace", action="store_true", help="skip stream_proj's TRACE builds")
     args = ap.parse_args()
     if shutil.which("nvcc") is None:
         print("needs nvcc")
@@ -82,7 +80,7 @@ def main() -> int:
         stubs = os.path.join(work, "stubs")
         os.makedirs(stubs)
         failed = 0
-        for label, nvcc_args in jobs(work, [int(d) for d in args.d_models.split(",")], not args.no_trace):
+        for label, nvcc_args in jobs(work, [int(d) for d in args.d_models.split(",")]):
             while True:  # stub each missing library header, then compile again
                 cmd = ["nvcc", *COMMON, "-I", stubs, *nvcc_args, "-o", os.path.join(work, "out.o")]
                 run = subprocess.run(cmd, capture_output=True, text=True)

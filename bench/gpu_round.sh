@@ -2,7 +2,7 @@
 # Purpose: one device-machine round of the GPU fast path (issue 3): the GPU tests, then
 # bench_decode.py on mamba2-2.7b (folded and unfolded norms, per-kernel profile) and hybrid-8b.
 # Hardware: one H100 80GB (device tool, kind nvidia-h100-x1). Expected time: ~2-7 min, by steps.
-# Usage: bench/gpu_round.sh OUT_DIR TAG [steps...]   (steps: tests nl 27b 8b gen trace vtrace; default tests 27b 8b)
+# Usage: bench/gpu_round.sh OUT_DIR TAG [steps...]   (steps: tests nl 27b 8b gen; default tests 27b 8b)
 set -uo pipefail
 out=${1:-${OUT:-bench-out}}
 tag=${2:-run}
@@ -22,10 +22,6 @@ for step in $steps; do
                  > "$out/norm_linear-$tag.log" 2>&1 ;;
         gen) timeout 300 python3 bench/bench_generate.py --out "$out/bench_generate-$tag.json" \
                  > "$out/bench_generate-$tag.log" 2>&1 ;;
-        trace) { timeout 100 python3 bench/trace_step.py; timeout 100 python3 bench/trace_step.py --unfolded; } \
-                 > "$out/trace_step-$tag.log" 2>&1 ;;
-        vtrace) { timeout 100 python3 bench/trace_step.py --tree 3,2,1; timeout 100 python3 bench/trace_step.py --tree 3,4,2,1; } \
-                 > "$out/trace_tree-$tag.log" 2>&1 ;;
         8b) timeout 240 python3 bench/bench_decode.py --preset hybrid-8b --skip-reference \
                  --out "$out/bench_decode-hybrid-8b-$tag.json" > "$out/bench_decode-hybrid-8b-$tag.log" 2>&1 ;;
     esac

@@ -246,7 +246,7 @@ class Mamba2Mixer(nn.Module):
         else:
             # ops/overlap.py: in_proj in two, [x B C dt] first; then z's GEMM on the second stream
             # runs beside the conv and the scan, which waits for z's columns by ready counters.
-            # (Launched beside both, z's GEMM measured level at 64 nodes: round 14, run 193.)
+            # (Launched beside both, z's GEMM measured level at 64 nodes, so it waits for the first.)
             counters, readers = split
             z_args = (h, w[: c.d_inner], None if bias is None else bias[: c.d_inner], 1, pre_norm_eps)
             z_flags = (counters, c.head_dim, readers)

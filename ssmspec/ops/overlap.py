@@ -3,9 +3,9 @@
 The tree verify's Mamba layer is a chain: in_proj, the tree conv, the tree scan, out_proj. While
 the conv and the scan run the weight stream idles, although only x, B, C and dt feed them: the
 gate z (half of in_proj's weights) is needed only at the scan's end. `Mamba2Mixer` can therefore
-split in_proj in two and run z's GEMM on a second stream beside the conv and the scan
-(BENCHMARKS.md, round 14). The scan cannot wait for z's whole launch (a graph edge would put z's
-GEMM back on the chain), so it waits for ready counters instead:
+split in_proj in two and run z's GEMM on a second stream beside the conv and the scan (worth it
+from 33 rows: SPLIT_IN_PROJ_MIN_ROWS). The scan cannot wait for z's whole launch (a graph edge
+would put z's GEMM back on the chain), so it waits for ready counters instead:
 
 - z's GEMM (ops/gemv `skinny_linear`, `ready_flags`) adds, once an output tile is stored, the
   number of scan programs that read each head's columns to that head's counter (a CTA barrier,
@@ -69,9 +69,9 @@ SPLIT_IN_PROJ = True
 time the same iteration with the plain layer)."""
 SPLIT_IN_PROJ_MIN_ROWS = 33
 """Rows (batch x tree nodes) from which the verify layer splits in_proj. At mamba2-2.7b the 64-node
-iteration takes 3.31 ms split (with 16 pending slots) against 3.58 plain (run 194), but the
-16-node one 2.75-3.08 against 2.65-2.66 (runs 191-192): there the conv and scan are short and
-the second GEMM launch costs more than the overlap gives (BENCHMARKS.md, round 14)."""
+iteration takes 3.31 ms split (with 16 pending slots) against 3.58 plain on an H100, but the
+16-node one 2.75-3.08 against 2.65-2.66: there the conv and scan are short and the second GEMM
+launch costs more than the overlap gives."""
 
 
 def can_split_in_proj(rows: int, batch: int, d_inner: int, rest: int, k: int, element_size: int, heads: int,

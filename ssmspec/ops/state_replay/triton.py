@@ -410,7 +410,7 @@ def _replay_states_kernel(
 PENDING_SSM_PROGRAMS = 16
 """With pending slots, programs per layer (and batch) that loop over the SSM state tiles; 0: one
 program per tile. Most such replays only append, so idle tile programs would be launched for
-nothing (bench/pending_probe.py sweeps this)."""
+nothing."""
 
 
 def _tile_programs(n_ssm: int, pending) -> int:

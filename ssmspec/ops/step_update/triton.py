@@ -563,7 +563,7 @@ def mamba_step_out(
     n_out = out_weight.shape[0]
     if residual is not None and residual.numel() != n_out:
         raise ValueError(f"mamba_step_out: residual {tuple(residual.shape)} does not match out_proj ({n_out})")
-    block_p = 16  # 8 and 32 channels per program, or 2 warps, measured no faster (BENCHMARKS.md, run 14)
+    block_p = 16  # 8 and 32 channels per program, or 2 warps, measured no faster on an H100
     gated = torch.empty(batch, d_inner, device=z.device, dtype=z.dtype)  # rounded: the GEMV reads half the bytes
     block_k = max(2, triton.next_power_of_2(kernel_size - 1))
     block_s = max(16, triton.next_power_of_2(d_state))

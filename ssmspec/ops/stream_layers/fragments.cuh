@@ -1,6 +1,6 @@
 // Device helpers of the weight-stream kernels that read a few rows of activations straight into the
-// tensor cores' A fragments (ops/stream_proj/kernel.cu, bench/stream_verify16.cu): loads past L1,
-// bf16 pieces, and the A-fragment layout (round 12, ACT_REG in BENCHMARKS.md).
+// tensor cores' A fragments (ops/stream_proj/kernel.cu): loads past L1, bf16 pieces, and the
+// A-fragment layout.
 #pragma once
 #include <cuda_bf16.h>
 #include <stdint.h>

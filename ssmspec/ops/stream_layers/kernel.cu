@@ -1,10 +1,9 @@
 // A persistent kernel that runs a stack of batch-1 Mamba-2 mixer layers (folded norms) with the
 // weight stream never stopping at a phase boundary. Device code only: ops/stream_layers/cuda.py
-// builds it with a host launcher for the model, bench/stream_layers_probe.py builds variants of
-// it alone (-D switches below) to time them. The shape is fixed at build time (-D D_MODEL ...).
+// builds it with a host launcher for the model. The shape is fixed at build time (-D D_MODEL ...).
 //
 // Why: the product runs three launches per layer (in_proj GEMV, step, out_proj GEMV) and loses
-// ~6.6 us per layer to their boundaries (BENCHMARKS.md, rounds 7-10): while one phase waits for
+// ~6.6 us per layer to their boundaries (measured on an H100): while one phase waits for
 // the previous phase's results, only what the waiting programs preloaded into registers streams.
 // Here one CTA per SM streams its own share of every layer's weights (and SSM state) into a ring
 // of shared-memory slots through the bulk-copy engine, from one producer thread, in the order the
@@ -12,7 +11,7 @@
 // consumers by up to the ring's size across the grid-wide barriers between phases; the bus stays
 // busy while the consumers wait for the other CTAs.
 //
-// What made it work (runs 119-133, BENCHMARKS.md round 11): at most one 40 KB copy per CTA in
+// What made it work (measured on an H100): at most one 40 KB copy per CTA in
 // flight (IN_FLIGHT), the rest of the ring filling only with landed data. With every free slot
 // in flight, the barrier's atomics and polls and the step's loads queue behind ~20 MB of copies
 // and a deeper ring only lengthened that queue (45 us per layer, any depth); with one copy in
@@ -20,8 +19,8 @@
 // Also: the step's inputs that no phase writes are read before the barriers, and the barrier is
 // CUTLASS's release/acquire pattern without fence.sc (the two fence.sc per barrier of the first
 // version cost 1.5-3.3 us per layer). One 40 KB copy in flight is also about the least that keeps
-// the stream at the copy rate (one 20 KB copy in flight lost bandwidth, run 133). Storing the
-// state after the barrier's arrive was no faster (runs 131-132); both variants are in the history.
+// the stream at the copy rate (one 20 KB copy in flight lost bandwidth). Storing the state after
+// the barrier's arrive was no faster; both variants are in the history.
 //
 // Layer (mamba2-2.7b shape, batch 1, bf16 weights, fp32 SSM state):
 //   A  in_proj:  zx = bf16(rsqrt(mean(h^2) + eps) * (W_in h))          rows split across CTAs
@@ -128,7 +127,7 @@ __device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v));
 
 // Loads of what other CTAs wrote before the last grid barrier: from L2 (.cg, past the
 // incoherent L1) and volatile with a memory clobber, so the compiler cannot hoist them above the
-// barrier (the header's __ldcg is neither: the first probe read stale values through it).
+// barrier (the header's __ldcg is neither: a first version read stale values through it).
 __device__ __forceinline__ uint4 ld_l2_u4(const void* p) {
   uint4 v;
   asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"

@@ -1,5 +1,5 @@
 // The shared-memory pipeline pieces of the streaming kernels (kernel.cu here, and
-// bench/stream_proj16.cu): mbarriers and bulk copies global -> shared (sm_90).
+// ops/stream_proj/kernel.cu): mbarriers and bulk copies global -> shared (sm_90).
 #pragma once
 #include <stdint.h>
 
@@ -18,7 +18,7 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 // Waits for the phase of `parity` to complete. kClusterAcquire: with acquire at cluster scope, for a
-// barrier that another CTA of the cluster arrives on (bench/stream_verify16.cu's pair handshake).
+// barrier that another CTA of the cluster arrives on (a CTA-pair handshake; no kernel here uses it).
 template <bool kClusterAcquire = false>
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done = 0;

@@ -103,7 +103,7 @@ def unsupported_reason(model, nodes: int, device: torch.device) -> str | None:
 
 
 def nvcc_flags(d_model: int, d_inner: int, n_in: int, slots: int, in_flight: int, trace: bool = False) -> list[str]:
-    """nvcc's flags for one shape (bench/compile_extensions.py compiles with them off the GPU)."""
+    """nvcc's flags for one shape (public so that a build can be checked off the GPU with them)."""
     return ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-diag-suppress", "177,550",
             "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", f"-DD_MODEL={d_model}", f"-DD_INNER={d_inner}", f"-DN_IN={n_in}",
             f"-DN_SLOTS={slots}", f"-DIN_FLIGHT={in_flight}"] + (["-DTRACE"] if trace else [])

@@ -11,17 +11,17 @@
 // (either alone too: the first layer's in_proj, the last layer's out_proj). The tree conv and the gated scan run
 // between launches as the Triton kernels they are.
 //
-// Why (BENCHMARKS.md, round 15): the Triton skinny GEMMs stream at ~2.0 (out_proj) and ~2.4 TB/s
-// (in_proj) at 16 rows, whatever their tiles or K splits (runs 207-208). Here every SM streams the
+// Why: the Triton skinny GEMMs stream at ~2.0 (out_proj) and ~2.4 TB/s (in_proj) at 16 rows on
+// an H100, whatever their tiles or K splits (measured). Here every SM streams the
 // same bytes, and the producer starts at launch, before the PDL wait: weights depend on no earlier
 // kernel, so this launch's ring fills while the conv and the scan before it still run (the scan lets
 // it launch at its start). For that its CTAs must fit on an SM beside a scan program (32 KB of shared
-// memory, 168 registers x 128 threads): hence 4 slots (5: 2.626 against 2.608 ms, run 211) and
+// memory, 168 registers x 128 threads): hence 4 slots (5 measured 2.626 against 2.608 ms) and
 // out_proj's A fragments one half of g's columns at a time (144 registers instead of 168). The
-// residual of a CTA's out_proj rows is loaded right after the PDL wait (run 218: 2.545 against 2.613).
-// Measured slower and removed (round 15): the tree conv in in_proj's epilogue (runs 213-214), out_proj
-// split over CTA pairs with the partial sums through distributed shared memory (run 215), two copies
-// in flight (run 211), partial slots first with their copy beside the next one's (run 220).
+// residual of a CTA's out_proj rows is loaded right after the PDL wait (2.545 against 2.613 ms).
+// Measured slower and removed (docs/BENCHMARKS.md, "Tried and dropped"): the tree conv in in_proj's
+// epilogue, out_proj split over CTA pairs with the partial sums through distributed shared memory,
+// two copies in flight, partial slots first with their copy beside the next one's.
 //
 // Deadlock freedom: the grid barrier needs every CTA resident. A launch lets the next kernel launch
 // (griddepcontrol.launch_dependents) only after its barrier, so no later kernel's CTAs can hold
@@ -169,7 +169,7 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
   const __nv_bfloat16* x_in = h;
   if (out_w != nullptr) {
     // The residual h of the rows this CTA finishes, fetched now: its L2 round trip then overlaps
-    // g's fetch instead of delaying the epilogue, and with it the grid barrier (run 217's stamps).
+    // g's fetch instead of delaying the epilogue, and with it the grid barrier (as timestamps showed).
     const int rows = out_hi - out_lo;
     constexpr int H_PER_THREAD = (NT * MAX_OUT_ROWS + CONSUMERS - 1) / CONSUMERS;
     uint32_t hv[H_PER_THREAD];

@@ -116,7 +116,7 @@ def tree_conv(
     if out.numel() == 0:
         return out
     # Small tiles, many programs: a 16-node tree at C = 5376 is only ~86k outputs, so big tiles
-    # would leave most SMs idle (measured: 16 x 256 tiles, 21 programs, 10 us; see BENCHMARKS.md).
+    # would leave most SMs idle (measured on an H100: 16 x 256 tiles, 21 programs, 10 us against 3.7 us with small ones).
     block_n, block_c, warps = CONV_TILE or ((1, 256, 1) if n <= 32 else (2, 256, 2))
     grid = (batch, triton.cdiv(n, block_n), triton.cdiv(channels, block_c))
     _tree_conv_kernel[grid](

@@ -145,7 +145,7 @@ def _tree_scan_kernel(
         p_w = pdt * tl.exp(p_total - tl.cumsum(p_log, axis=0))  # each slot's weight in h0'
         p_decay = tl.exp(p_total)
         # Not h0' itself, (P, S), but its readout C.h0' = p_decay C.h0 + sum_j p_w_j (C.B_j) x_j:
-        # (N, L) scores, cheaper (BENCHMARKS round 13: building h0' cost 4-5x more).
+        # (N, L) scores, cheaper (building h0' measured 4-5x slower on an H100).
         if ONE_CHUNK:
             p_scores = tl.dot(Cm, tl.trans(pB), input_precision=PRECISION)
         else:
@@ -162,7 +162,7 @@ def _tree_scan_kernel(
     else:
         scores = tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.float32)
         from_h0 = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
-        # a dynamic loop: unrolled (tl.static_range) it measured 12.3 against 9.6 us (runs 65-66)
+        # a dynamic loop: unrolled (tl.static_range) it measured 12.3 against 9.6 us at 64 nodes
         for s0 in range(0, S, BLOCK_S):
             ss = s0 + offs_s
             mask_s = ss < S
@@ -388,7 +388,7 @@ SCAN_BLOCK_P: int | None = None
 
 def _block_p(head_dim: int) -> int:
     # One block of up to 64 channels: splitting P into 32s (more programs) measured slower,
-    # 4.4/6.7/13.5 us against 4.0/4.6/9.3 us for 15/31/63 nodes (BENCHMARKS.md): the cost is
+    # 4.4/6.7/13.5 us against 4.0/4.6/9.3 us for 15/31/63 nodes (H100): the cost is
     # the parent walk and the C.B product, which every P block repeats.
     return SCAN_BLOCK_P or min(64, max(16, triton.next_power_of_2(head_dim)))
 
@@ -407,8 +407,8 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
     block_n = max(16, triton.next_power_of_2(n))
     block_p = _block_p(head_dim)
     # Up to 32 nodes the whole state in one chunk (ONE_CHUNK: every load issued at once): 2.74
-    # against 4.70 us for two chunks at 16 nodes and S = 128 (run 65, bench/scan_probe.py, H100).
-    # At 64 nodes two chunks of 64: 9.56 against 11.53 us for one (its fp32 tiles are 4x larger; run 65).
+    # against 4.70 us for two chunks at 16 nodes and S = 128 (H100).
+    # At 64 nodes two chunks of 64: 9.56 against 11.53 us for one (its fp32 tiles are 4x larger).
     block_s = SCAN_BLOCK_S or min(128 if block_n <= 32 else 64, max(16, triton.next_power_of_2(d_state)))
     grid = (batch * heads, triton.cdiv(head_dim, block_p))
     D_arg = D if D is not None else A  # never read when HAS_D is False
