@@ -121,9 +121,9 @@ PENDING_SLOTS = 16
 once every few tree iterations instead of after each (0: after each)."""
 PENDING_MAX_NODES = 32
 """Trees up to this many nodes use the pending slots; the scan of larger trees pays more for
-reading them than the replay saves (bench/pending_probe.py, docs/BENCHMARKS.md), unless the
+reading them than the replay saves (measured on the H100 at the 2.7b shape), unless the
 verify layers split in_proj (ops/overlap.py): then the scan runs beside z's GEMM, and its extra
-time is hidden (round 14: 64 nodes 3.30 ms with 16 slots against 3.36 without)."""
+time is hidden (64 nodes: 3.30 ms with 16 slots against 3.36 ms without)."""
 PENDING_SPLIT_MAX_NODES = 64
 """Trees up to this many nodes use the pending slots where the target's verify splits in_proj."""
 
