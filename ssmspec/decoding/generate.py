@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ssmspec.trees import Tree
+from ssmspec.trees import Tree, TreeArms
 
 from ..errors import InputError
 from ..models.fold import fold_for_kernels
@@ -41,6 +41,11 @@ class GenerationConfig:
     seed: int | None = None
     eos_token_id: int | Sequence[int] | None = None
     stop_strings: Sequence[str] = ()
+    # -- BANDIT HOOK (issue 24, ssmspec/tuning/bandit.py) ------------------------------------
+    tree_policy: object | None = None
+    """Picks the tree per step instead of `tree`: choose() -> Tree, observe(tree, produced_tokens),
+    begin_request(). Set from a TreeArms `tree` (`--tree bandit:...`); `tree` is then its largest arm."""
+    # -- end BANDIT HOOK ----------------------------------------------------------------------
     graphs: bool | None = None
     """Run the target's decode calls as replayed CUDA graphs, greedy acceptance on the device.
     None = when the target is on CUDA and decoding is greedy. On the CPU, True runs the same
@@ -52,6 +57,9 @@ class GenerationConfig:
         if self.max_new_tokens < 1:
             raise InputError(f"max-new-tokens must be a positive integer, got {self.max_new_tokens}")
         self.sampling = SamplingParams(self.temperature, self.top_k, self.top_p)
+        if isinstance(self.tree, TreeArms):  # BANDIT HOOK: buffers, graphs and pending slots for the largest arm
+            from ..tuning.bandit import UCBTreePolicy
+            self.tree_policy, self.tree = UCBTreePolicy.from_arms(self.tree), self.tree.largest
         if self.method == "chain":
             self.tree = self.tree or Tree.chain(DEFAULT_CHAIN)
             if not self.tree.is_chain:
@@ -232,8 +240,8 @@ def next_token(logits: torch.Tensor, cfg: GenerationConfig, generator) -> int:
     return sample(probabilities(logits, cfg.sampling), generator)
 
 
-def draft_tree(drafter, root: int, cfg: GenerationConfig, generator) -> Draft:
-    return drafter.draft(root, cfg.tree, cfg.sampling, generator)
+def draft_tree(drafter, root: int, cfg: GenerationConfig, generator, tree: Tree | None = None) -> Draft:
+    return drafter.draft(root, tree or cfg.tree, cfg.sampling, generator)
 
 
 def verify_tree(target: LanguageModel, draft: Draft, cache):
@@ -317,9 +325,13 @@ def generate(
             accepted_per_call.append(1)
     else:
         drafter.begin(prompt, max_len)
+        policy = cfg.tree_policy  # BANDIT HOOK
+        if policy is not None:
+            policy.begin_request()
         while not out.done:
-            draft = draft_tree(drafter, root, cfg, generator)
-            if fast is not None and draft.tree == cfg.tree:
+            tree = policy.choose() if policy is not None else cfg.tree  # BANDIT HOOK
+            draft = draft_tree(drafter, root, cfg, generator, tree)
+            if fast is not None and draft.tree == tree:
                 path, accepted, bonus = fast.iterate(draft)  # verify + accept + replay, one graph
             else:
                 logits, acts = verify_tree(target, draft, cache)
@@ -327,6 +339,8 @@ def generate(
                 replay_state(target, cache, acts, path)
                 accepted = draft.tokens[path[1:]].tolist()
             drafter.commit(accepted, path)
+            if policy is not None:  # BANDIT HOOK
+                policy.observe(tree, len(accepted) + 1)
             out.emit(accepted + [bonus])
             accepted_per_call.append(len(accepted) + 1)
             root = bonus
@@ -351,4 +365,6 @@ def generate(
     }
     if drafter is not None and cfg.method != "ar":
         stats["drafter_steps"] = drafter.steps
+    if cfg.tree_policy is not None and cfg.method != "ar":  # BANDIT HOOK
+        stats["tree_policy"] = cfg.tree_policy.summary()
     return GenerationResult(out.tokens, stats, accepted_per_call, out.finish_reason)
