@@ -63,19 +63,25 @@ def expected_tree_length(tree: Tree, acceptance: Acceptance) -> float:
 def best_tree(acceptance: Acceptance, nodes: int, max_depth: int, max_width: int | None = None) -> tuple[Tree, float]:
     """The tree of at most `nodes` nodes (root included) and depth <= max_depth that maximises
     the expected tokens per call under `acceptance` (Sequoia's dynamic program, per depth).
+    Returns (tree, expected tokens per call)."""
+    return best_trees(acceptance, nodes, max_depth, max_width)[-1]
 
-    subtree(d, m): best value of a node at depth d with m - 1 nodes below it, counting the
-    node's own acceptance as 1; children(d, r, j): best value of spending j nodes on the
+
+def best_trees(acceptance: Acceptance, max_nodes: int, max_depth: int, max_width: int | None = None) -> list[tuple[Tree, float]]:
+    """`best_tree` for every size 1 .. max_nodes at once (one table serves them all); index n - 1.
+
+    subtree value of a node at depth d with m - 1 nodes below it = its acceptance times
+    (1 + children(d, 0, m - 1)); children(d, r, j): best value of spending j nodes on the
     children of ranks r, r+1, ... of a node at depth d (a rank is used only after the ranks
-    before it, as the drafter ranks its children). Returns (tree, expected tokens per call).
+    before it, as the drafter ranks its children).
     """
-    if nodes < 1:
+    if max_nodes < 1:
         raise ValueError("a tree needs at least its root: nodes >= 1")
     width = max_width if max_width is not None else max((len(row) for row in acceptance), default=0)
 
     @lru_cache(maxsize=None)
     def children(d: int, r: int, j: int) -> tuple[float, tuple]:
-        """(value, plan): plan = ((m_r, ...), ...) sizes of the subtrees of ranks r, r+1, ..."""
+        """(value, plan): plan = (m_r, m_r+1, ...) sizes of the subtrees of ranks r, r+1, ..."""
         if j == 0 or d >= max_depth or r >= width:
             return 0.0, ()
         a = _rate(acceptance, d + 1, r)
@@ -89,17 +95,18 @@ def best_tree(acceptance: Acceptance, nodes: int, max_depth: int, max_width: int
                 best_v, best_plan = v, ((m,) + rest_plan)
         return best_v, best_plan
 
-    value, _ = children(0, 0, nodes - 1)
-    # Rebuild breadth-first so that parents come first and siblings stay in rank order.
-    parents = [-1]
-    queue = [(0, 0, nodes - 1)]  # (packed index, depth, nodes below it)
-    while queue:
-        nxt = []
-        for node, d, below in queue:
-            _, plan = children(d, 0, below)
-            for m in plan:
-                parents.append(node)
-                nxt.append((len(parents) - 1, d + 1, m - 1))
-        queue = nxt
-    children.cache_clear()
-    return Tree.from_parents(parents), 1.0 + value
+    out = []
+    for nodes in range(1, max_nodes + 1):
+        value, _ = children(0, 0, nodes - 1)
+        # Rebuild breadth-first so that parents come first and siblings stay in rank order.
+        parents = [-1]
+        queue = [(0, 0, nodes - 1)]  # (packed index, depth, nodes below it)
+        while queue:
+            nxt = []
+            for node, d, below in queue:
+                for m in children(d, 0, below)[1]:
+                    parents.append(node)
+                    nxt.append((len(parents) - 1, d + 1, m - 1))
+            queue = nxt
+        out.append((Tree.from_parents(parents), 1.0 + value))
+    return out
