@@ -185,5 +185,6 @@ def render(result, settings, console) -> None:
         for arm, n, r, tok in zip(result.policy.arms, s["pulls"], s["mean_reward"], s["mean_tokens"]):
             b.add_row(arm.spec(), str(n), "" if r is None else f"{r:.4f}", "" if tok is None else f"{tok:.3f}")
         console.print(b)
-    chosen = result.choice.spec()
-    console.print(f"[bold]chosen[/]: {chosen}")
+    from rich.markup import escape
+
+    console.print(f"[bold]chosen[/]: {escape(result.choice.spec())}")
