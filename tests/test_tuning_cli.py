@@ -131,3 +131,16 @@ def test_refusals_are_one_line(workdir, tmp_path, monkeypatch, capsys, extra, me
     assert code != 0
     assert message in err and err.count("\n") == 1, err
     assert not (tmp_path / "out" / "tree.json").exists()
+
+
+def test_cli_defaults_are_the_settings_defaults():
+    import inspect
+
+    from ssmspec.cli.tune_tree import tune_tree_command
+    from ssmspec.tuning.tune import TuneSettings
+
+    defaults = TuneSettings()
+    params = inspect.signature(tune_tree_command).parameters
+    for name in ("mode", "budget", "max_depth", "width", "temperature", "max_new_tokens", "verify_top", "arms",
+                 "lambda_ucb", "state", "seed"):
+        assert params[name].default.default == getattr(defaults, name), name
