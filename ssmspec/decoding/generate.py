@@ -41,15 +41,15 @@ class GenerationConfig:
     seed: int | None = None
     eos_token_id: int | Sequence[int] | None = None
     stop_strings: Sequence[str] = ()
+    graphs: bool | None = None
+    """Run the target's decode calls as replayed CUDA graphs, greedy acceptance on the device.
+    None = when the target is on CUDA and decoding is greedy. On the CPU, True runs the same
+    device-side iteration eagerly (it is how the graph path is tested without a GPU)."""
     # -- BANDIT HOOK (issue 24, ssmspec/tuning/bandit.py) ------------------------------------
     tree_policy: object | None = None
     """Picks the tree per step instead of `tree`: choose() -> Tree, observe(tree, produced_tokens),
     begin_request(). Set from a TreeArms `tree` (`--tree bandit:...`); `tree` is then its largest arm."""
     # -- end BANDIT HOOK ----------------------------------------------------------------------
-    graphs: bool | None = None
-    """Run the target's decode calls as replayed CUDA graphs, greedy acceptance on the device.
-    None = when the target is on CUDA and decoding is greedy. On the CPU, True runs the same
-    device-side iteration eagerly (it is how the graph path is tested without a GPU)."""
 
     def __post_init__(self):
         if self.method not in METHODS:
