@@ -179,7 +179,8 @@ def render(result, settings, console) -> None:
     if result.policy is not None:
         s = result.policy.summary()
         b = Table(title=f"bandit (lambda_ucb {result.policy.lambda_ucb:g}, lambda_gamma {result.lambda_gamma:.4f}): "
-                        f"{s['rounds']} steps, {result.bandit_tokens_per_s:.1f} decode tok/s")
+                        f"{s['rounds']} steps, {result.bandit_tokens_per_s:.1f} decode tok/s"
+                        + ("" if result.bandit_overhead is None else f", policy overhead {100 * result.bandit_overhead:.2f}% of a step"))
         for col in ("arm", "pulls", "mean reward", "mean tokens/step"):
             b.add_column(col, justify="right")
         for arm, n, r, tok in zip(result.policy.arms, s["pulls"], s["mean_reward"], s["mean_tokens"]):

@@ -260,3 +260,21 @@ def test_tree_file_schema_is_checked(tmp_path):
         path.write_text(json.dumps(data))
         with pytest.raises(TreeSpecError, match=message):
             parse_tree_spec(str(path))
+
+
+def test_collect_acceptance_on_models():
+    from helpers import tiny_model
+
+    from ssmspec.tuning.stats import collect_acceptance
+
+    target, other = tiny_model(seed=0).eval(), tiny_model(seed=1).eval()
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    same = collect_acceptance(target, target, prompts, temperatures=(0.0, 1.0), max_new_tokens=10, depth=3, width=2)
+    for stats in same.values():  # the drafter is the target: its first child is always accepted
+        assert stats.prompts == 2 and stats.tokens == 2 * 9
+        for row in stats.acceptance():
+            assert row[0] == pytest.approx(1.0, abs=1e-6) and row[1] == pytest.approx(0.0, abs=1e-6)
+    diff = collect_acceptance(target, other, prompts, temperatures=(0.7,), max_new_tokens=10, depth=3, width=2)[0.7]
+    for row in diff.acceptance():
+        assert all(0.0 <= x <= 1.0 for x in row) and sum(row) <= 1.0 + 1e-9
+    assert 0.0 < diff.acceptance()[0][0] < 1.0

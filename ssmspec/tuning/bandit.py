@@ -119,6 +119,17 @@ class UCBTreePolicy:
                 "best": self.arms[self.best_index()].spec()}
 
 
+def step_overhead_s(policy: UCBTreePolicy, rounds: int = 2000) -> float:
+    """Seconds one choose() + observe() costs, timed on a fresh copy of `policy` (its arms, options)."""
+    import time
+
+    probe = UCBTreePolicy(policy.arms, policy.lambda_ucb, policy.lambda_gamma, policy.state)
+    start = time.perf_counter()
+    for i in range(rounds):
+        probe.observe(probe.choose(), 1 + i % 3)
+    return (time.perf_counter() - start) / rounds
+
+
 def regret(policy_arms: Sequence[int], expected_rewards: Sequence[float]) -> list[float]:
     """Cumulative pseudo-regret after each round: sum over rounds of (best mean - chosen arm's mean)."""
     best = max(expected_rewards)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -111,11 +111,12 @@ def read_prompts(path: str | Path) -> list[str]:
     return prompts
 
 
-def rank_acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor, next_ids: torch.Tensor, width: int) -> torch.Tensor:
+def rank_acceptance(draft_logits: torch.Tensor, next_ids: torch.Tensor, width: int) -> torch.Tensor:
     """Greedy: (L, R) one-hot at the rank of next_ids among the drafter's logits (zeros past R).
 
     Args:
-        target_logits: unused for greedy beyond its shape; draft_logits: (L, V); next_ids: (L,)
+        draft_logits: (L, V) the drafter's logits at each root position; next_ids: (L,) the
+            target's (greedy) token after it.
     """
     chosen = draft_logits.gather(-1, next_ids[:, None])  # (L, 1)
     rank = (draft_logits > chosen).sum(-1)  # (L,) tokens the drafter prefers to the target's
@@ -186,12 +187,12 @@ def collect_acceptance(
             if len(produced) < 2:
                 continue
             # logits at the root positions start .. end-1 predict the tokens after them
-            t_logits = target(full.to(target.device))[0, start:-1].float().cpu()  # (L, V)
             d_logits = drafter(full.to(drafter.device))[0, start:-1].float().cpu()  # (L, V)
             next_ids = full[0, start + 1:]
             if params.greedy:
-                per_position = rank_acceptance(t_logits, d_logits, next_ids, width)
+                per_position = rank_acceptance(d_logits, next_ids, width)
             else:
+                t_logits = target(full.to(target.device))[0, start:-1].float().cpu()  # (L, V)
                 per_position = sampled_acceptance(probabilities(t_logits, params), probabilities(d_logits, params), width)
             stats.add(per_position)
             stats.prompts += 1

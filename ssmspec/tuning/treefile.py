@@ -13,8 +13,9 @@ Schema "ssmspec.tree", version 1::
      "predictions": [Prediction.to_json(), best predicted first],
      "measured": [{"tree", "predicted_tokens_per_s", "measured_tokens_per_s", "predicted_tokens",
                    "measured_tokens", ...}],
-     "bandit_run": null | {"pulls", "mean_reward", "mean_tokens", "history": [[round, arm, tokens, reward]],
-                           "measured_tokens_per_s"}}
+     "bandit_run": null | {"spec", "rounds", "pulls", "mean_reward", "mean_tokens", "best",
+                           "history": [[round, arm, tokens, reward]], "measured_tokens_per_s",
+                           "overhead_fraction": choose + observe time over a step's time}}
 
 `generate --tree tree.json` reads only "tree" or "bandit" (ssmspec.trees.load_tree_file).
 """

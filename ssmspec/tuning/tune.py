@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import datetime as _dt
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 from ssmspec.errors import InputError
 from ssmspec.trees import Tree, TreeArms
 
-from .bandit import UCBTreePolicy
+from .bandit import UCBTreePolicy, step_overhead_s
 from .static import CostModel, Prediction, ar_tokens_per_s, rank_trees
 from .stats import AcceptanceStats, collect_acceptance
 from .treefile import MODES, TREE_FILE_SCHEMA, TREE_FILE_VERSION
@@ -92,6 +91,8 @@ class TuneResult:
     measured: list[Measured]
     policy: UCBTreePolicy | None
     bandit_tokens_per_s: float | None
+    bandit_overhead: float | None
+    """The policy's choose() + observe() time over a decoding step's time (bandit mode)."""
     ar_tokens_per_s: float | None
     lambda_gamma: float
 
@@ -109,7 +110,7 @@ class TuneResult:
         d["measured"] = [m.to_json() for m in self.measured]
         d["bandit_run"] = None if self.policy is None else {
             **self.policy.summary(), "history": [list(h) for h in self.policy.history],
-            "measured_tokens_per_s": self.bandit_tokens_per_s}
+            "measured_tokens_per_s": self.bandit_tokens_per_s, "overhead_fraction": self.bandit_overhead}
         return d
 
 
@@ -176,13 +177,15 @@ def tune(target, drafter_model, prompts: Sequence[Sequence[int]], cost: CostMode
             measured.append(Measured(p.tree, p, tps, tok, steps))
     static_choice = max(measured, key=lambda m: m.tokens_per_s).tree if measured else preds[0].tree
 
-    policy, bandit_tps = None, None
+    policy, bandit_tps, overhead = None, None, None
     if settings.mode in ("bandit", "both"):
         arms = list(settings.candidates) or _distinct([p.tree for p in preds])[:settings.arms]
         policy = UCBTreePolicy(tuple(arms), settings.lambda_ucb, lambda_gamma, "keep")
         if progress:
             progress("running the bandit", 0, 1)
-        bandit_tps, _, _ = measure_decoding(target, drafter, prompts, None, settings, policy=policy)
+        bandit_tps, per_step, _ = measure_decoding(target, drafter, prompts, None, settings, policy=policy)
+        if bandit_tps > 0:
+            overhead = step_overhead_s(policy) / (per_step / bandit_tps)
     arm_set = None if policy is None else TreeArms(policy.arms, settings.lambda_ucb, lambda_gamma, settings.state)
     if settings.mode == "static":
         choice = static_choice
@@ -193,7 +196,7 @@ def tune(target, drafter_model, prompts: Sequence[Sequence[int]], cost: CostMode
         choice = arm_set if bandit_tps is not None and bandit_tps > best_static else static_choice
     if progress:
         progress("done", 1, 1)
-    return TuneResult(choice, stats, preds, measured, policy, bandit_tps, ar_tokens_per_s(cost), lambda_gamma)
+    return TuneResult(choice, stats, preds, measured, policy, bandit_tps, overhead, ar_tokens_per_s(cost), lambda_gamma)
 
 
 def _distinct(trees: Sequence[Tree]) -> list[Tree]:
