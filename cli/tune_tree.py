@@ -162,9 +162,11 @@ def render(result, settings, console) -> None:
     for col in ("#", "tree", "nodes", "depth", "exp. tokens/step", "target ms", "draft ms", "pred tok/s"):
         t.add_column(col, justify="right")
     for i, p in enumerate(result.predictions[:15], 1):
-        t.add_row(str(i), p.tree.spec(), str(p.tree.num_nodes), str(p.tree.max_depth), f"{p.expected_tokens:.3f}",
-                  f"{p.target_ms:.3f}", f"{p.draft_ms:.3f}", f"{p.tokens_per_s:.1f}")
+        t.add_row(str(i), p.tree.spec(), str(p.tree.num_nodes) + ("*" if p.extrapolated else ""), str(p.tree.max_depth),
+                  f"{p.expected_tokens:.3f}", f"{p.target_ms:.3f}", f"{p.draft_ms:.3f}", f"{p.tokens_per_s:.1f}")
     console.print(t)
+    if any(p.extrapolated for p in result.predictions[:15]):
+        console.print("[dim]* more nodes than the profile measured: its fit is extrapolated[/]")
 
     if result.measured:
         m = Table(title="verified by decoding (decode tokens/s)")

@@ -278,3 +278,14 @@ def test_collect_acceptance_on_models():
     for row in diff.acceptance():
         assert all(0.0 <= x <= 1.0 for x in row) and sum(row) <= 1.0 + 1e-9
     assert 0.0 < diff.acceptance()[0][0] < 1.0
+
+
+def test_generation_config_sizes_everything_for_the_largest_arm():
+    from ssmspec.decoding.generate import GenerationConfig
+
+    arms = parse_tree_spec("bandit:4,2,1;3,2,2,1,1;2,2,2,1,1,1")
+    cfg = GenerationConfig(tree=arms)
+    assert isinstance(cfg.tree_policy, UCBTreePolicy) and cfg.tree.config == (3, 2, 2, 1, 1)
+    given = UCBTreePolicy(ARMS)
+    cfg = GenerationConfig(tree_policy=given)  # no tree given: not the default (3, 2, 1, 1) either
+    assert cfg.tree_policy is given and cfg.tree == max(ARMS, key=lambda t: t.num_nodes)

@@ -48,7 +48,8 @@ class GenerationConfig:
     # -- BANDIT HOOK (issue 24, ssmspec/tuning/bandit.py) ------------------------------------
     tree_policy: object | None = None
     """Picks the tree per step instead of `tree`: choose() -> Tree, observe(tree, produced_tokens),
-    begin_request(). Set from a TreeArms `tree` (`--tree bandit:...`); `tree` is then its largest arm."""
+    begin_request(), summary() -> dict, largest (a Tree). Made from a TreeArms `tree` (`--tree bandit:...`); `tree`
+    becomes its largest arm, which sizes the cache, the pending slots and the drafter's buffers."""
     # -- end BANDIT HOOK ----------------------------------------------------------------------
 
     def __post_init__(self):
@@ -57,9 +58,11 @@ class GenerationConfig:
         if self.max_new_tokens < 1:
             raise InputError(f"max-new-tokens must be a positive integer, got {self.max_new_tokens}")
         self.sampling = SamplingParams(self.temperature, self.top_k, self.top_p)
-        if isinstance(self.tree, TreeArms):  # BANDIT HOOK: buffers, graphs and pending slots for the largest arm
+        if isinstance(self.tree, TreeArms):  # BANDIT HOOK
             from ..tuning.bandit import UCBTreePolicy
-            self.tree_policy, self.tree = UCBTreePolicy.from_arms(self.tree), self.tree.largest
+            self.tree_policy = UCBTreePolicy.from_arms(self.tree)
+        if self.tree_policy is not None:  # BANDIT HOOK: buffers, graphs and pending slots for the largest arm
+            self.tree = self.tree_policy.largest
         if self.method == "chain":
             self.tree = self.tree or Tree.chain(DEFAULT_CHAIN)
             if not self.tree.is_chain:

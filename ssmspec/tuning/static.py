@@ -28,6 +28,8 @@ class CostModel:
     """Drafter step median at each measured batch width (ascending widths)."""
     ar_step_ms: float | None = None
     lambda_gamma: float | None = None
+    max_size: int | None = None
+    """Largest target call measured: the fit is extrapolated past it."""
 
     @classmethod
     def from_profile(cls, profile) -> "CostModel":
@@ -39,7 +41,7 @@ class CostModel:
         steps = sorted((int(s["width"]), float(s["median"])) for s in d["steps"])
         method = "stree" if "stree" in data["fits"] else next(iter(data["fits"]))
         return cls(profile.fit(method), tuple(w for w, _ in steps), tuple(m for _, m in steps),
-                   profile.ar_step_ms, profile.lambda_gamma)
+                   profile.ar_step_ms, profile.lambda_gamma, max(data["settings"]["sizes"], default=None))
 
     def target_ms(self, nodes: int) -> float:
         return float(self.target_fit(nodes))
@@ -72,6 +74,8 @@ class Prediction:
     expected_tokens: float
     target_ms: float
     draft_ms: float
+    extrapolated: bool = False
+    """The tree is larger than any target call the profile measured."""
 
     @property
     def step_ms(self) -> float:
@@ -85,7 +89,7 @@ class Prediction:
         return {"tree": self.tree.spec(), **self.tree.to_json(), "nodes": self.tree.num_nodes,
                 "depth": self.tree.max_depth, "expected_tokens": self.expected_tokens,
                 "target_ms": self.target_ms, "draft_ms": self.draft_ms, "step_ms": self.step_ms,
-                "tokens_per_s": self.tokens_per_s}
+                "tokens_per_s": self.tokens_per_s, "extrapolated": self.extrapolated}
 
 
 def enumerate_configs(budget: int, max_depth: int, max_width: int | None = None) -> Iterator[tuple[int, ...]]:
@@ -110,7 +114,8 @@ def enumerate_configs(budget: int, max_depth: int, max_width: int | None = None)
 
 
 def predict(tree: Tree, acceptance: Acceptance, cost: CostModel) -> Prediction:
-    return Prediction(tree, expected_tree_length(tree, acceptance), cost.target_ms(tree.num_nodes), cost.draft_ms_of(tree))
+    return Prediction(tree, expected_tree_length(tree, acceptance), cost.target_ms(tree.num_nodes), cost.draft_ms_of(tree),
+                      cost.max_size is not None and tree.num_nodes > cost.max_size)
 
 
 def rank_trees(acceptance: Acceptance, cost: CostModel, *, budget: int, max_depth: int,

@@ -123,20 +123,17 @@ def measure_decoding(target, drafter, prompts: Sequence[Sequence[int]], tree: Tr
     """
     from ssmspec.decoding.generate import GenerationConfig, generate
 
-    def config(n: int) -> GenerationConfig:
-        return GenerationConfig(method="stree", tree=tree if policy is None else policy.largest, max_new_tokens=n,
-                                temperature=settings.temperature, seed=settings.seed, tree_policy=policy)
+    def config(n: int, policy) -> GenerationConfig:
+        return GenerationConfig(method="stree", tree=tree, max_new_tokens=n, temperature=settings.temperature,
+                                seed=settings.seed, tree_policy=policy)
 
-    if policy is None:
-        generate(target, list(prompts[0]), drafter=drafter, config=config(min(8, settings.max_new_tokens)))
-    else:
-        for arm in policy.arms:  # warm each arm's buffers without teaching the policy
-            generate(target, list(prompts[0]), drafter=drafter,
-                     config=GenerationConfig(method="stree", tree=arm, max_new_tokens=min(8, settings.max_new_tokens),
-                                             temperature=settings.temperature, seed=settings.seed))
+    # Warm-up on the same buffers; a throwaway copy of the policy tries every arm once (unpulled first).
+    warm = None if policy is None else UCBTreePolicy(policy.arms, policy.lambda_ucb, policy.lambda_gamma, "keep")
+    warm_tokens = 8 if policy is None else len(policy.arms) * (policy.largest.max_depth + 1) + 1
+    generate(target, list(prompts[0]), drafter=drafter, config=config(warm_tokens, warm))
     tokens, seconds, steps = 0, 0.0, 0
     for ids in prompts:
-        s = generate(target, list(ids), drafter=drafter, config=config(settings.max_new_tokens)).stats
+        s = generate(target, list(ids), drafter=drafter, config=config(settings.max_new_tokens, policy)).stats
         tokens += s["new_tokens"] - 1
         seconds += s["elapsed_s"] - s["prefill_s"]
         steps += s["target_calls"]
