@@ -71,7 +71,7 @@ def tune_tree_command(
     temperature: float = typer.Option(_D.temperature, "--temperature", help="Sampling temperature to tune for (0 = greedy)."),
     max_new_tokens: int = typer.Option(_D.max_new_tokens, "--max-new-tokens", help="Tokens per prompt for statistics and each measured decode."),
     verify_top: int = typer.Option(_D.verify_top, "--verify-top", help="Best predicted trees verified by decoding."),
-    arms: int = typer.Option(_D.arms, "--arms", help="Bandit arms taken from the best predictions (without --candidates)."),
+    arms: int = typer.Option(_D.arms, "--arms", help="Bandit arms without --candidates: the best predicted tree of each depth, best first."),
     lambda_ucb: float = typer.Option(_D.lambda_ucb, "--lambda-ucb", help="UCB exploration weight."),
     lambda_gamma: Optional[float] = typer.Option(None, "--lambda-gamma", help="Draft cost per level over a target call (default: the profile's T_draft/T_target)."),
     state: str = typer.Option(_D.state, "--state", help="Written bandit: keep (learn across requests) or request (reset per request)."),

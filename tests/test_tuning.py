@@ -289,3 +289,12 @@ def test_generation_config_sizes_everything_for_the_largest_arm():
     given = UCBTreePolicy(ARMS)
     cfg = GenerationConfig(tree_policy=given)  # no tree given: not the default (3, 2, 1, 1) either
     assert cfg.tree_policy is given and cfg.tree == max(ARMS, key=lambda t: t.num_nodes)
+
+
+def test_default_bandit_arms_are_the_best_tree_of_each_depth():
+    from ssmspec.tuning.static import Prediction
+    from ssmspec.tuning.tune import best_per_depth
+
+    trees = [Tree.from_config(c) for c in ((2, 1, 1), (3, 1, 1), (2, 1), (1, 1, 1, 1), (4,))]
+    preds = [Prediction(t, 2.0, 1.0, 0.0) for t in trees]  # already best first
+    assert [t.config for t in best_per_depth(preds)] == [(2, 1, 1), (2, 1), (1, 1, 1, 1), (4,)]

@@ -33,7 +33,7 @@ class TuneSettings:
     verify_top: int = 3
     """Best predicted trees verified by decoding (0: trust the prediction)."""
     arms: int = 3
-    """Bandit arms taken from the best predictions when no candidates are given."""
+    """Bandit arms when no candidates are given: the best predicted tree of each depth, best first."""
     lambda_ucb: float = TreeArms.__dataclass_fields__["lambda_ucb"].default
     lambda_gamma: float | None = None
     """None: the profile's T_draft / T_target."""
@@ -176,7 +176,7 @@ def tune(target, drafter_model, prompts: Sequence[Sequence[int]], cost: CostMode
 
     policy, bandit_tps, overhead = None, None, None
     if settings.mode in ("bandit", "both"):
-        arms = list(settings.candidates) or _distinct([p.tree for p in preds])[:settings.arms]
+        arms = list(settings.candidates) or best_per_depth(preds)[:settings.arms]
         policy = UCBTreePolicy(tuple(arms), settings.lambda_ucb, lambda_gamma, "keep")
         if progress:
             progress("running the bandit", 0, 1)
@@ -196,11 +196,11 @@ def tune(target, drafter_model, prompts: Sequence[Sequence[int]], cost: CostMode
     return TuneResult(choice, stats, preds, measured, policy, bandit_tps, overhead, ar_tokens_per_s(cost), lambda_gamma)
 
 
-def _distinct(trees: Sequence[Tree]) -> list[Tree]:
-    seen, out = set(), []
-    for t in trees:
-        if t.parents not in seen:
-            seen.add(t.parents)
-            out.append(t)
-    return out
+def best_per_depth(preds: Sequence[Prediction]) -> list[Tree]:
+    """The best predicted tree of each depth, best first: arms that differ where the reward does
+    (-(1 + lambda_gamma * depth) / tokens), rather than near-copies of the top tree."""
+    by_depth: dict[int, Tree] = {}
+    for p in preds:  # best first
+        by_depth.setdefault(p.tree.max_depth, p.tree)
+    return list(by_depth.values())
 
