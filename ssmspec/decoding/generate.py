@@ -48,8 +48,9 @@ class GenerationConfig:
     # -- BANDIT HOOK (issue 24, ssmspec/tuning/bandit.py) ------------------------------------
     tree_policy: object | None = None
     """Picks the tree per step instead of `tree`: choose() -> Tree, observe(tree, produced_tokens),
-    begin_request(), summary() -> dict, largest (a Tree). Made from a TreeArms `tree` (`--tree bandit:...`); `tree`
-    becomes its largest arm, which sizes the cache, the pending slots and the drafter's buffers."""
+    begin_request(), summary() -> dict, largest (a Tree). Made from a TreeArms `tree` (`--tree
+    bandit:...`); `tree` becomes its largest arm, which sizes the cache, the pending slots and
+    the drafter's buffers."""
     # -- end BANDIT HOOK ----------------------------------------------------------------------
 
     def __post_init__(self):
