@@ -278,3 +278,25 @@ def test_chain_prefill_equals_the_full_forward(arch, length, pending):
     torch.testing.assert_close(target.step(nxt, cache_b), target.step(nxt, cache_a), atol=1e-4, rtol=1e-4)
     cache_b.reset_()  # reused for a second prompt, as the fast path does
     torch.testing.assert_close(chains(prompt), logits_a, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_bandit_on_the_device_side_iteration_equals_the_host_loop(arch):
+    # With a tree policy the fused iteration switches trees between calls (FusedGreedyDraft.hand_over):
+    # the ids must be the host loop's, and the drafter's state must follow across the switches.
+    from ssmspec.trees.tree import parse_tree_spec
+
+    target = tiny_model(TARGETS[arch], seed=1)
+    perturbed = tiny_model(TARGETS[arch], seed=1)
+    with torch.no_grad():
+        perturbed.lm_head.weight.add_(torch.randn_like(perturbed.lm_head.weight) * 0.25)
+    arms = parse_tree_spec("bandit:2,1;1,1,1;3,2")
+    ids = prompts(1, 10, 64)[0]
+    runs = []
+    for graphs in (False, True):
+        cfg = GenerationConfig(method="stree", tree=arms, max_new_tokens=30, graphs=graphs)
+        runs.append(generate(target, ids, drafter=ModelDrafter(perturbed, graphs=graphs), config=cfg))
+    ar = generate(target, ids, config=GenerationConfig(method="ar", max_new_tokens=30, graphs=False))
+    assert runs[0].token_ids == runs[1].token_ids == ar.token_ids
+    assert runs[0].accepted_per_call == runs[1].accepted_per_call
+    assert min(runs[1].stats["tree_policy"]["pulls"]) >= 1 and sum(runs[1].stats["tree_policy"]["pulls"]) == runs[1].stats["target_calls"]

@@ -187,13 +187,21 @@ def _int_list(value, name: str) -> list[int]:
     return value
 
 
-def parse_tree_spec(text: str) -> Tree:
-    """`3,2,2,1` (a configuration), `parents:-1,0,0,1` (explicit), or the path of a tree.json."""
+def parse_tree_spec(text: str) -> "Tree | TreeArms":
+    """`3,2,2,1` (a configuration), `parents:-1,0,0,1` (explicit), `bandit:4,2,1;3,2,2,1,1` (arms
+    for the UCB bandit, options as `bandit[lambda_ucb=0.5,lambda_gamma=0.1,state=keep]:...`), or
+    the path of a tree.json (a tree, or an arm set written by `ssmspec tune-tree`)."""
     text = text.strip()
     if not text:
         raise TreeSpecError("empty tree spec; write a configuration such as 3,2,1 or a tree.json path")
+    if text.startswith("bandit"):
+        return parse_bandit_spec(text)
     if text.endswith(".json") or Path(text).is_file():
         return load_tree_file(text)
+    return _parse_one_tree(text)
+
+
+def _parse_one_tree(text: str) -> Tree:
     if text.startswith("parents:"):
         body = text[len("parents:"):]
         try:
@@ -210,7 +218,98 @@ def parse_tree_spec(text: str) -> Tree:
     return Tree.from_config(levels)
 
 
-def load_tree_file(path: str | Path) -> Tree:
+# -- the bandit's arm set ------------------------------------------------------------------------
+BANDIT_STATES = ("request", "keep")
+
+
+@dataclass(frozen=True)
+class TreeArms:
+    """Tree shapes for the UCB bandit to choose among, one per decoding step (mamba-drafters
+    paper, section 4.2). The policy itself lives in ssmspec.tuning.bandit; this is its spec."""
+
+    arms: tuple[Tree, ...]
+    lambda_ucb: float = 1.0
+    """Weight of the exploration bonus lambda_ucb * sqrt(2 ln t / n_k)."""
+    lambda_gamma: float = 0.0
+    """Drafting cost per draft level relative to a target call (T_draft / T_target) in the reward
+    -(1 + lambda_gamma * depth) / tokens; `ssmspec tune-tree` writes the profile's value."""
+    state: str = "request"
+    """request: the bandit starts afresh with each generation; keep: it learns across them."""
+
+    def __post_init__(self):
+        if not self.arms:
+            raise TreeSpecError("a bandit needs at least one arm, e.g. bandit:4,2,1;3,2,2,1,1")
+        if len({a.parents for a in self.arms}) != len(self.arms):
+            raise TreeSpecError(f"the bandit's arms repeat a tree: {self.spec()}")
+        for name in ("lambda_ucb", "lambda_gamma"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise TreeSpecError(f"bandit option {name} must be a number >= 0, got {v!r}")
+        if self.state not in BANDIT_STATES:
+            raise TreeSpecError(f"bandit option state must be one of {', '.join(BANDIT_STATES)}, got {self.state!r}")
+
+    @property
+    def largest(self) -> Tree:
+        """The arm with the most nodes (then the deepest): buffers are sized for it."""
+        return max(self.arms, key=lambda t: (t.num_nodes, t.max_depth))
+
+    @property
+    def is_chain(self) -> bool:
+        return all(a.is_chain for a in self.arms)
+
+    def spec(self) -> str:
+        opts = f"[lambda_ucb={self.lambda_ucb:g},lambda_gamma={self.lambda_gamma:g},state={self.state}]"
+        return f"bandit{opts}:" + ";".join(a.spec() for a in self.arms)
+
+    def to_json(self) -> dict:
+        return {"arms": [a.to_json() for a in self.arms], "lambda_ucb": self.lambda_ucb,
+                "lambda_gamma": self.lambda_gamma, "state": self.state}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TreeArms":
+        if not isinstance(d, dict) or not isinstance(d.get("arms"), list):
+            raise TreeSpecError("a tree file's 'bandit' must be an object with an 'arms' list")
+        extra = set(d) - {"arms", "lambda_ucb", "lambda_gamma", "state"}
+        if extra:
+            raise TreeSpecError(f"unknown bandit field(s) {', '.join(sorted(extra))} in the tree file")
+        opts = {k: d[k] for k in ("lambda_ucb", "lambda_gamma", "state") if k in d}
+        return cls(tuple(Tree.from_json(a) for a in d["arms"]), **opts)
+
+
+def parse_bandit_spec(text: str) -> TreeArms:
+    """`bandit:4,2,1;3,2,2,1,1` or `bandit[lambda_ucb=0.5,lambda_gamma=0.1,state=keep]:4,2,1;...`."""
+    head, sep, body = text.partition(":")
+    if not sep or not body.strip():
+        raise TreeSpecError(f"malformed bandit spec {text!r}: write bandit:4,2,1;3,2,2,1,1 (arms separated by ';')")
+    opts: dict = {}
+    head = head.strip()
+    if head != "bandit":
+        if not (head.startswith("bandit[") and head.endswith("]")):
+            raise TreeSpecError(f"malformed bandit spec {text!r}: options go in brackets, e.g. bandit[lambda_ucb=0.5]:4,2,1;3,2,1")
+        for item in filter(None, (t.strip() for t in head[len("bandit["):-1].split(","))):
+            key, eq, value = item.partition("=")
+            key, value = key.strip(), value.strip()
+            if not eq or key not in ("lambda_ucb", "lambda_gamma", "state"):
+                raise TreeSpecError(f"unknown bandit option {item!r}; use lambda_ucb=X, lambda_gamma=X, state=request|keep")
+            if key == "state":
+                opts[key] = value
+                continue
+            try:
+                opts[key] = float(value)
+            except ValueError:
+                raise TreeSpecError(f"bandit option {key} must be a number, got {value!r}") from None
+    arms = [part.strip() for part in body.split(";")]
+    if any(not a for a in arms):
+        raise TreeSpecError(f"malformed bandit spec {text!r}: an arm is empty (stray ';')")
+    return TreeArms(tuple(_parse_one_tree(a) for a in arms), **opts)
+
+
+TREE_FILE_SCHEMA = "ssmspec.tree"
+"""The `schema` of tree.json files written by `ssmspec tune-tree` (a bare tree needs none)."""
+
+
+def load_tree_file(path: str | Path) -> "Tree | TreeArms":
+    """A tree.json: a bare tree ({config} or {parents}), or tune-tree's file holding a 'tree' or a 'bandit'."""
     path = Path(path)
     if not path.is_file():
         raise TreeSpecError(f"tree file {path} does not exist")
@@ -218,6 +317,15 @@ def load_tree_file(path: str | Path) -> Tree:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise TreeSpecError(f"tree file {path} is not valid JSON: {e}") from None
+    if isinstance(data, dict) and "schema" in data:
+        if data["schema"] != TREE_FILE_SCHEMA:
+            raise TreeSpecError(f"tree file {path} has schema {data['schema']!r}, not {TREE_FILE_SCHEMA!r}")
+        if data.get("version") != TREE_FILE_VERSION:
+            raise TreeSpecError(f"tree file {path} version {data.get('version')} is not supported (expected {TREE_FILE_VERSION})")
+        if ("tree" in data) == ("bandit" in data):
+            raise TreeSpecError(f"tree file {path} must hold exactly one of 'tree' and 'bandit'")
+    if isinstance(data, dict) and "bandit" in data:
+        return TreeArms.from_json(data["bandit"])
     return Tree.from_json(data.get("tree", data) if isinstance(data, dict) else data)
 
 

@@ -314,6 +314,14 @@ class FusedGreedyDraft:
         self.commit_row.zero_()
         self.root.fill_(root)
 
+    def hand_over(self, other: "FusedGreedyDraft") -> None:
+        """Continue with `other`'s tree from where this draft's last iteration left off: commit
+        this draft's row into the drafter's state, and give `other` the next root."""
+        self.cache.gather_(self.node_cache, self.commit_row)
+        other.node_cache.rows(0, 1).copy_(self.cache)
+        other.commit_row.zero_()
+        other.root.copy_(self.root)
+
     def run(self) -> None:
         """Commit row `commit_row`, step `root`, draft every level into `tokens` (capturable)."""
         model = self.drafter.model

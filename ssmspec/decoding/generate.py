@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ssmspec.trees import Tree
+from ssmspec.trees import Tree, TreeArms
 
 from ..errors import InputError
 from ..models.fold import fold_for_kernels
@@ -49,6 +49,11 @@ class GenerationConfig:
     """Synchronize around the phases and report their wall times in stats["time_split"]
     (prefill_s, draft_s, verify_s, host_s). Costs a device sync per phase: for attribution, not
     for speed figures. Where draft and verify run as one graph, draft_s is 0 and verify_s holds both."""
+    tree_policy: object | None = None
+    """Picks the tree per step instead of `tree`: choose() -> Tree, observe(tree, produced_tokens),
+    begin_request(), summary() -> dict, largest (a Tree). Made from a TreeArms `tree` (`--tree
+    bandit:...`); `tree` becomes its largest arm, which sizes the cache, the pending slots and
+    the drafter's buffers."""
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -56,6 +61,11 @@ class GenerationConfig:
         if self.max_new_tokens < 1:
             raise InputError(f"max-new-tokens must be a positive integer, got {self.max_new_tokens}")
         self.sampling = SamplingParams(self.temperature, self.top_k, self.top_p)
+        if isinstance(self.tree, TreeArms):  # `--tree bandit:...`: a UCB policy over the arms (tuning/bandit.py)
+            from ..tuning.bandit import UCBTreePolicy
+            self.tree_policy = UCBTreePolicy.from_arms(self.tree)
+        if self.tree_policy is not None:  # buffers, graphs and pending slots for the largest arm
+            self.tree = self.tree_policy.largest
         if self.method == "chain":
             self.tree = self.tree or Tree.chain(DEFAULT_CHAIN)
             if not self.tree.is_chain:
@@ -257,8 +267,8 @@ def next_token(logits: torch.Tensor, cfg: GenerationConfig, generator) -> int:
     return sample(probabilities(logits, cfg.sampling), generator)
 
 
-def draft_tree(drafter, root: int, cfg: GenerationConfig, generator) -> Draft:
-    return drafter.draft(root, cfg.tree, cfg.sampling, generator)
+def draft_tree(drafter, root: int, cfg: GenerationConfig, generator, tree: Tree | None = None) -> Draft:
+    return drafter.draft(root, tree or cfg.tree, cfg.sampling, generator)
 
 
 def verify_tree(target: LanguageModel, draft: Draft, cache):
@@ -289,6 +299,11 @@ def _fast_path(target: LanguageModel, cfg: GenerationConfig, max_len: int) -> _F
     if cfg.method != "ar" and on_cuda and dispatch.get_backend() == "reference":
         return None  # the reference tree ops build masks on the host: they cannot be captured
     return _FastPath.for_target(target, max_len, capture=on_cuda, pending=pending_slots_for(None if cfg.method == "ar" else cfg.tree, target))
+
+
+def _trees(cfg: GenerationConfig) -> tuple:
+    """Every tree the loop may draft: the bandit's arms, or the one configured tree."""
+    return tuple(cfg.tree_policy.arms) if cfg.tree_policy is not None else (cfg.tree,)
 
 
 class _PhaseClock:
@@ -370,25 +385,41 @@ def generate(
             out.emit([root])
             accepted_per_call.append(1)
             clock.mark("host_s")
-    elif fast is not None and isinstance(drafter, ModelDrafter) and drafter.fused_draft(cfg.tree) is not None:
+    elif fast is not None and isinstance(drafter, ModelDrafter) and all(
+            drafter.fused_draft(tree) is not None for tree in _trees(cfg)):
         # Draft, verify, accept, replay and the drafter's commit as one graph: one read-back a call.
-        draft = drafter.fused_draft(cfg.tree)
-        iteration = fast.speculation(draft)
-        draft.start(root)
+        policy = cfg.tree_policy
+        if policy is not None:
+            policy.begin_request()
+        current = None
         while not out.done:
+            tree = policy.choose() if policy is not None else cfg.tree
+            draft = drafter.fused_draft(tree)
+            iteration = fast.speculation(draft)
+            if current is None:
+                draft.start(root)
+            elif current is not draft:  # the bandit switched trees: the state moves to the new buffers
+                current.hand_over(draft)
+            current = draft
             tokens, n, _ = iteration()
             packed = torch.cat([n, tokens[0]]).tolist()
             count, produced = packed[0], packed[1:1 + packed[0]]
             clock.mark("verify_s")
-            drafter.steps += cfg.tree.max_depth + 1
+            drafter.steps += tree.max_depth + 1
+            if policy is not None:
+                policy.observe(tree, count)
             out.emit(produced)
             accepted_per_call.append(count)
             clock.mark("host_s")
     else:
+        policy = cfg.tree_policy
+        if policy is not None:
+            policy.begin_request()
         while not out.done:
-            draft = draft_tree(drafter, root, cfg, generator)
+            tree = policy.choose() if policy is not None else cfg.tree
+            draft = draft_tree(drafter, root, cfg, generator, tree)
             clock.mark("draft_s")
-            if fast is not None and draft.tree == cfg.tree:
+            if fast is not None and draft.tree == tree:
                 path, accepted, bonus = fast.iterate(draft)  # verify + accept + replay, one graph
             else:
                 logits, acts = verify_tree(target, draft, cache)
@@ -397,6 +428,8 @@ def generate(
                 accepted = draft.tokens[path[1:]].tolist()
             clock.mark("verify_s")
             drafter.commit(accepted, path)
+            if policy is not None:
+                policy.observe(tree, len(accepted) + 1)
             out.emit(accepted + [bonus])
             accepted_per_call.append(len(accepted) + 1)
             root = bonus
@@ -424,4 +457,6 @@ def generate(
         stats["drafter_steps"] = drafter.steps
     if cfg.timing:
         stats["time_split"] = clock.totals()
+    if cfg.tree_policy is not None and cfg.method != "ar":
+        stats["tree_policy"] = cfg.tree_policy.summary()
     return GenerationResult(out.tokens, stats, accepted_per_call, out.finish_reason)
