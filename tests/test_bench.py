@@ -12,7 +12,6 @@ import torch
 
 from ssmspec.benchmark import BenchConfig, report, run_bench, runner
 from ssmspec.benchmark.lossless import check_lossless, classify_gap, default_tie_tolerance, first_difference, reference_logits
-from ssmspec.errors import InputError
 
 SHORT_PROMPTS = "def add(a, b):\nThe quick brown fox\nimport os\n\n  \nclass Stack:\n"
 
@@ -188,13 +187,15 @@ def test_check_lossless_measures_the_targets_logit_gap(models):
     (["--prompts", "{empty_jsonl}"], "no usable prompt"),
     (["--prompts", "{blank_txt}"], "no usable prompt"),
     (["--prompts", "{csv}"], ".jsonl or .txt"),
+    (["--prompts", "{missing}"], "does not exist"),
     (["--methods", "ar,beam"], "unknown method"),
     (["--methods", "ar", "--tree", "2,1"], "stree"),
     (["--dataset", "humaneval", "--prompts", "{blank_txt}"], "not both"),
     (["--max-context", "4"], "fits"),
 ])
 def test_refusals_are_one_line_and_non_zero(models, tmp_path, monkeypatch, capsys, extra, message):
-    paths = {"empty_jsonl": tmp_path / "p.jsonl", "blank_txt": tmp_path / "p.txt", "csv": tmp_path / "p.csv"}
+    paths = {"empty_jsonl": tmp_path / "p.jsonl", "blank_txt": tmp_path / "p.txt", "csv": tmp_path / "p.csv",
+             "missing": tmp_path / "nope.jsonl"}
     paths["empty_jsonl"].write_text('{"text": "no prompt key"}\n{"messages": []}\n')
     paths["blank_txt"].write_text("\n   \n")
     paths["csv"].write_text("a,b\n")
@@ -269,3 +270,15 @@ def test_cli_defaults_equal_the_dataclass_defaults():
     for name in ("max_new_tokens", "temperature", "seed", "warmup", "time_split", "limit", "tie_tolerance", "max_context"):
         assert params[name].default.default == defaults[name], name
     assert params["methods"].default.default == ",".join(defaults["methods"])
+
+
+@pytest.mark.requires_cuda
+def test_bench_on_cuda_in_bf16_reports_memory_and_no_failures(models, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(bench_args(models, out, "--prompts", str(models / "prompts.txt"), "--device", "cuda",
+                                           "--dtype", "bf16", "--tree", "2,1", "--time-split"), monkeypatch, capsys)
+    assert code == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["lossless"]["failures"] == 0
+    for s in summary["methods"].values():
+        assert s["peak_memory_bytes"] > 0 and s["tokens_per_s"] > 0

@@ -36,8 +36,9 @@ def load_prompts(dataset: str) -> tuple[str, list[Prompt]]:
         return dataset, _VENDORED[dataset](DATASETS[dataset])
     path = Path(dataset)
     if not path.is_file():
-        hint = "a .jsonl or .txt file" if path.suffix else f"one of {', '.join(DATASETS)}, or a prompts file"
-        raise InputError(f"unknown dataset {dataset!r}: expected {hint}")
+        if path.suffix:
+            raise InputError(f"prompts file {dataset} does not exist")
+        raise InputError(f"unknown dataset {dataset!r}: choose one of {', '.join(DATASETS)}, or give a prompts file (.jsonl or .txt)")
     return path.name, read_prompts_file(path)
 
 

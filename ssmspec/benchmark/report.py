@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .lossless import TIE_ULPS
 from .runner import BenchResult
 
 SPLIT_KEYS = ("prefill_s", "draft_s", "verify_s", "host_s")
@@ -112,8 +113,12 @@ def markdown(result: BenchResult) -> str:
         lines.append("Not applicable at temperature > 0: outputs are samples, not comparable id for id.")
     else:
         odd = [r for r in result.records if r["lossless"]["status"] in ("tie", "failure")]
+        tol = (f"{cfg.tie_tolerance:g} (given)" if cfg.tie_tolerance is not None
+               else f"{TIE_ULPS} units in the last place of {env.get('dtype')} at the two logits' magnitude")
         lines.append(f"Every speculative method's ids compared with ar's, per prompt: {sum(r['lossless']['status'] == 'failure' for r in odd)} "
-                     f"failures, {sum(r['lossless']['status'] == 'tie' for r in odd)} numerical ties.")
+                     f"failures, {sum(r['lossless']['status'] == 'tie' for r in odd)} numerical ties. In fp32 any difference "
+                     f"is a failure; in bf16/fp16 a divergence is a tie when the target's fp32 logits of the two tokens "
+                     f"on the shared prefix differ by at most the tie tolerance: {tol}.")
         for r in odd:
             v = r["lossless"]
             detail = ", ".join(f"{k} {v[k]:.4g}" if isinstance(v[k], float) else f"{k} {v[k]}" for k in v if k != "status")

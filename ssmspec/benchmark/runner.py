@@ -10,8 +10,9 @@ from typing import Callable
 import torch
 
 from ..decoding.generate import GenerationConfig, GenerationResult, generate
+from ..errors import InputError
 from .config import BenchConfig, MethodSpec, resolve_methods
-from .lossless import check_lossless
+from .lossless import Verdict, check_lossless
 from .prompts import Prompt, encode, load_prompts
 
 ProgressFn = Callable[[int, int, str], None]
@@ -75,8 +76,6 @@ def run_bench(config: BenchConfig, on_progress: ProgressFn | None = None) -> Ben
     eos = getattr(tokenizer, "eos_token_id", None) or target.model.config.eos_token_id
     encoded = _encode_all(prompts, tokenizer, config, _context_limit(target, config), result)
     if not encoded:
-        from ..errors import InputError
-
         raise InputError(f"no prompt of {dataset} fits: {result.skipped[0]['reason'] if result.skipped else 'none given'}")
 
     model = target.model
@@ -89,6 +88,8 @@ def run_bench(config: BenchConfig, on_progress: ProgressFn | None = None) -> Ben
             gen_cfg = lambda **extra: GenerationConfig(  # noqa: E731
                 method=spec.method, tree=spec.tree, max_new_tokens=config.max_new_tokens,
                 temperature=config.temperature, seed=config.seed, eos_token_id=eos, **extra)
+            if on_progress and config.warmup:
+                on_progress(done, total, f"{spec.label} (warm-up)")
             for pid, ids in encoded[:config.warmup]:
                 generate_once(model, ids, drafter, gen_cfg())
             if model.device.type == "cuda":
@@ -112,8 +113,6 @@ def run_bench(config: BenchConfig, on_progress: ProgressFn | None = None) -> Ben
 
 def _record(result: BenchResult, spec: MethodSpec, pid: str, prompt_ids: list[int], out: GenerationResult,
             model, reference: dict) -> dict:
-    from .lossless import Verdict
-
     if not result.lossless_applicable:
         verdict = Verdict("n/a")
     elif spec.method == "ar":
