@@ -282,3 +282,16 @@ def test_bench_on_cuda_in_bf16_reports_memory_and_no_failures(models, tmp_path, 
     assert summary["lossless"]["failures"] == 0
     for s in summary["methods"].values():
         assert s["peak_memory_bytes"] > 0 and s["tokens_per_s"] > 0
+
+
+def test_methods_resolve_in_order_with_ar_first_and_each_shape_once():
+    from ssmspec.benchmark import resolve_methods
+
+    config = BenchConfig(target="x", drafter="ngram", methods=("stree", "chain", "ar"), trees=("3,2,1", "3,2,1", "2,2"),
+                         draft_lens=(4, 4, 2))
+    specs, note = resolve_methods(config)
+    assert [s.label for s in specs] == ["ar", "stree 3,2,1", "stree 2,2", "chain 4", "chain 2"] and note is None
+    specs, note = resolve_methods(BenchConfig(target="x", drafter="ngram", methods=("chain",)))
+    assert [s.label for s in specs] == ["ar", "chain 4"] and "reference" in note
+    specs, note = resolve_methods(BenchConfig(target="x", drafter="ngram", methods=("chain",), temperature=1.0))
+    assert [s.label for s in specs] == ["chain 4"] and note is None

@@ -116,4 +116,5 @@ def resolve_methods(config: BenchConfig) -> tuple[list[MethodSpec], str | None]:
         else:
             trees = [parse_tree_spec(t) for t in config.trees] or [Tree.from_config(DEFAULT_STREE)]
             specs.extend(MethodSpec.make("stree", t) for t in trees)
-    return specs, note
+    unique = {spec.label: spec for spec in reversed(specs)}  # a shape given twice runs once
+    return [spec for spec in specs if unique.get(spec.label) is spec], note

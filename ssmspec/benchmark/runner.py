@@ -79,26 +79,27 @@ def run_bench(config: BenchConfig, on_progress: ProgressFn | None = None) -> Ben
         raise InputError(f"no prompt of {dataset} fits: {result.skipped[0]['reason'] if result.skipped else 'none given'}")
 
     model = target.model
-    reference: dict[str, list[int]] = {}
+    reference: dict[int, list[int]] = {}  # prompt index -> ar's ids (prompt ids need not be unique)
     total, done = len(specs) * len(encoded), 0
     if on_progress:
         on_progress(0, total, specs[0].label)
     try:
         for spec in specs:
-            gen_cfg = lambda **extra: GenerationConfig(  # noqa: E731
-                method=spec.method, tree=spec.tree, max_new_tokens=config.max_new_tokens,
-                temperature=config.temperature, seed=config.seed, eos_token_id=eos, **extra)
+            def gen_cfg(**extra) -> GenerationConfig:
+                return GenerationConfig(method=spec.method, tree=spec.tree, max_new_tokens=config.max_new_tokens,
+                                        temperature=config.temperature, seed=config.seed, eos_token_id=eos, **extra)
+
             if on_progress and config.warmup:
                 on_progress(done, total, f"{spec.label} (warm-up)")
-            for pid, ids in encoded[:config.warmup]:
+            for _, ids in encoded[:config.warmup]:
                 generate_once(model, ids, drafter, gen_cfg())
             if model.device.type == "cuda":
                 torch.cuda.synchronize(model.device)
                 torch.cuda.reset_peak_memory_stats(model.device)
             info = result.method_info.setdefault(spec.label, {})
-            for pid, ids in encoded:
+            for index, (pid, ids) in enumerate(encoded):
                 out = generate_once(model, ids, drafter, gen_cfg())
-                result.records.append(_record(result, spec, pid, ids, out, model, reference))
+                result.records.append(_record(result, spec, index, pid, ids, out, model, reference))
                 done += 1
                 if on_progress:
                     on_progress(done, total, spec.label)
@@ -111,15 +112,16 @@ def run_bench(config: BenchConfig, on_progress: ProgressFn | None = None) -> Ben
     return result
 
 
-def _record(result: BenchResult, spec: MethodSpec, pid: str, prompt_ids: list[int], out: GenerationResult,
-            model, reference: dict) -> dict:
+def _record(result: BenchResult, spec: MethodSpec, index: int, pid: str, prompt_ids: list[int],
+            out: GenerationResult, model, reference: dict) -> dict:
+    """The record of one timed generation, with its verdict against ar's ids for the same prompt."""
     if not result.lossless_applicable:
         verdict = Verdict("n/a")
     elif spec.method == "ar":
-        reference[pid] = out.token_ids
+        reference[index] = out.token_ids
         verdict = Verdict("reference")
     else:
-        verdict = check_lossless(model, prompt_ids, reference[pid], out.token_ids, result.config.tie_tolerance)
+        verdict = check_lossless(model, prompt_ids, reference[index], out.token_ids, result.config.tie_tolerance)
     keep = ("new_tokens", "target_calls", "mean_accepted", "tokens_per_s", "decode_tokens_per_s", "elapsed_s",
             "prefill_s", "finish_reason", "drafter_steps")
     return {"dataset": result.dataset, "method": spec.label, "prompt_id": pid, "prompt_tokens": len(prompt_ids),
