@@ -21,7 +21,7 @@ app = typer.Typer(
 def _register() -> None:
     # Each command lives in its own module and adds itself to `app` on import.
     from . import generate, new_model  # noqa: F401
-    from . import tune_tree  # noqa: F401
+    from . import bench, tune_tree  # noqa: F401
     for optional in ("profile", "train"):
         try:
             __import__(f"{__package__}.{optional}")
