@@ -34,6 +34,7 @@ from .config import RunConfig
 from .data import BadRecords, Blocks, Tokenize, resolve_files
 from .evaluation import evaluate
 from .losses import cross_entropy, distill_loss
+from .scan import training_scan
 
 log = logging.getLogger("ssmspec.training")
 
@@ -147,51 +148,6 @@ class _WithTok:
     def __init__(self, model, tokenizer):
         self.config = model.config
         self.tokenizer = tokenizer
-
-
-# -- scan backend -------------------------------------------------------------------------------------
-def _mamba_ssm_scan():
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except Exception:
-        return None
-
-    def scan(x, dt, A, B, C, D, chunk_size=64, initial_state=None):
-        # Same contract as naive_chunk_scan: dt is already softplus'd and clamped, y and state in fp32.
-        y, final = mamba_chunk_scan_combined(
-            x, dt.to(x.dtype), A.float(), B, C, chunk_size, D=D, initial_states=initial_state,
-            return_final_states=True,
-        )
-        return y.float(), final.float()
-
-    return scan
-
-
-@contextlib.contextmanager
-def training_scan(choice: str, device: torch.device):
-    """Route Mamba-2 training through the chosen chunked scan; yields its name for the log.
-
-    ssmspec: `ssmspec.ops.dispatch.chunk_scan` (our chunked SSD, differentiable, or a kernel the
-    dispatcher picks). mamba_ssm: its fused Triton SSD with a backward pass, when importable on
-    a GPU. auto: mamba_ssm when available, else ssmspec.
-    """
-    from ssmspec.ops import dispatch
-
-    use = None
-    if choice in ("auto", "mamba_ssm") and device.type == "cuda":
-        use = _mamba_ssm_scan()
-    if choice == "mamba_ssm" and use is None:
-        raise InputError("--scan mamba_ssm asked for, but mamba_ssm is not importable on a GPU here; use --scan ssmspec")
-    if use is None:
-        impl = dispatch.resolve("chunk_scan", device)
-        yield f"ssmspec:{impl.__module__}.{impl.__name__}"
-        return
-    original = dispatch.chunk_scan
-    dispatch.chunk_scan = use  # Mamba2Mixer looks the function up on the module at call time
-    try:
-        yield "mamba_ssm:mamba_chunk_scan_combined"
-    finally:
-        dispatch.chunk_scan = original
 
 
 # -- LoRA ------------------------------------------------------------------------------------------------
@@ -500,9 +456,11 @@ def train(cfg: RunConfig, callbacks: TrainCallbacks | None = None, *, target: nn
 
     world, rank = accelerator.num_processes, accelerator.process_index
     tokens_per_step = cfg.optim.batch_size * cfg.data.seq_len * cfg.optim.grad_accum * world
-    with training_scan(cfg.scan, device) as scan_name:
+    with training_scan(cfg.scan, device) as scan:
+        scan_name = scan.name
         info = {
             "mode": cfg.mode, "device": str(device), "world_size": world, "precision": precision, "scan": scan_name,
+            "scan_reason": scan.reason,
             "student_params": total_params, "trainable_params": trainable, "lora_targets": lora_targets,
             "train_blocks": blocks.num_train, "held_out_blocks": int(blocks.held_out[0].shape[0]),
             "tokens_per_step": tokens_per_step, "resumed_from_step": step if resume_from is not None else None,
