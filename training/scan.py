@@ -51,12 +51,12 @@ def pick_training_scan(choice: str, device: torch.device) -> TrainingScan:
 
     on_cuda = torch.device(device).type == "cuda"
     if choice in ("auto", "fla"):
-        version = fla_available()
+        version = fla_available() if on_cuda else None  # no import on the CPU: fla warns there, and takes seconds
         if on_cuda and version is not None:
             return TrainingScan(f"fla:chunk_simple_gla (fla-core {version})", "fla-core imports and the device is CUDA",
                                 fla_chunk_scan)
         if choice == "fla":
-            why = "no CUDA device" if not on_cuda else "fla-core is not importable (pip install fla-core)"
+            why = "no CUDA device" if not on_cuda else "fla-core is not importable (pip install fla-core einops)"
             raise InputError(f"--scan fla asked for, but {why}; use --scan auto or --scan ssmspec")
     if choice in ("auto", "mamba_ssm"):
         scan = _mamba_ssm_scan() if on_cuda else None
