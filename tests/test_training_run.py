@@ -102,6 +102,19 @@ def test_log_reports_scan_flops_and_throughput(tmp_path, token_data):
     steps = [e for e in events if e["event"] == "step"]
     assert len(steps) == 2
     assert all(e["tokens_per_s"] > 0 and e["mfu"] is None for e in steps)
+    end = events[-1]
+    assert end["event"] == "end"
+    assert end["throughput"] == {"tokens_per_s": steps[1]["tokens_per_s"], "mfu": None, "windows": 1}
+
+
+def test_steady_throughput_leaves_out_the_first_window():
+    from ssmspec.training.flops import steady_throughput
+
+    history = [{"tokens_per_s": 1.0, "mfu": 0.01}, {"tokens_per_s": 10.0, "mfu": 0.1}, {"tokens_per_s": 30.0, "mfu": 0.3},
+               {"tokens_per_s": 20.0, "mfu": 0.2}]
+    assert steady_throughput(history) == {"tokens_per_s": 20.0, "mfu": 0.2, "windows": 3}
+    assert steady_throughput(history[:1]) == {"tokens_per_s": 1.0, "mfu": 0.01, "windows": 1}
+    assert steady_throughput([]) == {"tokens_per_s": None, "mfu": None, "windows": 0}
 
 
 def test_flops_formula_on_a_tiny_model():

@@ -70,3 +70,22 @@ def train_flops_per_token(student: nn.Module, seq_len: int, target: nn.Module | 
     if target is not None:
         total += 2 * matmul_params(target) + mixer_forward_flops(target, seq_len)
     return float(total)
+
+
+def steady_throughput(history: list[dict]) -> dict:
+    """Median tokens/s and MFU over a run's logged windows, the first left out (kernel compilation,
+    autotuning, allocator warm-up), unless it is the only one.
+
+    Args:
+        history: TrainResult.history (dicts with tokens_per_s and mfu).
+    Returns:
+        {"tokens_per_s", "mfu" (None without a peak), "windows": how many windows the medians cover}.
+    """
+    import statistics
+
+    windows = history[1:] or history
+    if not windows:
+        return {"tokens_per_s": None, "mfu": None, "windows": 0}
+    mfus = [h["mfu"] for h in windows if h.get("mfu") is not None]
+    return {"tokens_per_s": statistics.median(h["tokens_per_s"] for h in windows),
+            "mfu": statistics.median(mfus) if mfus else None, "windows": len(windows)}

@@ -33,7 +33,7 @@ from ssmspec.errors import InputError, ModelLoadError, TokenizerMismatchError
 from .config import RunConfig
 from .data import BadRecords, Blocks, Tokenize, resolve_files
 from .evaluation import evaluate
-from .flops import device_peak_flops, train_flops_per_token
+from .flops import device_peak_flops, steady_throughput, train_flops_per_token
 from .losses import distill_loss, sft_loss
 from .scan import training_scan
 
@@ -641,6 +641,7 @@ def save_interrupted(run: _Run) -> None:
 
 def finish(run: _Run) -> TrainResult:
     """Final evaluation (when on), the last checkpoint and the final model in cfg.out."""
+    run.info["throughput"] = steady_throughput(run.result.history)
     if run.cfg.eval.final_eval:
         run_eval(run, run.step)
     checkpoint(run, run.step, run.position, _rng_state())
@@ -650,7 +651,8 @@ def finish(run: _Run) -> TrainResult:
         save_model(merged_copy(run.raw_student), run.out, tokenizer=run.tokenizer)
         if run.bad.count:
             run.logger.write({"event": "bad_records", "count": run.bad.count, "examples": run.bad.examples})
-        run.logger.write({"event": "end", "step": run.step, "final_loss": run.result.final_loss})
+        run.logger.write({"event": "end", "step": run.step, "final_loss": run.result.final_loss,
+                          "throughput": run.info["throughput"]})
     run.info["bad_records"] = run.bad.count
     run.cb.on_end(run.result)
     return run.result
