@@ -225,7 +225,7 @@ class RunConfig:
         if not 0 <= self.data.held_out_fraction < 1:
             bad(f"--held-out must be in [0, 1), got {self.data.held_out_fraction}")
         if self.loss.chunk_positions < 0:
-            bad(f"--loss-chunk must be 0 (automatic) or positive, got {self.loss.chunk_positions}")
+            bad(f"loss.chunk_positions must be 0 (automatic) or positive, got {self.loss.chunk_positions}")
         if self.eval.eval_every < 0 or self.checkpoint.save_every < 0:
             bad("--eval-every and --save-every must be 0 (off) or positive")
         if self.lora.enabled and self.lora.rank < 1:

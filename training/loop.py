@@ -690,14 +690,15 @@ def train(cfg: RunConfig, callbacks: TrainCallbacks | None = None, *, target: nn
 def _loss(model, target, ids, mask, cfg: RunConfig):
     """Loss of one micro-batch: ids (B, L+1), mask (B, L). Returns (loss, detached parts by name).
 
-    The target runs without autograd, in the run's autocast (bf16 on a GPU) and through the same
-    training scan; its logits stay in their own dtype (the loss reads them a chunk at a time).
+    The target runs in inference mode (no autograd; the models' no-grad kernel paths), in the run's
+    autocast (bf16 on a GPU) and through the same training scan; its logits stay in their own dtype
+    (the loss reads them a chunk at a time).
     """
     inputs, next_ids = ids[:, :-1], ids[:, 1:]
     logits = model(inputs)
     if cfg.mode == "sft":
         return sft_loss(logits, next_ids, mask, cfg.loss.chunk_positions)
-    with torch.no_grad():
+    with torch.inference_mode():  # the loss reads these logits, never saves them for backward
         target_logits = target(inputs)
     return distill_loss(cfg.loss.loss, logits, target_logits, next_ids, mask, cfg.loss.temperature, cfg.loss.ce_weight,
                         cfg.loss.chunk_positions)
