@@ -13,8 +13,6 @@ fla's kernels use their own chunk length (64); the result does not depend on it.
 """
 from __future__ import annotations
 
-import torch
-
 FLA_CHUNK = 64
 
 
