@@ -178,7 +178,8 @@ def test_output_directory_holding_another_run_is_refused(tmp_path):
         prepare_out_dir(other)
     same = RunConfig.from_dict(cfg.to_dict())
     same.resume, same.optim.steps = True, 5000  # more steps is still the same run
-    assert prepare_out_dir(same) is None  # no checkpoint yet: starts from the beginning
+    with pytest.raises(InputError, match="--resume: .* holds no checkpoint"):
+        prepare_out_dir(same)  # the run stopped before its first checkpoint: nothing to resume
     other.overwrite = True
     prepare_out_dir(other)
     assert not (out / RUN_FILE).exists() and (out / "notes.txt").exists()  # only our files are removed

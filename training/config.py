@@ -12,7 +12,7 @@ SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 DATA_FORMATS = ("auto", "text", "chat", "tokens")
 BAD_RECORD_POLICIES = ("error", "skip")
-SCAN_BACKENDS = ("auto", "ssmspec", "mamba_ssm")
+SCAN_BACKENDS = ("auto", "fla", "mamba_ssm", "ssmspec")
 LORA_TARGETS = ("in_proj", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -82,6 +82,8 @@ class LossConfig:
     """Softmax temperature applied to both target and student logits."""
     ce_weight: float = 0.5
     """Weight of the cross-entropy term on the data in kl+ce."""
+    chunk_positions: int = 0
+    """Positions whose logits the loss turns into fp32 at once (0: as many as fit 32M fp32 values)."""
 
 
 @dataclass
@@ -89,7 +91,9 @@ class EvalConfig:
     """Periodic evaluation: held-out loss and measured acceptance."""
 
     eval_every: int = 200
-    """Steps between evaluations (0 disables; one always runs at the end)."""
+    """Steps between evaluations, and one before the first step (0: none during training)."""
+    final_eval: bool = True
+    """Evaluate once more after the last step (held-out loss and, with a target, acceptance)."""
     eval_prompts: str | None = None
     """A .jsonl (field prompt, or text/input_ids) or .txt (one per line) of prompts; default: held-out blocks."""
     num_prompts: int = 8
@@ -147,7 +151,7 @@ class RunConfig:
     resume: bool = False
     overwrite: bool = False
     scan: str = "auto"
-    """Chunked-scan implementation for training: ssmspec (ours), mamba_ssm, or auto (mamba_ssm when importable on a GPU)."""
+    """Chunked-scan implementation for training: fla (fla-core), mamba_ssm, ssmspec (plain torch), or auto (the first of fla, mamba_ssm importable on a GPU, else ssmspec)."""
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -158,6 +162,7 @@ class RunConfig:
     # Fields that may change between a run and its resumption without changing what is trained.
     _RESUMABLE_CHANGES = (
         "out", "resume", "overwrite", "scan", "optim.steps", "eval", "checkpoint", "data.on_bad_record",
+        "loss.chunk_positions",
     )
 
     def to_dict(self) -> dict:
@@ -219,6 +224,8 @@ class RunConfig:
             bad(f"--temperature must be positive, got {self.loss.temperature}")
         if not 0 <= self.data.held_out_fraction < 1:
             bad(f"--held-out must be in [0, 1), got {self.data.held_out_fraction}")
+        if self.loss.chunk_positions < 0:
+            bad(f"loss.chunk_positions must be 0 (automatic) or positive, got {self.loss.chunk_positions}")
         if self.eval.eval_every < 0 or self.checkpoint.save_every < 0:
             bad("--eval-every and --save-every must be 0 (off) or positive")
         if self.lora.enabled and self.lora.rank < 1:

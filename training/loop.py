@@ -33,7 +33,9 @@ from ssmspec.errors import InputError, ModelLoadError, TokenizerMismatchError
 from .config import RunConfig
 from .data import BadRecords, Blocks, Tokenize, resolve_files
 from .evaluation import evaluate
-from .losses import cross_entropy, distill_loss
+from .flops import device_peak_flops, steady_throughput, train_flops_per_token
+from .losses import distill_loss, sft_loss
+from .scan import training_scan
 
 log = logging.getLogger("ssmspec.training")
 
@@ -51,6 +53,8 @@ class TrainCallbacks:
     def on_start(self, info: dict) -> None: ...
     def on_step(self, metrics: dict) -> None: ...
     def on_eval(self, metrics: dict) -> None: ...
+    def on_eval_progress(self, done: int, total: int, step: int) -> None:
+        """An evaluation at training step `step` has finished `done` of its `total` units (batches, prompts)."""
     def on_message(self, text: str) -> None: ...
     def on_end(self, result: "TrainResult") -> None: ...
 
@@ -69,7 +73,7 @@ class TrainResult:
 
 # -- target adapter ----------------------------------------------------------------------------------
 class CausalLMTarget(nn.Module):
-    """A transformers causal LM seen as `forward(input_ids (B, T)) -> fp32 logits (B, T, V)`.
+    """A transformers causal LM seen as `forward(input_ids (B, T)) -> logits (B, T, V)` (in the model's dtype).
 
     Used only as a distillation teacher: speculative decoding with such a target is not
     supported yet, so acceptance is not measured for it (top-1 agreement is).
@@ -86,7 +90,7 @@ class CausalLMTarget(nn.Module):
         return next(self.hf.parameters()).device
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=input_ids, use_cache=False).logits.float()
+        return self.hf(input_ids=input_ids, use_cache=False).logits
 
 
 def load_any_model(path: str, dtype, device) -> tuple[nn.Module, object, str]:
@@ -147,51 +151,6 @@ class _WithTok:
     def __init__(self, model, tokenizer):
         self.config = model.config
         self.tokenizer = tokenizer
-
-
-# -- scan backend -------------------------------------------------------------------------------------
-def _mamba_ssm_scan():
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except Exception:
-        return None
-
-    def scan(x, dt, A, B, C, D, chunk_size=64, initial_state=None):
-        # Same contract as naive_chunk_scan: dt is already softplus'd and clamped, y and state in fp32.
-        y, final = mamba_chunk_scan_combined(
-            x, dt.to(x.dtype), A.float(), B, C, chunk_size, D=D, initial_states=initial_state,
-            return_final_states=True,
-        )
-        return y.float(), final.float()
-
-    return scan
-
-
-@contextlib.contextmanager
-def training_scan(choice: str, device: torch.device):
-    """Route Mamba-2 training through the chosen chunked scan; yields its name for the log.
-
-    ssmspec: `ssmspec.ops.dispatch.chunk_scan` (our chunked SSD, differentiable, or a kernel the
-    dispatcher picks). mamba_ssm: its fused Triton SSD with a backward pass, when importable on
-    a GPU. auto: mamba_ssm when available, else ssmspec.
-    """
-    from ssmspec.ops import dispatch
-
-    use = None
-    if choice in ("auto", "mamba_ssm") and device.type == "cuda":
-        use = _mamba_ssm_scan()
-    if choice == "mamba_ssm" and use is None:
-        raise InputError("--scan mamba_ssm asked for, but mamba_ssm is not importable on a GPU here; use --scan ssmspec")
-    if use is None:
-        impl = dispatch.resolve("chunk_scan", device)
-        yield f"ssmspec:{impl.__module__}.{impl.__name__}"
-        return
-    original = dispatch.chunk_scan
-    dispatch.chunk_scan = use  # Mamba2Mixer looks the function up on the module at call time
-    try:
-        yield "mamba_ssm:mamba_chunk_scan_combined"
-    finally:
-        dispatch.chunk_scan = original
 
 
 # -- LoRA ------------------------------------------------------------------------------------------------
@@ -264,6 +223,8 @@ def make_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
 def prepare_out_dir(cfg: RunConfig, clean: bool = True) -> Path | None:
     """Check the output directory; returns the checkpoint to resume from, or None for a fresh run.
 
+    --resume with nothing to resume from (no directory, an empty one, a run without a checkpoint) is refused.
+
     A directory holding another run (or anything else) is refused unless --resume (same run
     settings) or --overwrite (our files are removed, others left alone; only when `clean`).
     """
@@ -284,6 +245,8 @@ def prepare_out_dir(cfg: RunConfig, clean: bool = True) -> Path | None:
                 p.unlink()
         return None
     if not entries:
+        if cfg.resume:
+            raise InputError(f"--resume: {out} holds no training run to resume; leave out --resume to start one there")
         return None
     if not cfg.resume:
         what = "a training run" if holds_run else "other files"
@@ -299,7 +262,11 @@ def prepare_out_dir(cfg: RunConfig, clean: bool = True) -> Path | None:
     if changed:
         detail = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:5])
         raise InputError(f"--resume: {out} holds a different run ({detail}); use the same settings, or --overwrite")
-    return latest_checkpoint(out)
+    found = latest_checkpoint(out)
+    if found is None:
+        raise InputError(f"--resume: {out} holds no checkpoint to resume from (the run stopped before its first); "
+                         "start over with --overwrite")
+    return found
 
 
 def latest_checkpoint(out: Path) -> Path | None:
@@ -420,35 +387,14 @@ def _build_student(cfg: RunConfig, vocab_size: int | None, device) -> tuple[nn.M
     return model, tok
 
 
-def train(cfg: RunConfig, callbacks: TrainCallbacks | None = None, *, target: nn.Module | None = None,
-          student: nn.Module | None = None, tokenizer=None) -> TrainResult:
-    """Run (or resume) a distill / sft run described by cfg.
+def load_models(cfg: RunConfig, device, precision: str, target=None, student=None, tokenizer=None):
+    """(target or None, student in fp32, tokenizer) for the run, given objects or loaded from cfg's paths.
 
-    target, student and tokenizer may be given as objects (tests, notebooks); otherwise they
-    are loaded from the paths in cfg. Returns the TrainResult; the final student is written to
-    cfg.out in the transformers format (merged, when LoRA was used).
+    The target is frozen and in eval mode; under bf16 it is also stored in bf16 (it only runs forward).
     """
-    from accelerate import Accelerator
-
-    cfg.validate()
-    out = Path(cfg.out)
-    precision = _resolve_precision(cfg.optim.precision)
-    accelerator = Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
-    device = accelerator.device
-    main = accelerator.is_main_process
-    # Progress is reported once, by the main process.
-    cb = (callbacks or TrainCallbacks()) if main else TrainCallbacks()
-    resolve_files(cfg.data.spec)  # a missing data path fails now, before any model is loaded
-    # Every process reaches the same decision (and the same refusal); only the main one cleans.
-    resume_from = prepare_out_dir(cfg, clean=main)
-    accelerator.wait_for_everyone()
-    torch.manual_seed(cfg.optim.seed)
-
-    # Models. The target is frozen; under bf16 it is also stored in bf16 (it only runs forward).
-    target_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     target_tok = None
     if target is None and cfg.target:
-        target, target_tok, _ = load_any_model(cfg.target, target_dtype, device)
+        target, target_tok, _ = load_any_model(cfg.target, torch.bfloat16 if precision == "bf16" else torch.float32, device)
     elif target is not None:
         target_tok = getattr(target, "tokenizer", None)
         target = target.to(device)
@@ -469,171 +415,293 @@ def train(cfg: RunConfig, callbacks: TrainCallbacks | None = None, *, target: nn
             p.requires_grad_(False)
         target.eval()
         check_vocab(target, student, target_tok or tokenizer, student_tok or (tokenizer if cfg.student_preset else None))
-
     if tokenizer is None and _vocab_size(student) >= 256:
         # Tokenizer-less models (e.g. `new-model` tiny presets) read text as UTF-8 bytes, as in generate.
         from ssmspec.tokenization import ByteTokenizer
 
         tokenizer = ByteTokenizer()
+    return target, student, tokenizer
 
-    # Data.
+
+@dataclass
+class _Run:
+    """Everything one run holds between steps (built by `start_run`)."""
+
+    cfg: RunConfig
+    cb: TrainCallbacks
+    accelerator: object
+    out: Path
+    target: nn.Module | None
+    model: nn.Module  # wrapped by accelerate
+    raw_student: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    tokenizer: object
+    blocks: Blocks
+    prompts: list
+    bad: BadRecords
+    resumed: bool
+    step: int
+    position: int
+    info: dict = field(default_factory=dict)
+    logger: "_JsonlLog | None" = None
+    run_info: dict = field(default_factory=dict)
+    result: TrainResult | None = None
+    # What a checkpoint of the last completed step records (kept current after every step).
+    done_rng: dict = field(default_factory=dict)
+    done_position: int = 0
+    # Throughput since the last logged step.
+    window_start: float = 0.0
+    window_tokens: int = 0
+    run_start: float = 0.0
+    run_start_step: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def tokens_per_step(self) -> int:
+        c = self.cfg
+        return c.optim.batch_size * c.data.seq_len * c.optim.grad_accum * self.accelerator.num_processes
+
+
+def start_run(cfg: RunConfig, callbacks, target, student, tokenizer) -> _Run:
+    """Check the output directory, load models and data, build the optimizer, restore a checkpoint."""
+    from accelerate import Accelerator
+
+    precision = _resolve_precision(cfg.optim.precision)
+    accelerator = Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
+    main = accelerator.is_main_process
+    # Progress is reported once, by the main process.
+    cb = (callbacks or TrainCallbacks()) if main else TrainCallbacks()
+    resolve_files(cfg.data.spec)  # a missing data path fails now, before any model is loaded
+    # Every process reaches the same decision (and the same refusal); only the main one cleans.
+    resume_from = prepare_out_dir(cfg, clean=main)
+    accelerator.wait_for_everyone()
+    torch.manual_seed(cfg.optim.seed)
+    target, student, tokenizer = load_models(cfg, accelerator.device, precision, target, student, tokenizer)
+
     bad = BadRecords(cfg.data.on_bad_record, report=cb.on_message)
     blocks = Blocks(cfg.data, Tokenize(tokenizer, _vocab_size(student), cfg.data.format, cfg.data.text_field), cfg.optim.seed, bad)
     prompts = _eval_prompts(cfg, blocks, tokenizer, _vocab_size(student), bad)
 
     lora_targets = add_lora(student, cfg.lora) if cfg.lora.enabled else []
-    trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
-    total_params = sum(p.numel() for p in student.parameters())
     optimizer = make_optimizer(student, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim))
-
     step, position = 0, 0
     if resume_from is not None:
-        state = torch.load(resume_from / STATE_FILE, map_location=device, weights_only=False)
+        state = torch.load(resume_from / STATE_FILE, map_location=accelerator.device, weights_only=False)
         student.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step, position = state["step"], state["data_position"]
         _set_rng_state(state["rng"])
     model, optimizer = accelerator.prepare(student, optimizer)
-    raw_student = accelerator.unwrap_model(model)
+    run = _Run(cfg=cfg, cb=cb, accelerator=accelerator, out=Path(cfg.out), target=target, model=model,
+               raw_student=accelerator.unwrap_model(model), optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
+               blocks=blocks, prompts=prompts, bad=bad, resumed=resume_from is not None, step=step, position=position)
+    run.info = {
+        "mode": cfg.mode, "device": str(run.device), "world_size": accelerator.num_processes, "precision": precision,
+        "student_params": sum(p.numel() for p in student.parameters()),
+        "trainable_params": sum(p.numel() for p in student.parameters() if p.requires_grad), "lora_targets": lora_targets,
+        "train_blocks": blocks.num_train, "held_out_blocks": int(blocks.held_out[0].shape[0]),
+        "tokens_per_step": run.tokens_per_step, "resumed_from_step": step if run.resumed else None,
+        "eval_prompts": len(prompts), "target_kind": None if target is None else type(target).__name__,
+    }
+    return run
 
-    world, rank = accelerator.num_processes, accelerator.process_index
-    tokens_per_step = cfg.optim.batch_size * cfg.data.seq_len * cfg.optim.grad_accum * world
-    with training_scan(cfg.scan, device) as scan_name:
-        info = {
-            "mode": cfg.mode, "device": str(device), "world_size": world, "precision": precision, "scan": scan_name,
-            "student_params": total_params, "trainable_params": trainable, "lora_targets": lora_targets,
-            "train_blocks": blocks.num_train, "held_out_blocks": int(blocks.held_out[0].shape[0]),
-            "tokens_per_step": tokens_per_step, "resumed_from_step": step if resume_from is not None else None,
-            "eval_prompts": len(prompts), "target_kind": None if target is None else type(target).__name__,
-        }
-        run_info = {"config": cfg.to_dict(), "run": info}
-        log_file = out / LOG_FILE
-        if main:
-            out.mkdir(parents=True, exist_ok=True)
-            if resume_from is None:
-                _write_json_atomic(out / RUN_FILE, run_info)
-        logger = _JsonlLog(log_file if main else None)
-        logger.write({"event": "resume" if resume_from is not None else "start", "step": step, **info})
-        log.info("training scan: %s", scan_name)
-        cb.on_start({**info, "total_steps": cfg.optim.steps, "start_step": step})
-        cb.on_message(f"Mamba-2 training scan: {scan_name}")
 
-        result = TrainResult(out=str(out), step=step, final_loss=None, info=info)
+def open_log(run: _Run, scan) -> None:
+    """Record the run (run.json, the log.jsonl header with the scan and FLOPs) and tell the callbacks."""
+    peak, device_name = device_peak_flops(run.device)
+    flops = train_flops_per_token(run.raw_student, run.cfg.data.seq_len, run.target)
+    run.info.update({"scan": scan.name, "scan_reason": scan.reason, "device_name": device_name,
+                     "flops_per_token": flops, "peak_flops": peak})
+    run.run_info = {"config": run.cfg.to_dict(), "run": run.info}
+    if run.main:
+        run.out.mkdir(parents=True, exist_ok=True)
+        if not run.resumed:
+            _write_json_atomic(run.out / RUN_FILE, run.run_info)
+    run.logger = _JsonlLog(run.out / LOG_FILE if run.main else None)
+    run.logger.write({"event": "resume" if run.resumed else "start", "step": run.step, **run.info})
+    log.info("training scan: %s (%s)", scan.name, scan.reason)
+    run.cb.on_start({**run.info, "total_steps": run.cfg.optim.steps, "start_step": run.step})
+    run.cb.on_message(f"Mamba-2 training scan: {scan.name} ({scan.reason})")
+    run.result = TrainResult(out=str(run.out), step=run.step, final_loss=None, info=run.info)
+    run.done_rng, run.done_position = _rng_state(), run.position
+    run.window_start = run.run_start = time.perf_counter()
+    run.run_start_step = run.step
 
-        def run_eval(at_step: int):
-            if not main:
-                return
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                # LoRA adapters are merged first: fused decode kernels read in_proj.weight directly
-                # and would otherwise draft with the base weights alone.
-                metrics = evaluate(merged_copy(raw_student), target, blocks.held_out, prompts, cfg, device, mode=cfg.mode)
-            metrics = {"step": at_step, **metrics}
-            result.evals.append(metrics)
-            logger.write({"event": "eval", **metrics})
-            cb.on_eval(metrics)
 
-        def checkpoint(at_step: int, pos: int, rng: dict):
-            if main:
-                path = save_checkpoint(out, at_step, raw_student, optimizer, scheduler, pos, rng, run_info, tokenizer,
-                                       cfg.checkpoint.keep)
-                logger.write({"event": "checkpoint", "step": at_step, "path": str(path)})
-            accelerator.wait_for_everyone()
+def optimizer_step(run: _Run) -> tuple[float, dict, float | None, float]:
+    """One optimizer step over grad_accum micro-batches; returns (loss, loss parts, grad norm, lr used)."""
+    cfg, accelerator, model = run.cfg, run.accelerator, run.model
+    rank, world = accelerator.process_index, accelerator.num_processes
+    parts_sum: dict[str, float] = {}
+    loss_sum = 0.0
+    for micro in range(cfg.optim.grad_accum):
+        ids, mask, run.position = run.blocks.batch(run.position, cfg.optim.batch_size, rank, world)
+        ids, mask = ids.to(run.device), mask.to(run.device)
+        sync = micro == cfg.optim.grad_accum - 1
+        with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+            with accelerator.autocast():
+                loss, parts = _loss(model, run.target, ids, mask, cfg)
+            accelerator.backward(loss / cfg.optim.grad_accum)
+        loss_sum += loss.detach().float().item() / cfg.optim.grad_accum
+        for k, v in parts.items():
+            parts_sum[k] = parts_sum.get(k, 0.0) + float(v) / cfg.optim.grad_accum
+    grad_norm = None
+    if cfg.optim.max_grad_norm > 0:
+        grad_norm = float(accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                                      cfg.optim.max_grad_norm))
+    lr = run.scheduler.get_last_lr()[0]
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    run.done_rng, run.done_position = _rng_state(), run.position
+    run.window_tokens += run.tokens_per_step
+    run.result.step = run.step
+    return loss_sum, parts_sum, grad_norm, lr
 
-        if resume_from is None and cfg.eval.eval_every:
-            run_eval(0)
-        model.train()
-        window_start, window_tokens = time.perf_counter(), 0
-        run_start, run_start_step = time.perf_counter(), step
-        # What a checkpoint of the last completed step records (kept current after every step).
-        done_rng, done_position = _rng_state(), position
+
+def report_step(run: _Run, loss_sum: float, parts_sum: dict, grad_norm, lr: float) -> None:
+    """Loss, throughput (tokens/s, MFU) and ETA to log.jsonl and the callbacks."""
+    cfg, step = run.cfg, run.step
+    loss_mean = _mean_across(run.accelerator, loss_sum, run.device)
+    parts_mean = {k: _mean_across(run.accelerator, v, run.device) for k, v in parts_sum.items()}
+    if run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)  # the window's time includes its queued GPU work
+    now = time.perf_counter()
+    tps = run.window_tokens / max(now - run.window_start, 1e-9)
+    done = step - run.run_start_step
+    eta = (now - run.run_start) / done * (cfg.optim.steps - step) if done else None
+    peak = run.info["peak_flops"]
+    mfu = tps * run.info["flops_per_token"] / (peak * run.accelerator.num_processes) if peak else None
+    metrics = {"step": step, "loss": loss_mean, **parts_mean, "lr": lr, "grad_norm": grad_norm,
+               "tokens": step * run.tokens_per_step, "tokens_per_s": tps, "mfu": mfu, "eta_s": eta,
+               "elapsed_s": now - run.run_start}
+    run.result.history.append(metrics)
+    run.result.final_loss = loss_mean
+    run.logger.write({"event": "step", **metrics})
+    run.cb.on_step(metrics)
+    run.window_start, run.window_tokens = time.perf_counter(), 0
+
+
+def run_eval(run: _Run, at_step: int) -> None:
+    """Held-out loss and measured acceptance at one step, with progress through on_eval_progress."""
+    if run.main:
+        device = run.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            # LoRA adapters are merged first: fused decode kernels read in_proj.weight directly
+            # and would otherwise draft with the base weights alone.
+            metrics = evaluate(merged_copy(run.raw_student), run.target, run.blocks.held_out, run.prompts, run.cfg, device,
+                               mode=run.cfg.mode, progress=lambda done, total: run.cb.on_eval_progress(done, total, at_step))
+        metrics = {"step": at_step, **metrics}
+        run.result.evals.append(metrics)
+        run.logger.write({"event": "eval", **metrics})
+        run.cb.on_eval(metrics)
+    run.model.train()
+    # The evaluation's time is not training throughput.
+    run.window_start, run.window_tokens = time.perf_counter(), 0
+
+
+def checkpoint(run: _Run, at_step: int, position: int, rng: dict) -> None:
+    if run.main:
+        path = save_checkpoint(run.out, at_step, run.raw_student, run.optimizer, run.scheduler, position, rng,
+                               run.run_info, run.tokenizer, run.cfg.checkpoint.keep)
+        run.logger.write({"event": "checkpoint", "step": at_step, "path": str(path)})
+    run.accelerator.wait_for_everyone()
+
+
+def after_step(run: _Run, loss_sum: float, parts_sum: dict, grad_norm, lr: float) -> None:
+    """What a finished step triggers: a log line, an evaluation, a checkpoint, each on its cadence."""
+    cfg, step, last = run.cfg, run.step, run.step == run.cfg.optim.steps
+    if step % cfg.checkpoint.log_every == 0 or last:
+        report_step(run, loss_sum, parts_sum, grad_norm, lr)
+    if cfg.eval.eval_every and step % cfg.eval.eval_every == 0 and not last:
+        run_eval(run, step)
+    if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and not last:
+        checkpoint(run, step, run.done_position, run.done_rng)
+
+
+def save_interrupted(run: _Run) -> None:
+    """Checkpoint the last completed step: an interrupted step has not touched the weights or the
+    optimizer yet, and its data position and RNG are rolled back to where it began."""
+    run.result.interrupted = True
+    checkpoint(run, run.step, run.done_position, run.done_rng)
+    run.logger.write({"event": "interrupted", "step": run.step})
+    run.cb.on_message(f"interrupted: checkpoint saved at step {run.step}; continue with --resume")
+
+
+def finish(run: _Run) -> TrainResult:
+    """Final evaluation (when on), the last checkpoint and the final model in cfg.out."""
+    run.info["throughput"] = steady_throughput(run.result.history)
+    if run.cfg.eval.final_eval:
+        run_eval(run, run.step)
+    checkpoint(run, run.step, run.position, _rng_state())
+    if run.main:
+        from ssmspec.models.loading import save_model
+
+        save_model(merged_copy(run.raw_student), run.out, tokenizer=run.tokenizer)
+        if run.bad.count:
+            run.logger.write({"event": "bad_records", "count": run.bad.count, "examples": run.bad.examples})
+        run.logger.write({"event": "end", "step": run.step, "final_loss": run.result.final_loss,
+                          "throughput": run.info["throughput"]})
+    run.info["bad_records"] = run.bad.count
+    run.cb.on_end(run.result)
+    return run.result
+
+
+def train(cfg: RunConfig, callbacks: TrainCallbacks | None = None, *, target: nn.Module | None = None,
+          student: nn.Module | None = None, tokenizer=None) -> TrainResult:
+    """Run (or resume) a distill / sft run described by cfg.
+
+    target, student and tokenizer may be given as objects (tests, notebooks); otherwise they
+    are loaded from the paths in cfg. Returns the TrainResult; the final student is written to
+    cfg.out in the transformers format (merged, when LoRA was used). On Ctrl-C (or a
+    KeyboardInterrupt raised by a callback) the last completed step is checkpointed and the
+    KeyboardInterrupt propagates, so the caller can say how to resume and exit 130.
+    """
+    cfg.validate()
+    run = start_run(cfg, callbacks, target, student, tokenizer)
+    with training_scan(cfg.scan, run.device) as scan:
+        open_log(run, scan)
+        if not run.resumed and cfg.eval.eval_every:
+            run_eval(run, 0)
+        run.model.train()
         try:
             with _StopFlag() as stop:
-                while step < cfg.optim.steps:
-                    parts_sum: dict[str, float] = {}
-                    loss_sum = 0.0
-                    for micro in range(cfg.optim.grad_accum):
-                        ids, mask, position = blocks.batch(position, cfg.optim.batch_size, rank, world)
-                        ids, mask = ids.to(device), mask.to(device)
-                        sync = micro == cfg.optim.grad_accum - 1
-                        ctx = contextlib.nullcontext() if sync else accelerator.no_sync(model)
-                        with ctx:
-                            with accelerator.autocast():
-                                loss, parts = _loss(model, target, ids, mask, cfg)
-                            accelerator.backward(loss / cfg.optim.grad_accum)
-                        loss_sum += loss.detach().float().item() / cfg.optim.grad_accum
-                        for k, v in parts.items():
-                            parts_sum[k] = parts_sum.get(k, 0.0) + float(v) / cfg.optim.grad_accum
-                    grad_norm = None
-                    if cfg.optim.max_grad_norm > 0:
-                        grad_norm = float(accelerator.clip_grad_norm_(
-                            [p for p in model.parameters() if p.requires_grad], cfg.optim.max_grad_norm))
-                    lr = scheduler.get_last_lr()[0]
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    step += 1
-                    done_rng, done_position = _rng_state(), position
-                    window_tokens += tokens_per_step
-                    result.step = step
-
-                    if step % cfg.checkpoint.log_every == 0 or step == cfg.optim.steps:
-                        loss_mean = _mean_across(accelerator, loss_sum, device)
-                        parts_mean = {k: _mean_across(accelerator, v, device) for k, v in parts_sum.items()}
-                        now = time.perf_counter()
-                        tps = window_tokens / max(now - window_start, 1e-9)
-                        done = step - run_start_step
-                        eta = (now - run_start) / done * (cfg.optim.steps - step) if done else None
-                        metrics = {"step": step, "loss": loss_mean, **parts_mean, "lr": lr, "grad_norm": grad_norm,
-                                   "tokens": step * tokens_per_step, "tokens_per_s": tps, "eta_s": eta,
-                                   "elapsed_s": now - run_start}
-                        result.history.append(metrics)
-                        result.final_loss = loss_mean
-                        logger.write({"event": "step", **metrics})
-                        cb.on_step(metrics)
-                        window_start, window_tokens = time.perf_counter(), 0
-                    if cfg.eval.eval_every and step % cfg.eval.eval_every == 0 and step < cfg.optim.steps:
-                        run_eval(step)
-                        model.train()
-                    if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and step < cfg.optim.steps:
-                        checkpoint(step, done_position, done_rng)
+                while run.step < cfg.optim.steps:
+                    after_step(run, *optimizer_step(run))
                     if stop.requested:
                         raise KeyboardInterrupt
         except KeyboardInterrupt:
-            # Save the last completed step: an interrupted step has not touched the weights or the
-            # optimizer yet, and its data position and RNG are rolled back to where it began.
-            result.interrupted = True
-            checkpoint(step, done_position, done_rng)
-            logger.write({"event": "interrupted", "step": step})
-            cb.on_message(f"interrupted: checkpoint saved at step {step}; continue with --resume")
+            save_interrupted(run)
             raise
-
-        if cfg.eval.eval_every or prompts:
-            run_eval(step)
-        checkpoint(step, position, _rng_state())
-        if main:
-            from ssmspec.models.loading import save_model
-
-            save_model(merged_copy(raw_student), out, tokenizer=tokenizer)
-            if bad.count:
-                logger.write({"event": "bad_records", "count": bad.count, "examples": bad.examples})
-            logger.write({"event": "end", "step": step, "final_loss": result.final_loss})
-        info["bad_records"] = bad.count
-        cb.on_end(result)
-        return result
+        return finish(run)
 
 
 def _loss(model, target, ids, mask, cfg: RunConfig):
-    """Loss of one micro-batch: ids (B, L+1), mask (B, L)."""
+    """Loss of one micro-batch: ids (B, L+1), mask (B, L). Returns (loss, detached parts by name).
+
+    The target runs in inference mode (no autograd; the models' no-grad kernel paths), in the run's
+    autocast (bf16 on a GPU) and through the same training scan; its logits stay in their own dtype
+    (the loss reads them a chunk at a time).
+    """
     inputs, next_ids = ids[:, :-1], ids[:, 1:]
     logits = model(inputs)
     if cfg.mode == "sft":
-        ce = cross_entropy(logits, next_ids, mask)
-        return ce, {"ce": ce.detach()}
-    with torch.no_grad():
+        return sft_loss(logits, next_ids, mask, cfg.loss.chunk_positions)
+    with torch.inference_mode():  # the loss reads these logits, never saves them for backward
         target_logits = target(inputs)
-    return distill_loss(cfg.loss.loss, logits, target_logits, next_ids, mask, cfg.loss.temperature, cfg.loss.ce_weight)
+    return distill_loss(cfg.loss.loss, logits, target_logits, next_ids, mask, cfg.loss.temperature, cfg.loss.ce_weight,
+                        cfg.loss.chunk_positions)
 
 
 def _mean_across(accelerator, value: float, device) -> float:

@@ -1,4 +1,10 @@
-"""Distillation and next-token losses over masked positions: forward KL at a temperature, TVD, cross-entropy."""
+"""Distillation and next-token losses over masked positions: forward KL at a temperature, TVD, cross-entropy.
+
+`forward_kl`, `total_variation` and `cross_entropy` are the definitions (the references, whole
+(B, T, V) fp32 tensors at once). Training and evaluation use `chunked_loss`, which computes the
+same values and gradients a chunk of positions at a time, so the fp32 copies of the logits exist
+for one chunk only, and autograd keeps one gradient tensor in the logits' own dtype.
+"""
 from __future__ import annotations
 
 import torch
@@ -54,30 +60,148 @@ def cross_entropy(student_logits: torch.Tensor, next_ids: torch.Tensor, mask: to
     return loss / mask.sum().clamp_min(1)
 
 
+CHUNK_ELEMENTS = 1 << 25
+"""Default fp32 elements per chunk of `chunked_loss` (32M: 128 MB per fp32 tensor of the chunk)."""
+
+
+def chunk_rows(vocab_size: int, chunk_positions: int = 0) -> int:
+    """Positions per chunk: chunk_positions when given, else as many as fit CHUNK_ELEMENTS."""
+    return chunk_positions if chunk_positions > 0 else max(1, CHUNK_ELEMENTS // max(1, vocab_size))
+
+
+def _chunk_terms(s, t, labels, m, weights: dict, temperature: float, want_grad: bool):
+    """Sums over one chunk of rows of each weighted term, and the weighted gradient w.r.t. s.
+
+    s, t: (n, V) fp32 student / target logits; labels: (n,) with masked rows set to 0; m: (n,)
+    fp32 mask. Per row, with q = softmax(s / T), p = softmax(t / T):
+      KL  = sum_v p (log p - log q),   d/ds = (q - p) / T, times T^2 as in forward_kl
+      TVD = 1/2 sum_v |p - q|,          d/ds_u = q_u (g_u - sum_v g_v q_v) / T, g = sign(q - p) / 2
+      CE  = -log softmax(s)[label],     d/ds = softmax(s) - onehot(label)
+    """
+    sums, grad = {}, None
+    temp = temperature
+
+    def add(g):
+        nonlocal grad
+        grad = g if grad is None else grad + g
+
+    if weights.get("kl") or weights.get("tvd"):
+        log_q = torch.log_softmax(s / temp, dim=-1)
+        log_p = torch.log_softmax(t / temp, dim=-1)
+        q, p = log_q.exp(), log_p.exp()
+        if weights.get("kl"):
+            sums["kl"] = ((p * (log_p - log_q)).sum(-1) * m).sum() * temp**2
+            if want_grad:
+                add((q - p) * (weights["kl"] * temp))
+        if weights.get("tvd"):
+            sums["tvd"] = (0.5 * (p - q).abs().sum(-1) * m).sum()
+            if want_grad:
+                g = 0.5 * torch.sign(q - p)
+                add(q * (g - (g * q).sum(-1, keepdim=True)) * (weights["tvd"] / temp))
+        del log_q, log_p, q, p
+    if weights.get("ce"):
+        log_r = torch.log_softmax(s, dim=-1)
+        sums["ce"] = (-log_r.gather(-1, labels[:, None])[:, 0] * m).sum()
+        if want_grad:
+            g = log_r.exp()
+            g[torch.arange(g.shape[0], device=g.device), labels] -= 1.0
+            add(g * weights["ce"])
+    if grad is not None:
+        grad = grad * m[:, None]
+    return sums, grad
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    """sum_k weight_k * term_k over masked positions / their count, a chunk of rows at a time.
+
+    The gradient w.r.t. the student logits is computed in the forward pass (it is closed-form)
+    and kept in the logits' dtype; backward only scales it.
+    """
+
+    @staticmethod
+    def forward(ctx, student, target, labels, mask, weights: dict, temperature: float, rows: int):
+        n = student.shape[0]
+        want_grad = ctx.needs_input_grad[0]
+        count = mask.sum().clamp_min(1).float()
+        grad = torch.empty_like(student) if want_grad else None
+        names = sorted(k for k, w in weights.items() if w)
+        sums = torch.zeros(len(names), device=student.device, dtype=torch.float32)
+        for start in range(0, n, rows):
+            end = min(n, start + rows)
+            m = mask[start:end].float()
+            t = None if target is None else target[start:end].float()
+            chunk_sums, g = _chunk_terms(student[start:end].float(), t, labels[start:end], m, weights, temperature,
+                                         want_grad)
+            sums += torch.stack([chunk_sums[k] for k in names])
+            if want_grad:
+                grad[start:end] = (g / count).to(grad.dtype)
+        parts = sums / count
+        total = sum(weights[k] * parts[i] for i, k in enumerate(names))
+        ctx.mark_non_differentiable(parts)
+        ctx.save_for_backward(grad)
+        ctx.names = names
+        return total, parts
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_parts):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_total.to(grad.dtype), None, None, None, None, None, None
+
+
+def chunked_loss(student_logits: torch.Tensor, mask: torch.Tensor, *, target_logits: torch.Tensor | None = None,
+                 next_ids: torch.Tensor | None = None, kl: float = 0.0, tvd: float = 0.0, ce: float = 0.0,
+                 temperature: float = 1.0, chunk_positions: int = 0) -> tuple[torch.Tensor, dict]:
+    """kl * forward_kl + tvd * total_variation + ce * cross_entropy, a chunk of positions at a time.
+
+    Terms with weight 0 are not computed. Values and gradients equal the references'.
+
+    Args:
+        student_logits: (B, T, V), any float dtype (bf16 under autocast); differentiable.
+        mask: (B, T) bool.
+        target_logits: (B, T, V), needed for kl and tvd (any float dtype; no gradient).
+        next_ids: (B, T), needed for ce.
+        chunk_positions: positions per chunk; 0 picks by CHUNK_ELEMENTS.
+    Returns:
+        (loss scalar, dict of detached term values by name: kl, tvd, ce).
+    """
+    weights = {"kl": float(kl), "tvd": float(tvd), "ce": float(ce)}
+    if not any(weights.values()):
+        raise ValueError("chunked_loss needs at least one nonzero weight")
+    if (kl or tvd) and target_logits is None:
+        raise ValueError("kl and tvd need target_logits")
+    if ce and next_ids is None:
+        raise ValueError("ce needs next_ids")
+    vocab = student_logits.shape[-1]
+    s = student_logits.reshape(-1, vocab)  # (B*T, V)
+    t = None if target_logits is None else target_logits.reshape(-1, vocab).detach()
+    flat_mask = mask.reshape(-1)
+    labels = torch.zeros_like(flat_mask, dtype=torch.long) if next_ids is None else next_ids.reshape(-1).masked_fill(~flat_mask, 0)
+    total, parts = _ChunkedLoss.apply(s, t, labels, flat_mask, weights, temperature, chunk_rows(vocab, chunk_positions))
+    names = sorted(k for k, w in weights.items() if w)
+    return total, {k: parts[i].detach() for i, k in enumerate(names)}
+
+
 def top1_agreement(student_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Share of masked positions where student and target argmax agree (greedy acceptance of one token)."""
     same = (student_logits.argmax(-1) == target_logits.argmax(-1)).float()
     return _masked_mean(same, mask)
 
 
-def distill_loss(kind: str, student_logits, target_logits, next_ids, mask, temperature: float = 1.0, ce_weight: float = 0.5):
-    """The training loss of `ssmspec distill` and the parts it is made of (for logging).
+def distill_loss(kind: str, student_logits, target_logits, next_ids, mask, temperature: float = 1.0, ce_weight: float = 0.5,
+                 chunk_positions: int = 0):
+    """The training loss of `ssmspec distill` and the parts it is made of (for logging), by `chunked_loss`.
 
     Args:
         kind: kl, tvd or kl+ce (kl + ce_weight * cross-entropy on the data).
         student_logits, target_logits: (B, T, V); next_ids: (B, T); mask: (B, T) bool.
     Returns:
-        (loss scalar with grad, dict of detached floats: kl or tvd, and ce).
+        (loss scalar with grad, dict of detached values: kl or tvd, and ce).
     """
-    parts = {}
-    if kind == "tvd":
-        loss = total_variation(student_logits, target_logits, mask, temperature)
-        parts["tvd"] = loss.detach()
-    else:
-        loss = forward_kl(student_logits, target_logits, mask, temperature)
-        parts["kl"] = loss.detach()
-        if kind == "kl+ce":
-            ce = cross_entropy(student_logits, next_ids, mask)
-            parts["ce"] = ce.detach()
-            loss = loss + ce_weight * ce
-    return loss, parts
+    weights = {"tvd": {"tvd": 1.0}, "kl": {"kl": 1.0}, "kl+ce": {"kl": 1.0, "ce": ce_weight}}[kind]
+    return chunked_loss(student_logits, mask, target_logits=target_logits, next_ids=next_ids, temperature=temperature,
+                        chunk_positions=chunk_positions, **weights)
+
+
+def sft_loss(student_logits, next_ids, mask, chunk_positions: int = 0):
+    """The training loss of `ssmspec sft`: next-token cross-entropy, by `chunked_loss`. Returns (loss, {"ce": ...})."""
+    return chunked_loss(student_logits, mask, next_ids=next_ids, ce=1.0, chunk_positions=chunk_positions)

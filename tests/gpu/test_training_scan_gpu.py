@@ -1,0 +1,84 @@
+"""fla's chunked simple-GLA training scan against naive_chunk_scan on a GPU, at real sizes (opt in: --run-gpu).
+
+Needs fla-core (and einops) installed: pip install --no-deps fla-core==0.6.0 einops.
+fp32 tolerances allow TF32 tensor-core products; bf16 ones allow bf16 inputs to every product.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_close
+from test_training_scan import GRAD_NAMES, scan_grads, scan_inputs
+
+pytestmark = pytest.mark.requires_cuda
+DEV = "cuda"
+TOL = {torch.float32: 5e-3, torch.bfloat16: 3e-2}
+
+
+def _fla():
+    pytest.importorskip("fla")
+    from ssmspec.ops.chunk_scan.fla import fla_chunk_scan
+
+    return fla_chunk_scan
+
+
+def _close(got, want, tol, name):
+    # Tolerance relative to the tensor's own scale: gradients of A and D sum over B*T*P terms.
+    scale = want.float().pow(2).mean().sqrt().item()
+    assert_close(got, want, atol=tol * scale, rtol=tol, name=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("steps", [1, 63, 64, 2048])
+@pytest.mark.parametrize("chunk", [64, 100])  # the reference's chunk: divides 64 and 2048, or nothing
+@pytest.mark.parametrize("groups", [1, 8])
+@pytest.mark.parametrize("headdim", [32, 64])
+@pytest.mark.parametrize("dstate", [64, 128])
+def test_fla_scan_equals_naive(dstate, headdim, groups, chunk, steps, dtype):
+    from ssmspec.ops.chunk_scan import naive_chunk_scan
+
+    fla_chunk_scan = _fla()
+    inputs = scan_inputs(2, steps, 16, headdim, groups, dstate, dtype=dtype, device=DEV)
+    y_ref, f_ref, g_ref = scan_grads(naive_chunk_scan, inputs, chunk)
+    y, f, g = scan_grads(fla_chunk_scan, inputs, chunk)
+    tol = TOL[dtype]
+    _close(y, y_ref, tol, "y")
+    _close(f, f_ref, tol, "final_state")
+    for name, got, want in zip(GRAD_NAMES, g, g_ref):
+        _close(got, want, tol, f"d{name}")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_training_step_through_fla_equals_the_plain_torch_one(precision):
+    """The whole model under the run's autocast: loss and every parameter's gradient, fla vs plain torch."""
+    import dataclasses
+
+    from helpers import tiny_config
+    from ssmspec.models import LanguageModel, MambaConfig
+    from ssmspec.models.init import init_weights
+    from ssmspec.training.losses import cross_entropy
+    from ssmspec.training.scan import training_scan
+
+    _fla()
+    cfg = dataclasses.replace(tiny_config(("mamba", "mamba")), d_model=256,
+                              mamba=MambaConfig(n_heads=8, head_dim=64, d_state=128, n_groups=1, chunk_size=256))
+    model = init_weights(LanguageModel(cfg), seed=0, std=0.05).to(DEV)
+    ids = torch.randint(0, cfg.vocab_size, (2, 301), device=DEV)
+    mask = torch.ones(2, 300, dtype=torch.bool, device=DEV)
+
+    def loss_and_grads(choice):
+        model.zero_grad(set_to_none=True)
+        with training_scan(choice, torch.device(DEV)) as picked, \
+                torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = cross_entropy(model(ids[:, :-1]), ids[:, 1:], mask)
+        loss.backward()
+        return picked.name, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    name, loss, grads = loss_and_grads("fla")
+    assert name.startswith("fla:")
+    _, loss_ref, grads_ref = loss_and_grads("ssmspec")
+    tol = TOL[torch.float32 if precision == "fp32" else torch.bfloat16]
+    _close(loss, loss_ref, tol, "loss")
+    for n in grads_ref:
+        _close(grads[n], grads_ref[n], tol, f"grad {n}")

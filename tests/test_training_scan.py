@@ -1,0 +1,136 @@
+"""The training scan: which one a run picks, and fla's chunked simple-GLA against naive_chunk_scan.
+
+fla's Triton kernels run here through Triton's interpreter in a child process (see
+tests/test_ops_triton.py for why a child): fp32, tiny sizes, outputs and gradients of every input.
+Real sizes and bf16 are in tests/gpu/test_training_scan_gpu.py.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def scan_inputs(batch, steps, heads, headdim, groups, dstate, dtype=torch.float32, device="cpu", initial=True):
+    """Fresh random SSD inputs in the model's conventions (dt after softplus, A negative), all requiring grad."""
+    g = torch.Generator().manual_seed(steps * 131 + heads * 7 + groups)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    x = r(batch, steps, heads, headdim)
+    dt = torch.nn.functional.softplus(r(batch, steps, heads) - 1.0).clamp(1e-3, 1.0)
+    A = -torch.exp(r(heads) * 0.5)
+    B = r(batch, steps, groups, dstate) * 0.5
+    C = r(batch, steps, groups, dstate) * 0.5
+    D = r(heads)
+    h0 = r(batch, heads, headdim, dstate) * 0.5 if initial else None
+    out = [x.to(dtype), dt, A, B.to(dtype), C.to(dtype), D, h0]
+    return [None if t is None else t.to(device).requires_grad_() for t in out]
+
+
+def scan_grads(fn, inputs, chunk_size, seed=1):
+    """(y, final, grads of every input) of fn under fixed random upstream gradients on y and final."""
+    y, final = fn(*inputs[:6], chunk_size, inputs[6])
+    g = torch.Generator().manual_seed(seed)
+    gy = torch.randn(y.shape, generator=g).to(y.device)
+    gf = torch.randn(final.shape, generator=g).to(y.device)
+    leaves = [t for t in inputs if t is not None]
+    grads = torch.autograd.grad((y * gy).sum() + (final * gf).sum(), leaves)
+    return y, final, grads
+
+
+GRAD_NAMES = ("x", "dt", "A", "B", "C", "D", "initial_state")
+
+
+if not INTERPRETED:
+
+    def test_fla_scan_in_interpreter():
+        pytest.importorskip("triton")
+        pytest.importorskip("fla")
+        pytest.importorskip("einops")
+        from helpers import run_interpreted
+
+        run_interpreted(__file__)
+
+    def test_cpu_run_picks_the_plain_torch_scan():
+        from ssmspec.training.scan import pick_training_scan
+
+        picked = pick_training_scan("auto", torch.device("cpu"))
+        assert picked.name == "ssmspec:ssmspec.ops.chunk_scan.naive.naive_chunk_scan"
+        assert picked.reason == "no CUDA device"
+        assert pick_training_scan("ssmspec", torch.device("cpu")).reason == "asked for"
+
+    @pytest.mark.parametrize("choice", ["fla", "mamba_ssm"])
+    def test_a_kernel_scan_asked_for_on_the_cpu_is_refused(choice):
+        from ssmspec.errors import InputError
+        from ssmspec.training.scan import pick_training_scan
+
+        with pytest.raises(InputError, match=f"--scan {choice}"):
+            pick_training_scan(choice, torch.device("cpu"))
+
+    def test_training_scan_restores_the_dispatcher():
+        from ssmspec.ops import dispatch
+        from ssmspec.training.scan import TrainingScan, training_scan
+
+        before = dispatch.chunk_scan
+        with training_scan("auto", torch.device("cpu")) as picked:
+            assert isinstance(picked, TrainingScan)
+            assert dispatch.chunk_scan is before  # ssmspec: the dispatcher itself
+        assert dispatch.chunk_scan is before
+
+else:
+    import sys
+
+    import numpy as np
+
+    from helpers import assert_close
+
+    def _interpretable_fla():
+        """fla's kernels loop with Python's `range` over tensor bounds and call `.to` on the index,
+        which the interpreter's plain ints lack; its autotuner benchmarks through a GPU driver.
+        Both are patched for the interpreter only: the index becomes an int32 scalar tensor, and
+        every config times the same, so the first is taken."""
+        import triton.language as tl
+        import triton.runtime.autotuner as autotuner
+        from triton.runtime.interpreter import TensorHandle
+
+        from ssmspec.ops.chunk_scan.fla import fla_chunk_scan
+        from fla.ops.simple_gla import chunk_simple_gla  # noqa: F401  (imports every kernel module)
+
+        builtin_range = range
+
+        def tensor_range(*args):
+            args = [int(a.handle.data.item()) if isinstance(a, tl.tensor) else int(a) for a in args]
+            for i in builtin_range(*args):
+                yield tl.tensor(TensorHandle(np.array([i], dtype=np.int32), tl.int32), tl.int32)
+
+        autotuner.Autotuner._bench = lambda self, *a, config=None, **k: [0.0, 0.0, 0.0]
+        for name, module in list(sys.modules.items()):
+            if name.startswith("fla.ops") and module is not None:
+                module.range = tensor_range
+        return fla_chunk_scan
+
+    @pytest.mark.parametrize("steps", [1, 20, 63, 64, 130])
+    @pytest.mark.parametrize("groups,headdim", [(1, 16), (2, 32)])
+    def test_fla_scan_equals_naive_outputs_and_gradients(steps, groups, headdim):
+        from ssmspec.ops.chunk_scan import naive_chunk_scan
+
+        fla_chunk_scan = _interpretable_fla()
+        inputs = scan_inputs(1, steps, 4, headdim, groups, 16)
+        y_ref, f_ref, g_ref = scan_grads(naive_chunk_scan, inputs, 16)
+        y, f, g = scan_grads(fla_chunk_scan, inputs, 16)
+        assert_close(y, y_ref, atol=1e-4, rtol=1e-4, name="y")
+        assert_close(f, f_ref, atol=1e-4, rtol=1e-4, name="final_state")
+        for name, got, want in zip(GRAD_NAMES, g, g_ref):
+            assert_close(got, want, atol=2e-4, rtol=2e-4, name=f"d{name}")
+
+    def test_fla_scan_without_initial_state_or_D():
+        from ssmspec.ops.chunk_scan import naive_chunk_scan
+
+        fla_chunk_scan = _interpretable_fla()
+        x, dt, A, B, C, _, _ = scan_inputs(2, 40, 2, 16, 1, 16, initial=False)
+        y_ref, f_ref = naive_chunk_scan(x, dt, A, B, C, None, 16)
+        y, f = fla_chunk_scan(x, dt, A, B, C, None, 16)
+        assert_close(y, y_ref, atol=1e-4, rtol=1e-4, name="y")
+        assert_close(f, f_ref, atol=1e-4, rtol=1e-4, name="final_state")

@@ -1,0 +1,91 @@
+"""Which chunked SSD scan Mamba-2 layers train through: chosen once per run, reported in the run log."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ssmspec.errors import InputError
+
+
+@dataclass
+class TrainingScan:
+    """The scan a run uses: its name (for log.jsonl), why it was chosen, and the function itself.
+
+    fn has `naive_chunk_scan`'s contract: (x, dt, A, B, C, D, chunk_size, initial_state) -> (y fp32, final fp32).
+    """
+
+    name: str
+    reason: str
+    fn: Callable
+
+
+def _mamba_ssm_scan() -> Callable | None:
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception:
+        return None
+
+    def scan(x, dt, A, B, C, D, chunk_size=64, initial_state=None):
+        # dt is already softplus'd and clamped (no dt_bias, no softplus inside); y and state in fp32.
+        y, final = mamba_chunk_scan_combined(
+            x, dt.to(x.dtype), A.float(), B, C, chunk_size, D=D, initial_states=initial_state,
+            return_final_states=True,
+        )
+        return y.float(), final.float()
+
+    return scan
+
+
+def pick_training_scan(choice: str, device: torch.device) -> TrainingScan:
+    """The one place that decides the training scan.
+
+    auto: fla (fla-core's chunked simple-GLA) when importable on a CUDA device, else mamba_ssm's
+    fused SSD when importable there, else ssmspec (the dispatcher's chunk_scan: the plain-torch
+    `naive_chunk_scan`, differentiable). fla and mamba_ssm asked for by name must be usable.
+    """
+    from ssmspec.ops import dispatch
+    from ssmspec.ops.chunk_scan.fla import fla_available, fla_chunk_scan
+
+    on_cuda = torch.device(device).type == "cuda"
+    if choice in ("auto", "fla"):
+        version = fla_available() if on_cuda else None  # no import on the CPU: fla warns there, and takes seconds
+        if on_cuda and version is not None:
+            return TrainingScan(f"fla:chunk_simple_gla (fla-core {version})", "fla-core imports and the device is CUDA",
+                                fla_chunk_scan)
+        if choice == "fla":
+            why = "no CUDA device" if not on_cuda else "fla-core is not importable (pip install fla-core einops)"
+            raise InputError(f"--scan fla asked for, but {why}; use --scan auto or --scan ssmspec")
+    if choice in ("auto", "mamba_ssm"):
+        scan = _mamba_ssm_scan() if on_cuda else None
+        if scan is not None:
+            return TrainingScan("mamba_ssm:mamba_chunk_scan_combined", "mamba_ssm imports and the device is CUDA", scan)
+        if choice == "mamba_ssm":
+            raise InputError("--scan mamba_ssm asked for, but mamba_ssm is not importable on a GPU here; use --scan ssmspec")
+    impl = dispatch.resolve("chunk_scan", device)
+    if choice == "ssmspec":
+        reason = "asked for"
+    elif not on_cuda:
+        reason = "no CUDA device"
+    else:
+        reason = "neither fla-core nor mamba_ssm imports"
+    return TrainingScan(f"ssmspec:{impl.__module__}.{impl.__name__}", reason, impl)
+
+
+@contextlib.contextmanager
+def training_scan(choice: str, device: torch.device):
+    """Route every Mamba-2 layer's `forward` through the picked scan while the block runs; yields it."""
+    from ssmspec.ops import dispatch
+
+    picked = pick_training_scan(choice, device)
+    if picked.name.startswith("ssmspec:"):
+        yield picked
+        return
+    original = dispatch.chunk_scan
+    dispatch.chunk_scan = picked.fn  # Mamba2Mixer looks the function up on the module at call time
+    try:
+        yield picked
+    finally:
+        dispatch.chunk_scan = original
