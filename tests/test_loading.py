@@ -118,7 +118,7 @@ def test_interrupted_save_leaves_nothing(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loading, "_write_safetensors", boom)
+    monkeypatch.setattr(loading.save, "write_safetensors", boom)
     with pytest.raises(KeyboardInterrupt):
         save_model(tiny_model(), tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
