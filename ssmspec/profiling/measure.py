@@ -50,6 +50,131 @@ from .timing import cpu_threads, default_cpu_threads, samples_disagree, time_cal
 log = logging.getLogger("ssmspec.profiling")
 
 
+@torch.inference_mode()
+def run_profile(
+    target,
+    *,
+    settings: ProfileSettings | None = None,
+    drafter=None,
+    source: str = "",
+    drafter_source: str = "",
+    progress: ProgressFn | None = None,
+) -> dict:
+    """Measure `target` (and `drafter`) as described in the module docstring; return profile.json's dict.
+
+    Args:
+        target: a LanguageModel on its device and dtype, in eval mode.
+        settings: what to measure; defaults to ProfileSettings().
+        drafter: an optional LanguageModel sharing the target's vocabulary.
+        source, drafter_source: where the models came from (a directory or preset name).
+        progress: progress(label, done, total) callback.
+    Returns:
+        profile.json's dict (see `ssmspec.profiling.schema`); its ``warnings`` are also logged on
+        the ``ssmspec.profiling`` logger.
+    """
+    s = settings or ProfileSettings()
+    s.validate()
+    started = time.perf_counter()
+    device = target.device
+    from ..models.fold import fold_for_kernels
+
+    fold_for_kernels(target, drafter)  # time the path that generate runs (see decoding/generate.py)
+    if drafter is not None and drafter.config.vocab_size != target.config.vocab_size:
+        raise InputError(
+            f"drafter vocabulary ({drafter.config.vocab_size}) differs from the target's "
+            f"({target.config.vocab_size}); profile a drafter made for this target"
+        )
+    threads = (s.threads or default_cpu_threads()) if device.type == "cpu" else None
+    with cpu_threads(threads):
+        threads_used = torch.get_num_threads()
+        device_info = _device_info(device)
+        timings, drafter_timings = _measure(target, drafter, s, device, progress)
+    arch = architecture_of(target)
+    fits = compute_fits(timings, arch)
+    warnings = timing_warnings(timings, drafter_timings) + fit_warnings(fits, timings)
+    for w in warnings:
+        log.warning(w)
+    return {
+        "schema": SCHEMA_NAME,
+        "version": SCHEMA_VERSION,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_info,
+        "dtype": dtype_name(target.dtype),
+        "target": _describe(target, source),
+        "drafter": None if drafter is None else _describe(drafter, drafter_source),
+        "settings": {"sizes": list(s.sizes), "methods": list(s.methods), "batch": s.batch,
+                     "prompt_len": s.prompt_len, "warmup": s.warmup, "repeats": s.repeats,
+                     "fanout": s.fanout, "cuda_graphs": s.cuda_graphs and device.type == "cuda",
+                     "threads": threads_used, "reference_n": s.reference_n,
+                     "configs": [list(c) for c in s.configs], "backend": _backend_report(device)},
+        "timings": timings,
+        "fits": fits,
+        "break_even": compute_break_even(fits, timings, s.reference_n),
+        "drafter_timings": drafter_timings,
+        "warnings": warnings,
+        "elapsed_s": time.perf_counter() - started,
+    }
+
+
+def _measure(target, drafter, s: ProfileSettings, device, progress: ProgressFn | None):
+    """The target's timings per method, and the drafter's (None without a drafter)."""
+    total = count_items(s, drafter is not None)
+    done = [0]
+    timings = _measure_target(target, s, device, progress, total, done)
+    drafter_timings = None
+    if drafter is not None:
+        target_step_ms = next((r["median"] for m in s.methods for r in timings[m] if r["size"] == 1), None)
+        if target_step_ms is None:  # size 1 not asked for: time the AR step now, it anchors lambda_gamma
+            timer = _Timer(target, s, device, s.prompt_len + 8)
+            target_step_ms = time_call(timer.step_fn(), warmup=s.warmup, repeats=s.repeats, device=device,
+                                       cuda_graph=s.cuda_graphs and device.type == "cuda").median
+        # predicted verify times of the drafter's trees come from the target's stree fit
+        fits = compute_fits(timings, architecture_of(target))
+        m0 = "stree" if "stree" in fits else next(iter(fits))
+        fit_for = Fit.from_dict(fits[m0]["primary"], fits[m0][fits[m0]["primary"]])
+        drafter_timings = _measure_drafter(drafter, target_step_ms, s, device, fit_for, progress, total, done)
+    if progress:
+        progress("done", total, total)
+    return timings, drafter_timings
+
+
+def _describe(model, source: str) -> dict:
+    """profile.json's description of a model: its fingerprint, where it came from, its shape."""
+    return {"fingerprint": model_fingerprint(model), "source": source, "architecture": architecture_of(model),
+            "config": config_summary(model)}
+
+
+def count_items(settings: ProfileSettings, with_drafter: bool) -> int:
+    """How many timed items `run_profile` reports progress over."""
+    from ssmspec.trees import Tree
+
+    n = len(settings.sizes) * len(settings.methods)
+    if with_drafter:
+        trees = [Tree.from_config(c) for c in settings.configs]
+        widths = {w for t in trees for w in t.level_widths()[:-1]} | {1}
+        n += len(widths) + len(trees)
+    return n
+
+
+def timing_warnings(timings: dict, drafter_timings: dict | None) -> list[str]:
+    """One sentence naming every measurement whose repeated timings disagree (see `samples_disagree`)."""
+    noisy = []
+    for method, rows in timings.items():
+        noisy += [(f"{method} N={r['size']}", r) for r in rows]
+    if drafter_timings is not None:
+        noisy += [(f"drafter step width {r['width']}", r) for r in drafter_timings["steps"]]
+        noisy += [(f"drafting {','.join(map(str, c['config']))}", c["draft"]) for c in drafter_timings["configs"]]
+    noisy = [(label, r) for label, r in noisy if samples_disagree(r["samples"])]
+    if not noisy:
+        return []
+    worst = max(r["max"] / r["min"] if r["min"] > 0 else float("inf") for _, r in noisy)
+    names = ", ".join(label for label, _ in noisy[:6]) + (f" and {len(noisy) - 6} more" if len(noisy) > 6 else "")
+    return [
+        f"repeated timings disagree for {names} (max/min up to {worst:.3g}x): the machine is busy or the calls "
+        "are too short to time; close other work, keep OMP_NUM_THREADS=1 on a shared CPU, or raise --repeats"
+    ]
+
+
 def balanced_tree(n: int, fanout: int = 2):
     """The near-balanced tree of n nodes in BFS order: parent(i) = (i - 1) // fanout."""
     from ssmspec.trees import Tree
@@ -59,16 +184,6 @@ def balanced_tree(n: int, fanout: int = 2):
 
 def _root_to_leaf_paths(tree) -> list[list[int]]:
     return [tree.path(leaf) for leaf in tree.leaves()]
-
-
-def _backend_report(device: torch.device) -> dict:
-    from ..ops import dispatch
-
-    out = {"backend": dispatch.get_backend()}
-    for op in sorted(dispatch._REFERENCE):
-        impl = dispatch.resolve(op, device)
-        out[op] = "reference" if impl.__module__.endswith(".naive") else impl.__module__
-    return out
 
 
 class _Timer:
@@ -123,29 +238,6 @@ class _Timer:
         return fn
 
 
-def _tree_call(timer: _Timer, method: str, n: int, fanout: int):
-    """The repeatable verify+replay call of `method` at size n >= 2, and its record's shape fields."""
-    from ssmspec.trees import Tree
-
-    batch = timer.s.batch
-    if method == "chain":
-        tree = Tree.chain(n - 1)
-        fn = timer.tree_fn(tree, 1, [list(range(n))])
-        return fn, {"rows": batch, "tokens": batch * n,
-                    "tree": {"nodes": tree.num_nodes, "depth": tree.max_depth, "leaves": 1}}
-    tree = balanced_tree(n, fanout)
-    paths = _root_to_leaf_paths(tree)
-    leaves = len(paths)
-    shape = {"nodes": n, "depth": tree.max_depth, "leaves": leaves}
-    if method == "stree":
-        fn = timer.tree_fn(tree, 1, [max(paths, key=len)])  # replay the deepest path: the most work
-        return fn, {"rows": batch, "tokens": batch * n, "tree": shape}
-    depth = tree.max_depth
-    # unrolled: each row is its own chain; replay indexes that chain's nodes 0..len-1
-    fn = timer.tree_fn(Tree.chain(depth), leaves, [list(range(len(p))) for p in paths])
-    return fn, {"rows": batch * leaves, "tokens": batch * leaves * (depth + 1), "tree": shape}
-
-
 def _measure_target(model, settings: ProfileSettings, device, progress: ProgressFn | None, total: int, done: list):
     s = settings
     timer = _Timer(model, s, device, s.prompt_len + max(s.sizes) + 8)
@@ -169,6 +261,29 @@ def _measure_target(model, settings: ProfileSettings, device, progress: Progress
                 timings[method].append({"size": n, "call": "verify+replay", **shape, **t.to_dict()})
             done[0] += 1
     return timings
+
+
+def _tree_call(timer: _Timer, method: str, n: int, fanout: int):
+    """The repeatable verify+replay call of `method` at size n >= 2, and its record's shape fields."""
+    from ssmspec.trees import Tree
+
+    batch = timer.s.batch
+    if method == "chain":
+        tree = Tree.chain(n - 1)
+        fn = timer.tree_fn(tree, 1, [list(range(n))])
+        return fn, {"rows": batch, "tokens": batch * n,
+                    "tree": {"nodes": tree.num_nodes, "depth": tree.max_depth, "leaves": 1}}
+    tree = balanced_tree(n, fanout)
+    paths = _root_to_leaf_paths(tree)
+    leaves = len(paths)
+    shape = {"nodes": n, "depth": tree.max_depth, "leaves": leaves}
+    if method == "stree":
+        fn = timer.tree_fn(tree, 1, [max(paths, key=len)])  # replay the deepest path: the most work
+        return fn, {"rows": batch, "tokens": batch * n, "tree": shape}
+    depth = tree.max_depth
+    # unrolled: each row is its own chain; replay indexes that chain's nodes 0..len-1
+    fn = timer.tree_fn(Tree.chain(depth), leaves, [list(range(len(p))) for p in paths])
+    return fn, {"rows": batch * leaves, "tokens": batch * leaves * (depth + 1), "tree": shape}
 
 
 def _measure_drafter(drafter, target_step_ms: float, settings: ProfileSettings, device, fit_for,
@@ -262,126 +377,11 @@ def _device_info(device: torch.device) -> dict:
     return {"type": device.type, "name": name, "torch": torch.__version__, "cuda": torch.version.cuda}
 
 
-def count_items(settings: ProfileSettings, with_drafter: bool) -> int:
-    """How many timed items `run_profile` reports progress over."""
-    from ssmspec.trees import Tree
+def _backend_report(device: torch.device) -> dict:
+    from ..ops import dispatch
 
-    n = len(settings.sizes) * len(settings.methods)
-    if with_drafter:
-        trees = [Tree.from_config(c) for c in settings.configs]
-        widths = {w for t in trees for w in t.level_widths()[:-1]} | {1}
-        n += len(widths) + len(trees)
-    return n
-
-
-def timing_warnings(timings: dict, drafter_timings: dict | None) -> list[str]:
-    """One sentence naming every measurement whose repeated timings disagree (see `samples_disagree`)."""
-    noisy = []
-    for method, rows in timings.items():
-        noisy += [(f"{method} N={r['size']}", r) for r in rows]
-    if drafter_timings is not None:
-        noisy += [(f"drafter step width {r['width']}", r) for r in drafter_timings["steps"]]
-        noisy += [(f"drafting {','.join(map(str, c['config']))}", c["draft"]) for c in drafter_timings["configs"]]
-    noisy = [(label, r) for label, r in noisy if samples_disagree(r["samples"])]
-    if not noisy:
-        return []
-    worst = max(r["max"] / r["min"] if r["min"] > 0 else float("inf") for _, r in noisy)
-    names = ", ".join(label for label, _ in noisy[:6]) + (f" and {len(noisy) - 6} more" if len(noisy) > 6 else "")
-    return [
-        f"repeated timings disagree for {names} (max/min up to {worst:.3g}x): the machine is busy or the calls "
-        "are too short to time; close other work, keep OMP_NUM_THREADS=1 on a shared CPU, or raise --repeats"
-    ]
-
-
-@torch.inference_mode()
-def run_profile(
-    target,
-    *,
-    settings: ProfileSettings | None = None,
-    drafter=None,
-    source: str = "",
-    drafter_source: str = "",
-    progress: ProgressFn | None = None,
-) -> dict:
-    """Measure `target` (and `drafter`) as described in the module docstring; return profile.json's dict.
-
-    Args:
-        target: a LanguageModel on its device and dtype, in eval mode.
-        settings: what to measure; defaults to ProfileSettings().
-        drafter: an optional LanguageModel sharing the target's vocabulary.
-        source, drafter_source: where the models came from (a directory or preset name).
-        progress: progress(label, done, total) callback.
-    Returns:
-        profile.json's dict (see `ssmspec.profiling.schema`); its ``warnings`` are also logged on
-        the ``ssmspec.profiling`` logger.
-    """
-    s = settings or ProfileSettings()
-    s.validate()
-    started = time.perf_counter()
-    device = target.device
-    from ..models.fold import fold_for_kernels
-
-    fold_for_kernels(target, drafter)  # time the path that generate runs (see decoding/generate.py)
-    if drafter is not None and drafter.config.vocab_size != target.config.vocab_size:
-        raise InputError(
-            f"drafter vocabulary ({drafter.config.vocab_size}) differs from the target's "
-            f"({target.config.vocab_size}); profile a drafter made for this target"
-        )
-    threads = (s.threads or default_cpu_threads()) if device.type == "cpu" else None
-    with cpu_threads(threads):
-        threads_used = torch.get_num_threads()
-        device_info = _device_info(device)
-        timings, drafter_timings = _measure(target, drafter, s, device, progress)
-    arch = architecture_of(target)
-    fits = compute_fits(timings, arch)
-    warnings = timing_warnings(timings, drafter_timings) + fit_warnings(fits, timings)
-    for w in warnings:
-        log.warning(w)
-    return {
-        "schema": SCHEMA_NAME,
-        "version": SCHEMA_VERSION,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": device_info,
-        "dtype": dtype_name(target.dtype),
-        "target": _describe(target, source),
-        "drafter": None if drafter is None else _describe(drafter, drafter_source),
-        "settings": {"sizes": list(s.sizes), "methods": list(s.methods), "batch": s.batch,
-                     "prompt_len": s.prompt_len, "warmup": s.warmup, "repeats": s.repeats,
-                     "fanout": s.fanout, "cuda_graphs": s.cuda_graphs and device.type == "cuda",
-                     "threads": threads_used, "reference_n": s.reference_n,
-                     "configs": [list(c) for c in s.configs], "backend": _backend_report(device)},
-        "timings": timings,
-        "fits": fits,
-        "break_even": compute_break_even(fits, timings, s.reference_n),
-        "drafter_timings": drafter_timings,
-        "warnings": warnings,
-        "elapsed_s": time.perf_counter() - started,
-    }
-
-
-def _measure(target, drafter, s: ProfileSettings, device, progress: ProgressFn | None):
-    """The target's timings per method, and the drafter's (None without a drafter)."""
-    total = count_items(s, drafter is not None)
-    done = [0]
-    timings = _measure_target(target, s, device, progress, total, done)
-    drafter_timings = None
-    if drafter is not None:
-        target_step_ms = next((r["median"] for m in s.methods for r in timings[m] if r["size"] == 1), None)
-        if target_step_ms is None:  # size 1 not asked for: time the AR step now, it anchors lambda_gamma
-            timer = _Timer(target, s, device, s.prompt_len + 8)
-            target_step_ms = time_call(timer.step_fn(), warmup=s.warmup, repeats=s.repeats, device=device,
-                                       cuda_graph=s.cuda_graphs and device.type == "cuda").median
-        # predicted verify times of the drafter's trees come from the target's stree fit
-        fits = compute_fits(timings, architecture_of(target))
-        m0 = "stree" if "stree" in fits else next(iter(fits))
-        fit_for = Fit.from_dict(fits[m0]["primary"], fits[m0][fits[m0]["primary"]])
-        drafter_timings = _measure_drafter(drafter, target_step_ms, s, device, fit_for, progress, total, done)
-    if progress:
-        progress("done", total, total)
-    return timings, drafter_timings
-
-
-def _describe(model, source: str) -> dict:
-    """profile.json's description of a model: its fingerprint, where it came from, its shape."""
-    return {"fingerprint": model_fingerprint(model), "source": source, "architecture": architecture_of(model),
-            "config": config_summary(model)}
+    out = {"backend": dispatch.get_backend()}
+    for op in sorted(dispatch._REFERENCE):
+        impl = dispatch.resolve(op, device)
+        out[op] = "reference" if impl.__module__.endswith(".naive") else impl.__module__
+    return out

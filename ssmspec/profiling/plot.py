@@ -8,7 +8,6 @@ import numpy as np
 from .fits import Fit
 from .schema import Profile
 
-
 _COLORS = {"stree": "tab:blue", "unrolled": "tab:orange", "chain": "tab:green"}
 
 
@@ -18,10 +17,26 @@ def plot_profile(profile: dict | Profile, path: str | Path, title: str | None = 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401 -- for the plain-number log axis
 
     d = profile.data if isinstance(profile, Profile) else profile
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
+    _draw_call_times(ax, d)
+    _draw_break_even(ax2, d["break_even"])
+    t = d["target"]
+    src = t.get("source") or t["config"].get("d_model")
+    fig.suptitle(title or f"ssmspec profile: {src} ({t['architecture']}, {d['dtype']}, batch "
+                 f"{d['settings']['batch']}) on {d['device']['name']}", fontsize=11)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _draw_call_times(ax, d: dict) -> None:
+    """Medians with IQR bars of the fitted (verify) sizes, both fits, and the AR step as a star."""
+    import matplotlib.ticker
+
     ar_drawn = False
     for method, rows in d["timings"].items():
         color = _COLORS.get(method)
@@ -45,14 +60,16 @@ def plot_profile(profile: dict | Profile, path: str | Path, title: str | None = 
             ax.plot([1], [ar[0]["median"]], "k*", ms=11, label=f"AR step (model.step): {ar[0]['median']:.3g} ms")
             ar_drawn = True
     ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))  # 1, 2, 4 not 2^k
     ax.set_xlabel("input size N (tree nodes; chain: tokens)")
     ax.set_ylabel("time per call (ms)")
     ax.set_title("target call time; fits on verify calls, * = primary")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
 
-    be = d["break_even"]
+
+def _draw_break_even(ax2, be: dict) -> None:
+    """Required tau2 / tau1 against tree size: vs the reference call (solid) and vs the AR step (dashed)."""
     for method, rows in be["table"].items():
         nan = float("nan")  # unusable ratios (None) leave gaps
         ax2.plot([r["n"] for r in rows], [nan if r["ratio"] is None else r["ratio"] for r in rows],
@@ -68,16 +85,6 @@ def plot_profile(profile: dict | Profile, path: str | Path, title: str | None = 
     ax2.set_title("break-even acceptance ratio t(N2) / t(N1)")
     ax2.grid(True, alpha=0.3)
     ax2.legend(fontsize=8)
-
-    t = d["target"]
-    src = t.get("source") or t["config"].get("d_model")
-    fig.suptitle(title or f"ssmspec profile: {src} ({t['architecture']}, {d['dtype']}, batch "
-                 f"{d['settings']['batch']}) on {d['device']['name']}", fontsize=11)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def _fit_label(fit: Fit) -> str:
