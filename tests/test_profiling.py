@@ -553,3 +553,9 @@ def test_cli_defaults_equal_the_settings_dataclass():
     assert profiling.parse_methods(defaults["methods"]) == d.methods
     for name in ("batch", "repeats", "warmup", "prompt_len", "fanout", "reference_n", "cuda_graphs", "seed"):
         assert defaults[name] == getattr(d, name), name
+
+
+def test_profiling_modules_import_no_private_names():
+    from tests.test_loading import private_imports
+
+    assert private_imports("ssmspec.profiling") == []

@@ -17,7 +17,36 @@ from .tokenizer import load_tokenizer
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
+def load_model(path, *, dtype=None, device="cpu") -> LoadedModel:
+    """Load a model directory of any supported format into a LanguageModel.
+
+    Args:
+        path: directory with config.json and weights (safetensors, sharded safetensors, or .bin).
+        dtype: parameter dtype ("fp32", "bf16", a torch dtype); None keeps the checkpoint's.
+        device: where the parameters go.
+    Returns:
+        LoadedModel(model in eval mode, tokenizer or None, source_format, path).
+    Raises:
+        ModelLoadError with a sentence saying what to fix.
+    """
+    path = Path(path)
+    cfg, fmt, rename = parse_config(_read_config(path))
+    source, _ = _read_weights(path)
+    state = _map_state(source, rename)
+    dtype = resolve_dtype(dtype)
+    if dtype is None:
+        floats = [t.dtype for t in state.values() if t.is_floating_point()]
+        dtype = floats[0] if floats else torch.float32
+    check_fits(cfg, device, dtype)
+    model = empty_model(cfg, device=device, dtype=dtype)
+    state = _check_and_fill(state, model, path)
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    return LoadedModel(model=model, tokenizer=load_tokenizer(path), source_format=fmt, path=path)
+
+
 def _read_config(path: Path) -> dict:
+    """The parsed config.json of a model directory, with a clear error for each way it can be missing or broken."""
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist; pass a directory holding config.json and weights")
     if not path.is_dir():
@@ -37,18 +66,8 @@ def _read_config(path: Path) -> dict:
     return cfg
 
 
-def _load_tensor_file(file: Path) -> dict[str, torch.Tensor]:
-    try:
-        if file.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            return load_file(str(file), device="cpu")
-        return torch.load(str(file), map_location="cpu", weights_only=True)
-    except Exception as e:  # a truncated or foreign file: say which one
-        raise ModelLoadError(f"cannot read weights file {file}: {e}") from e
-
-
 def _read_weights(path: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """Every tensor of the first weight file found (all shards of an index), on the CPU, and its name."""
     for name in WEIGHT_FILES:
         file = path / name
         if not file.exists():
@@ -70,7 +89,19 @@ def _read_weights(path: Path) -> tuple[dict[str, torch.Tensor], str]:
     )
 
 
+def _load_tensor_file(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(file), device="cpu")
+        return torch.load(str(file), map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated or foreign file: say which one
+        raise ModelLoadError(f"cannot read weights file {file}: {e}") from e
+
+
 def _map_state(source: dict[str, torch.Tensor], rename: Renamer) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under our names; two landing on one name is an error."""
     out = {}
     for name, tensor in source.items():
         for new, t in rename(name, tensor):
@@ -81,6 +112,7 @@ def _map_state(source: dict[str, torch.Tensor], rename: Renamer) -> dict[str, to
 
 
 def _check_and_fill(state: dict[str, torch.Tensor], model: LanguageModel, where: Path) -> dict[str, torch.Tensor]:
+    """state completed with a tied head, after checking it has exactly the model's tensors and shapes."""
     expected = model.state_dict()
     if model.config.tie_embeddings:
         # Tied checkpoints may or may not store the head; when stored it must be the embedding.
@@ -110,31 +142,3 @@ def _check_and_fill(state: dict[str, torch.Tensor], model: LanguageModel, where:
 def _names(keys: list[str], limit: int = 6) -> str:
     shown = ", ".join(keys[:limit])
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
-
-
-def load_model(path, *, dtype=None, device="cpu") -> LoadedModel:
-    """Load a model directory of any supported format into a LanguageModel.
-
-    Args:
-        path: directory with config.json and weights (safetensors, sharded safetensors, or .bin).
-        dtype: parameter dtype ("fp32", "bf16", a torch dtype); None keeps the checkpoint's.
-        device: where the parameters go.
-    Returns:
-        LoadedModel(model in eval mode, tokenizer or None, source_format, path).
-    Raises:
-        ModelLoadError with a sentence saying what to fix.
-    """
-    path = Path(path)
-    cfg, fmt, rename = parse_config(_read_config(path))
-    source, _ = _read_weights(path)
-    state = _map_state(source, rename)
-    dtype = resolve_dtype(dtype)
-    if dtype is None:
-        floats = [t.dtype for t in state.values() if t.is_floating_point()]
-        dtype = floats[0] if floats else torch.float32
-    check_fits(cfg, device, dtype)
-    model = empty_model(cfg, device=device, dtype=dtype)
-    state = _check_and_fill(state, model, path)
-    model.load_state_dict(state, strict=True)
-    model.eval()
-    return LoadedModel(model=model, tokenizer=load_tokenizer(path), source_format=fmt, path=path)
