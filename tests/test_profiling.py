@@ -76,6 +76,22 @@ def test_time_call_cuda_graph_and_fallback():
     assert again.mode == "cuda_graph"
 
 
+@pytest.mark.requires_cuda
+def test_time_call_cuda_setup_runs_outside_the_graph():
+    x = torch.zeros(1, device="cuda")
+    calls = []
+
+    def setup():
+        calls.append(1)
+        x.zero_()
+
+    t = time_call(lambda: x.add_(1), warmup=1, repeats=4, device="cuda", cuda_graph=True, setup=setup)
+    torch.cuda.synchronize()
+    assert t.mode == "cuda_graph" and len(t.samples) == 4
+    assert x.item() == 1  # each replay adds one to what the setup before it reset
+    assert len(calls) == 1 + 2 + 1 + 4  # eager warm-up, capture (before its eager call and its replay), graph warm-up, timed
+
+
 # -- fits ----------------------------------------------------------------------------------------
 def test_linear_fit_recovers_exact_coefficients():
     times = [0.25 * n + 3.0 for n in SIZES]

@@ -1,7 +1,7 @@
 """Runtime profiling of target and drafter calls against input size, cost-model fits, profile.json.
 
 `measure.run_profile` times the calls (what and how: its docstring), `timing` is the harness
-(shared with the benchmarks), `fits` the cost models and break-even ratios, `schema` profile.json
+(`time_call`, for benchmarks too), `fits` the cost models and break-even ratios, `schema` profile.json
 (its fields, reading, writing, matching a model), `plot` the PNG, `settings` the defaults.
 """
 from __future__ import annotations
