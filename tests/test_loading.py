@@ -118,7 +118,7 @@ def test_interrupted_save_leaves_nothing(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loading, "_write_safetensors", boom)
+    monkeypatch.setattr(loading.save, "write_safetensors", boom)
     with pytest.raises(KeyboardInterrupt):
         save_model(tiny_model(), tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
@@ -258,3 +258,38 @@ def test_a_model_that_does_not_fit_the_gpu_is_refused_before_allocation(monkeypa
         check_fits(preset_config("hybrid-8b"), "cuda", torch.bfloat16)
     check_fits(preset_config("mamba2-130m"), "cuda", torch.bfloat16)  # 0.3 GiB: fits
     check_fits(preset_config("hybrid-8b"), "cpu", torch.float32)  # host memory is not checked
+
+
+# -- the package's shape --------------------------------------------------------------------------
+PUBLIC_BEFORE_THE_SPLIT = (
+    "LoadedModel", "NATIVE_FORMAT_VERSION", "NATIVE_MODEL_TYPE", "Renamer", "TOKENIZER_FILES", "WEIGHT_FILES",
+    "check_fits", "check_same_vocab", "config_from_dict", "detect_format", "effective_config_dict", "empty_model",
+    "load_model", "mamba2_compatible", "model_fingerprint", "resolve_dtype", "save_model", "vocab_fingerprint",
+)
+
+
+def test_public_names_of_the_single_module_still_import():
+    import ssmspec.models.loading as loading
+
+    assert all(hasattr(loading, name) for name in PUBLIC_BEFORE_THE_SPLIT)
+    assert set(PUBLIC_BEFORE_THE_SPLIT) <= set(loading.__all__)
+
+
+def private_imports(package: str) -> list[str]:
+    """`from X import _name` statements anywhere in a package's modules (X one of our modules)."""
+    import ast
+    import importlib
+    from pathlib import Path
+
+    root = Path(importlib.import_module(package).__file__).parent
+    found = []
+    for file in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text())):
+            ours = isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").startswith("ssmspec"))
+            if ours:
+                found += [f"{file.name}: {a.name}" for a in node.names if a.name.startswith("_") and a.name != "__future__"]
+    return found
+
+
+def test_loading_modules_import_no_private_names():
+    assert private_imports("ssmspec.models.loading") == []

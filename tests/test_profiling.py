@@ -13,8 +13,9 @@ from helpers import tiny_model
 from ssmspec import profiling
 from ssmspec.errors import InputError, ProfileMismatchError
 from ssmspec.profiling import (
-    Fit, ProfileSettings, balanced_tree, check_profile_matches, compute_break_even, compute_fits,
-    fit_cost_model, load_profile, r_squared, run_profile, save_profile, time_call,
+    Fit, ProfileSettings, Timing, balanced_tree, check_profile_matches, compute_break_even, compute_fits,
+    default_cpu_threads, fit_cost_model, fit_warnings, load_profile, r_squared, run_profile, samples_disagree,
+    save_profile, time_call,
 )
 
 SIZES = [1, 2, 4, 8, 16, 32, 64]
@@ -44,6 +45,19 @@ def test_time_call_measures_sleep():
     assert 3.9 <= t.median < 50
 
 
+def test_time_call_setup_runs_before_each_call_untimed():
+    import time
+
+    order = []
+    t = time_call(lambda: order.append("call"), warmup=1, repeats=3,
+                  setup=lambda: (order.append("setup"), time.sleep(0.01)))
+    assert order == ["setup", "call"] * 4
+    assert t.max < 5  # the 10 ms of setup are outside the timed window
+    from ssmspec.profiling.timing import time_call as harness  # where benchmarks import it from
+
+    assert harness is time_call
+
+
 def test_time_call_rejects_zero_repeats():
     with pytest.raises(InputError):
         time_call(lambda: None, repeats=0)
@@ -60,6 +74,22 @@ def test_time_call_cuda_graph_and_fallback():
     # the failed capture must leave CUDA usable: a captured call still works afterwards
     again = time_call(lambda: torch.mm(x, x, out=out), warmup=1, repeats=3, device="cuda", cuda_graph=True)
     assert again.mode == "cuda_graph"
+
+
+@pytest.mark.requires_cuda
+def test_time_call_cuda_setup_runs_outside_the_graph():
+    x = torch.zeros(1, device="cuda")
+    calls = []
+
+    def setup():
+        calls.append(1)
+        x.zero_()
+
+    t = time_call(lambda: x.add_(1), warmup=1, repeats=4, device="cuda", cuda_graph=True, setup=setup)
+    torch.cuda.synchronize()
+    assert t.mode == "cuda_graph" and len(t.samples) == 4
+    assert x.item() == 1  # each replay adds one to what the setup before it reset
+    assert len(calls) == 1 + 2 + 1 + 4  # eager warm-up, capture (before its eager call and its replay), graph warm-up, timed
 
 
 # -- fits ----------------------------------------------------------------------------------------
@@ -173,15 +203,122 @@ def test_break_even_table_uses_chain_at_reference_n():
 
 
 def test_break_even_refuses_non_positive_fitted_times():
-    # A quadratic through noisy points can dip below zero; such ratios are reported as None.
+    # A profile written before fits were held non-negative can hold a quadratic that dips below
+    # zero; its ratios there are reported as None.
     sizes = [2, 4, 8]
-    times = [2.0, -0.5, 9.0]  # the fitted quadratic is negative around N = 3..5
-    fits = compute_fits(_timings(sizes, times), "hybrid")
-    be = compute_break_even(fits, _timings(sizes, times), reference_n=5)
+    dipping = Fit("quadratic", {"a": 0.5, "b": -4.0, "c": 7.0}, 0.5, [0.0, 0.0, 0.0])  # < 0 for N in (2.59, 5.41)
+    fits = {"stree": {"primary": "quadratic", "sizes": sizes, "quadratic": dipping.to_dict(),
+                      "linear": Fit("linear", {"k": 1.0, "C": 0.0}, 0.5, [0.0] * 3).to_dict()}}
+    be = compute_break_even(fits, _timings(sizes, [2.0, 1.0, 9.0]), reference_n=2)
     by_n = {r["n"]: r["ratio"] for r in be["table"]["stree"]}
-    fit = Fit.from_dict("quadratic", fits["stree"]["quadratic"])
-    assert all((by_n[n] is None) == (float(fit(n)) <= 0 or float(fit(5)) <= 0) for n in by_n)
-    assert any(v is None for v in by_n.values())
+    assert by_n[3] is None and by_n[5] is None
+    assert by_n[8] == pytest.approx(dipping(8) / dipping(2))
+
+
+# Medians like those of a CPU run on a busy machine: bimodal, no trend in N.
+SCATTERED = ([2, 4, 8, 16, 32, 64], [12.0, 500.0, 13.0, 480.0, 15.0, 14.0])
+
+
+@pytest.mark.parametrize("sizes, times", [([2, 4, 8], [2.0, -0.5, 9.0]), SCATTERED,
+                                          ([2, 4, 8, 16], [9.0, 7.0, 5.0, 3.0])])
+@pytest.mark.parametrize("kind", ["linear", "quadratic"])
+def test_fits_never_predict_negative_or_falling_times(sizes, times, kind):
+    f = fit_cost_model(sizes, times, kind)
+    assert all(v >= 0 for v in f.coef.values()), f.coef
+    pred = f(np.arange(1, 257))
+    assert (pred >= 0).all() and (np.diff(pred) >= -1e-9).all()
+    # the residuals and R^2 are those of the constrained fit
+    assert f.residuals == pytest.approx(list(np.asarray(times) - f(np.asarray(sizes, float))))
+
+
+def test_unconstrained_fits_of_the_same_data_do_go_wrong():
+    # What the non-negative fit prevents: plain least squares on these medians.
+    assert np.polyval(np.polyfit([2, 4, 8], [2.0, -0.5, 9.0], 2), 4) < 0
+    assert np.polyfit([2, 4, 8, 16], [9.0, 7.0, 5.0, 3.0], 1)[0] < 0  # a cost falling with N
+    lin = np.polyfit(*SCATTERED, 1)
+    assert np.polyval(lin, 256) < 0
+
+
+def test_nonnegative_lstsq_is_the_constrained_optimum():
+    # KKT conditions of min |Dx - t|^2 s.t. x >= 0: x >= 0, gradient >= 0, gradient = 0 where x > 0.
+    from ssmspec.profiling.fits import nonnegative_lstsq
+
+    rng = np.random.default_rng(7)
+    for trial in range(200):
+        n = rng.choice([1, 2, 3, 5, 8, 13, 21, 34], size=rng.integers(3, 8)).astype(float)
+        design = np.stack([n**2, n, np.ones_like(n)], axis=1)[:, rng.integers(0, 2):]
+        t = rng.normal(0, 10, n.shape) + rng.normal(0, 1) * n
+        x = nonnegative_lstsq(design, t)
+        grad = design.T @ (design @ x - t)
+        scale = 1e-7 * max(1.0, float(np.abs(design.T @ t).max()))
+        assert (x >= 0).all()
+        assert (grad >= -scale).all(), (trial, x, grad)
+        assert (np.abs(grad[x > 1e-12]) <= scale).all(), (trial, x, grad)
+
+
+# -- warnings --------------------------------------------------------------------------------------
+def test_samples_disagree():
+    assert not samples_disagree([5.0, 5.2, 5.1, 5.05])
+    assert samples_disagree([5.0, 11.0, 5.1])  # max/min > 2
+    assert samples_disagree([1.0, 1.0, 1.4, 1.9, 1.95, 1.98])  # max/min < 2 but IQR/median > 0.5
+    assert Timing([5.0, 11.0]).disagrees and not Timing([5.0, 5.5]).disagrees
+
+
+def test_fit_warnings_flag_scattered_medians_but_not_flat_ones():
+    sizes, times = SCATTERED
+    (w,) = fit_warnings(compute_fits(_timings(sizes, times), "ssm"), _timings(sizes, times))
+    assert "stree" in w and "R^2" in w
+    # medians within 1% of each other: R^2 is low, but the fit is as good as the data
+    rng = np.random.default_rng(0)
+    flat = list(5.0 * (1 + rng.uniform(-0.01, 0.01, len(sizes))))
+    fits = compute_fits(_timings(sizes, flat), "ssm")
+    assert fits["stree"]["linear"]["r2"] < 0.9
+    assert fit_warnings(fits, _timings(sizes, flat)) == []
+    exact = [0.1 * n + 2 for n in sizes]
+    assert fit_warnings(compute_fits(_timings(sizes, exact), "hybrid"), _timings(sizes, exact)) == []
+
+
+def test_run_profile_warns_when_repeated_timings_disagree(monkeypatch, caplog):
+    import ssmspec.profiling.measure as measure
+
+    def erratic(fn, **kwargs):  # the harness on a busy machine: one call in two is 10x slower
+        return Timing([1.0, 10.0, 1.1])
+
+    monkeypatch.setattr(measure, "time_call", erratic)
+    s = ProfileSettings(sizes=(1, 2, 4), methods=("stree",), repeats=3, warmup=0, prompt_len=4, configs=())
+    with caplog.at_level("WARNING", logger="ssmspec.profiling"):
+        prof = run_profile(tiny_model(layers=("mamba",)), settings=s)
+    profiling.validate_profile(prof)
+    (w,) = prof["warnings"]
+    assert "disagree" in w and "stree N=2" in w and "10x" in w
+    assert [r.getMessage() for r in caplog.records if r.name == "ssmspec.profiling"] == [w]
+
+
+# -- CPU threads -----------------------------------------------------------------------------------
+def test_default_cpu_threads_is_one_unless_the_user_set_omp(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert default_cpu_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_cpu_threads() == 3
+    for junk in ("", "0", "two"):
+        monkeypatch.setenv("OMP_NUM_THREADS", junk)
+        assert default_cpu_threads() == 1
+
+
+def test_run_profile_uses_and_reports_its_thread_count_and_restores_it(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    seen = []
+    s = ProfileSettings(sizes=(1, 2), methods=("chain",), repeats=1, warmup=0, prompt_len=4, configs=())
+    prof = run_profile(tiny_model(layers=("mamba",)), settings=s,
+                       progress=lambda *_: seen.append(torch.get_num_threads()))
+    assert prof["settings"]["threads"] == 1 and set(seen) == {1} and "1 threads" in prof["device"]["name"]
+    assert torch.get_num_threads() == before
+    s.threads = 2
+    prof = run_profile(tiny_model(layers=("mamba",)), settings=s)
+    assert prof["settings"]["threads"] == 2 and torch.get_num_threads() == before
+    with pytest.raises(InputError, match="threads"):
+        ProfileSettings(threads=0).validate()
 
 
 # -- trees ---------------------------------------------------------------------------------------
@@ -214,6 +351,10 @@ def test_run_profile_records_everything(hybrid_profile):
     model, prof, seen = hybrid_profile
     profiling.validate_profile(prof)
     assert prof["device"]["type"] == "cpu" and prof["dtype"] == "fp32"
+    # graphs were asked for (the default) but a CPU run has none, and says so
+    assert _SMALL.cuda_graphs and prof["settings"]["cuda_graphs"] is False
+    assert all(r["mode"] == "eager" for rows in prof["timings"].values() for r in rows)
+    assert prof["settings"]["threads"] >= 1 and isinstance(prof["warnings"], list)
     assert prof["target"]["architecture"] == "hybrid"
     assert prof["target"]["config"]["layer_counts"] == {"mamba": 2, "attention": 1, "mlp": 1}
     assert set(prof["timings"]) == {"stree", "unrolled", "chain"}
@@ -428,3 +569,9 @@ def test_cli_defaults_equal_the_settings_dataclass():
     assert profiling.parse_methods(defaults["methods"]) == d.methods
     for name in ("batch", "repeats", "warmup", "prompt_len", "fanout", "reference_n", "cuda_graphs", "seed"):
         assert defaults[name] == getattr(d, name), name
+
+
+def test_profiling_modules_import_no_private_names():
+    from tests.test_loading import private_imports
+
+    assert private_imports("ssmspec.profiling") == []

@@ -1,0 +1,56 @@
+"""Which format a config.json is, and its mapping onto one ModelConfig and our tensor names."""
+from __future__ import annotations
+
+from ...errors import ModelLoadError
+from ..config import ModelConfig
+from ..mlp import ACTIVATIONS
+from .common import Renamer
+from .hf_hybrid import config_bamba, config_nemotron_h
+from .hf_mamba2 import config_mamba2
+from .mamba_ssm import config_mamba_ssm
+from .native import NATIVE_MODEL_TYPE, config_native
+
+
+def detect_format(cfg: dict) -> str:
+    """mamba2, nemotron_h, bamba, mamba_ssm or ssmspec, from a parsed config.json."""
+    model_type = cfg.get("model_type")
+    if model_type in ("mamba2", "nemotron_h", "bamba", NATIVE_MODEL_TYPE):
+        return model_type
+    if model_type is None and {"d_model", "n_layer"} <= cfg.keys():
+        return "mamba_ssm"
+    known = "mamba2 (Mamba2ForCausalLM), nemotron_h, bamba, mamba_ssm MambaLMHeadModel, ssmspec"
+    if model_type is None:
+        raise ModelLoadError(f"config.json has no model_type and is not a mamba_ssm config; ssmspec reads {known}")
+    raise ModelLoadError(f"model_type {model_type!r} is not supported; ssmspec reads {known}")
+
+
+# model_type -> the function mapping that format's config.json onto ours.
+FORMATS = {
+    "mamba2": config_mamba2,
+    "nemotron_h": config_nemotron_h,
+    "bamba": config_bamba,
+    "mamba_ssm": config_mamba_ssm,
+    NATIVE_MODEL_TYPE: config_native,
+}
+
+
+def parse_config(cfg: dict) -> tuple[ModelConfig, str, Renamer]:
+    """Our ModelConfig, the format name and the tensor renamer for a parsed config.json."""
+    fmt = detect_format(cfg)
+    try:
+        model_cfg, rename = FORMATS[fmt](cfg)
+    except ModelLoadError:
+        raise
+    except (TypeError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"{fmt} config.json cannot be mapped onto an ssmspec model: {e!r}") from e
+    if "mlp" in model_cfg.layers and model_cfg.mlp.activation not in ACTIVATIONS:
+        raise ModelLoadError(
+            f"{fmt} config uses MLP activation {model_cfg.mlp.activation!r}; ssmspec implements {', '.join(sorted(ACTIVATIONS))}"
+        )
+    return model_cfg, fmt, rename
+
+
+def config_from_dict(cfg: dict) -> tuple[ModelConfig, str]:
+    """Our ModelConfig and the format name for a parsed config.json of any supported format."""
+    model_cfg, fmt, _ = parse_config(cfg)
+    return model_cfg, fmt

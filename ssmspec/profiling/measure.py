@@ -1,0 +1,387 @@
+"""run_profile: time target (and drafter) calls against input size and assemble profile.json's dict.
+
+What is measured (`run_profile`)
+--------------------------------
+For each input size N (packed tokens of one target call) and method:
+
+- ``stree``: one ``verify`` on a packed tree of N nodes, then ``replay`` of a root-to-leaf path
+  of the tree's full depth (every drafted level accepted: the most replay work a step can do).
+  The tree is the near-balanced BFS fan-out tree `balanced_tree(N, fanout)`: node i's parent
+  is (i - 1) // fanout, so with the default fan-out 2 it is the complete binary tree with N
+  nodes (15 / 31 / 63 nodes = the full binary trees of the STree paper's figure 3).
+- ``unrolled``: the same tree unrolled into its root-to-leaf paths, one batch row per leaf,
+  each row a chain ``verify`` of depth + 1 tokens (shorter paths padded to the longest, as a
+  batched implementation must) followed by a ``replay`` of every row's own path.
+- ``chain``: a chain of N nodes (``Tree.chain(N - 1)``), verified and replayed in full.
+
+Size 1 is the autoregressive step (``model.step`` on one token per row) for every method.
+The caches are prefilled with a random prompt (default 128 tokens). Before each timed call
+only the cache's per-row length is reset: that keeps attention writing into the same slots and
+the SSM state's shape fixed, so calls do not accumulate, without timing a full cache copy that
+decoding never pays. (The SSM state's values drift from call to call; the cost does not depend
+on them.) On CUDA the call is captured into a CUDA graph when it allows it (no host syncs);
+otherwise, or when capture fails, it runs eagerly; each record says which mode was used.
+
+Drafter: one ``step`` at each batch width that a tree configuration needs (its
+``Tree.level_widths()`` except the last level, which is never fed to the drafter), on a cache
+branched with ``ModelCache.select``, and the total drafting time of each configuration
+(``ModelDrafter.draft`` when available, greedy; else a step loop with ``select``).
+
+On the CPU the calls run on `ProfileSettings.threads` threads (default 1, or OMP_NUM_THREADS when
+set: see `timing.default_cpu_threads`), and the count used is recorded. Measurements whose repeated
+timings disagree, and primary fits that do not explain the medians, are reported as warnings:
+logged on the ``ssmspec.profiling`` logger and listed under the profile's ``warnings``.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import platform
+import time
+
+import torch
+
+from ..errors import InputError
+from .fits import Fit, compute_break_even, compute_fits, fit_warnings
+from .schema import SCHEMA_NAME, SCHEMA_VERSION, architecture_of, config_summary, dtype_name, model_fingerprint
+from .settings import ProfileSettings, ProgressFn
+from .timing import cpu_threads, default_cpu_threads, samples_disagree, time_call
+
+log = logging.getLogger("ssmspec.profiling")
+
+
+@torch.inference_mode()
+def run_profile(
+    target,
+    *,
+    settings: ProfileSettings | None = None,
+    drafter=None,
+    source: str = "",
+    drafter_source: str = "",
+    progress: ProgressFn | None = None,
+) -> dict:
+    """Measure `target` (and `drafter`) as described in the module docstring; return profile.json's dict.
+
+    Args:
+        target: a LanguageModel on its device and dtype, in eval mode.
+        settings: what to measure; defaults to ProfileSettings().
+        drafter: an optional LanguageModel sharing the target's vocabulary.
+        source, drafter_source: where the models came from (a directory or preset name).
+        progress: progress(label, done, total) callback.
+    Returns:
+        profile.json's dict (see `ssmspec.profiling.schema`); its ``warnings`` are also logged on
+        the ``ssmspec.profiling`` logger.
+    """
+    s = settings or ProfileSettings()
+    s.validate()
+    started = time.perf_counter()
+    device = target.device
+    from ..models.fold import fold_for_kernels
+
+    fold_for_kernels(target, drafter)  # time the path that generate runs (see decoding/generate.py)
+    if drafter is not None and drafter.config.vocab_size != target.config.vocab_size:
+        raise InputError(
+            f"drafter vocabulary ({drafter.config.vocab_size}) differs from the target's "
+            f"({target.config.vocab_size}); profile a drafter made for this target"
+        )
+    threads = (s.threads or default_cpu_threads()) if device.type == "cpu" else None
+    with cpu_threads(threads):
+        threads_used = torch.get_num_threads()
+        device_info = _device_info(device)
+        timings, drafter_timings = _measure(target, drafter, s, device, progress)
+    arch = architecture_of(target)
+    fits = compute_fits(timings, arch)
+    warnings = timing_warnings(timings, drafter_timings) + fit_warnings(fits, timings)
+    for w in warnings:
+        log.warning(w)
+    return {
+        "schema": SCHEMA_NAME,
+        "version": SCHEMA_VERSION,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_info,
+        "dtype": dtype_name(target.dtype),
+        "target": _describe(target, source),
+        "drafter": None if drafter is None else _describe(drafter, drafter_source),
+        "settings": {"sizes": list(s.sizes), "methods": list(s.methods), "batch": s.batch,
+                     "prompt_len": s.prompt_len, "warmup": s.warmup, "repeats": s.repeats,
+                     "fanout": s.fanout, "cuda_graphs": s.cuda_graphs and device.type == "cuda",
+                     "threads": threads_used, "reference_n": s.reference_n,
+                     "configs": [list(c) for c in s.configs], "backend": _backend_report(device)},
+        "timings": timings,
+        "fits": fits,
+        "break_even": compute_break_even(fits, timings, s.reference_n),
+        "drafter_timings": drafter_timings,
+        "warnings": warnings,
+        "elapsed_s": time.perf_counter() - started,
+    }
+
+
+def _measure(target, drafter, s: ProfileSettings, device, progress: ProgressFn | None):
+    """The target's timings per method, and the drafter's (None without a drafter)."""
+    total = count_items(s, drafter is not None)
+    done = [0]
+    timings = _measure_target(target, s, device, progress, total, done)
+    drafter_timings = None
+    if drafter is not None:
+        target_step_ms = next((r["median"] for m in s.methods for r in timings[m] if r["size"] == 1), None)
+        if target_step_ms is None:  # size 1 not asked for: time the AR step now, it anchors lambda_gamma
+            timer = _Timer(target, s, device, s.prompt_len + 8)
+            target_step_ms = time_call(timer.step_fn(), warmup=s.warmup, repeats=s.repeats, device=device,
+                                       cuda_graph=s.cuda_graphs and device.type == "cuda").median
+        # predicted verify times of the drafter's trees come from the target's stree fit
+        fits = compute_fits(timings, architecture_of(target))
+        m0 = "stree" if "stree" in fits else next(iter(fits))
+        fit_for = Fit.from_dict(fits[m0]["primary"], fits[m0][fits[m0]["primary"]])
+        drafter_timings = _measure_drafter(drafter, target_step_ms, s, device, fit_for, progress, total, done)
+    if progress:
+        progress("done", total, total)
+    return timings, drafter_timings
+
+
+def _describe(model, source: str) -> dict:
+    """profile.json's description of a model: its fingerprint, where it came from, its shape."""
+    return {"fingerprint": model_fingerprint(model), "source": source, "architecture": architecture_of(model),
+            "config": config_summary(model)}
+
+
+def count_items(settings: ProfileSettings, with_drafter: bool) -> int:
+    """How many timed items `run_profile` reports progress over."""
+    from ssmspec.trees import Tree
+
+    n = len(settings.sizes) * len(settings.methods)
+    if with_drafter:
+        trees = [Tree.from_config(c) for c in settings.configs]
+        widths = {w for t in trees for w in t.level_widths()[:-1]} | {1}
+        n += len(widths) + len(trees)
+    return n
+
+
+def timing_warnings(timings: dict, drafter_timings: dict | None) -> list[str]:
+    """One sentence naming every measurement whose repeated timings disagree (see `samples_disagree`)."""
+    noisy = []
+    for method, rows in timings.items():
+        noisy += [(f"{method} N={r['size']}", r) for r in rows]
+    if drafter_timings is not None:
+        noisy += [(f"drafter step width {r['width']}", r) for r in drafter_timings["steps"]]
+        noisy += [(f"drafting {','.join(map(str, c['config']))}", c["draft"]) for c in drafter_timings["configs"]]
+    noisy = [(label, r) for label, r in noisy if samples_disagree(r["samples"])]
+    if not noisy:
+        return []
+    worst = max(r["max"] / r["min"] if r["min"] > 0 else float("inf") for _, r in noisy)
+    names = ", ".join(label for label, _ in noisy[:6]) + (f" and {len(noisy) - 6} more" if len(noisy) > 6 else "")
+    return [
+        f"repeated timings disagree for {names} (max/min up to {worst:.3g}x): the machine is busy or the calls "
+        "are too short to time; close other work, keep OMP_NUM_THREADS=1 on a shared CPU, or raise --repeats"
+    ]
+
+
+def balanced_tree(n: int, fanout: int = 2):
+    """The near-balanced tree of n nodes in BFS order: parent(i) = (i - 1) // fanout."""
+    from ssmspec.trees import Tree
+
+    return Tree.from_parents([-1] + [(i - 1) // fanout for i in range(1, n)])
+
+
+def _root_to_leaf_paths(tree) -> list[list[int]]:
+    return [tree.path(leaf) for leaf in tree.leaves()]
+
+
+class _Timer:
+    """Closures over one model and its prefilled cache that `time_call` can repeat."""
+
+    def __init__(self, model, settings: ProfileSettings, device: torch.device, max_len: int):
+        self.model, self.s, self.device = model, settings, device
+        gen = torch.Generator(device="cpu").manual_seed(settings.seed)
+        vocab = model.config.vocab_size
+        self.prompt = torch.randint(0, vocab, (settings.batch, settings.prompt_len), generator=gen).to(device)
+        self.base = model.new_cache(settings.batch, max_len)
+        model(self.prompt, self.base, last_only=True)
+        self.vocab = vocab
+        self.gen = gen
+
+    def tokens(self, rows: int, n: int) -> torch.Tensor:
+        return torch.randint(0, self.vocab, (rows, n), generator=self.gen).to(self.device)
+
+    def cache_rows(self, per_row: int):
+        """The prefilled cache with each of its B rows repeated per_row times (row-major)."""
+        rows = torch.arange(self.s.batch, device=self.device).repeat_interleave(per_row)
+        return self.base.select(rows)
+
+    def step_fn(self, model=None, cache=None):
+        model = model or self.model
+        cache = cache if cache is not None else self.base.clone()
+        seqlen0 = cache.seqlen.clone()
+        ids = self.tokens(cache.batch_size, 1)
+
+        def fn():
+            cache.seqlen.copy_(seqlen0)
+            return model.step(ids, cache)
+
+        return fn
+
+    def tree_fn(self, tree, rows_per_seq: int, paths: list[list[int]]):
+        """verify on `tree` for B*rows_per_seq rows, then replay `paths` (one per row in a sequence)."""
+        cache = self.cache_rows(rows_per_seq)
+        rows = cache.batch_size
+        seqlen0 = cache.seqlen.clone()
+        ids = self.tokens(rows, tree.num_nodes)
+        width = max(len(p) for p in paths)
+        path = torch.tensor([p + [0] * (width - len(p)) for p in paths] * self.s.batch, device=self.device)
+        path_len = torch.tensor([len(p) for p in paths] * self.s.batch, device=self.device)
+        tree.parents_tensor(self.device), tree.depth_tensor(self.device), tree.mask_tensor(self.device)
+
+        def fn():
+            cache.seqlen.copy_(seqlen0)
+            _, acts = self.model.verify(ids, tree, cache)
+            self.model.replay(cache, acts, path, path_len)
+
+        return fn
+
+
+def _measure_target(model, settings: ProfileSettings, device, progress: ProgressFn | None, total: int, done: list):
+    s = settings
+    timer = _Timer(model, s, device, s.prompt_len + max(s.sizes) + 8)
+    use_graph = s.cuda_graphs and device.type == "cuda"
+    timings: dict[str, list[dict]] = {m: [] for m in s.methods}
+    step_record = None
+    for n in s.sizes:
+        for method in s.methods:
+            if progress:
+                progress(f"{method} N={n}", done[0], total)
+            if n == 1:  # the AR step is the same call for every method: time it once
+                if step_record is None:
+                    t = time_call(timer.step_fn(), warmup=s.warmup, repeats=s.repeats, device=device, cuda_graph=use_graph)
+                    step_record = {"size": 1, "call": "step", "rows": s.batch, "tokens": s.batch,
+                                   "tree": {"nodes": 1, "depth": 0, "leaves": 1}, **t.to_dict()}
+                timings[method].append(dict(step_record))
+            else:
+                fn, shape = _tree_call(timer, method, n, s.fanout)
+                t = time_call(fn, warmup=s.warmup, repeats=s.repeats, device=device, cuda_graph=use_graph)
+                del fn
+                timings[method].append({"size": n, "call": "verify+replay", **shape, **t.to_dict()})
+            done[0] += 1
+    return timings
+
+
+def _tree_call(timer: _Timer, method: str, n: int, fanout: int):
+    """The repeatable verify+replay call of `method` at size n >= 2, and its record's shape fields."""
+    from ssmspec.trees import Tree
+
+    batch = timer.s.batch
+    if method == "chain":
+        tree = Tree.chain(n - 1)
+        fn = timer.tree_fn(tree, 1, [list(range(n))])
+        return fn, {"rows": batch, "tokens": batch * n,
+                    "tree": {"nodes": tree.num_nodes, "depth": tree.max_depth, "leaves": 1}}
+    tree = balanced_tree(n, fanout)
+    paths = _root_to_leaf_paths(tree)
+    leaves = len(paths)
+    shape = {"nodes": n, "depth": tree.max_depth, "leaves": leaves}
+    if method == "stree":
+        fn = timer.tree_fn(tree, 1, [max(paths, key=len)])  # replay the deepest path: the most work
+        return fn, {"rows": batch, "tokens": batch * n, "tree": shape}
+    depth = tree.max_depth
+    # unrolled: each row is its own chain; replay indexes that chain's nodes 0..len-1
+    fn = timer.tree_fn(Tree.chain(depth), leaves, [list(range(len(p))) for p in paths])
+    return fn, {"rows": batch * leaves, "tokens": batch * leaves * (depth + 1), "tree": shape}
+
+
+def _measure_drafter(drafter, target_step_ms: float, settings: ProfileSettings, device, fit_for,
+                     progress: ProgressFn | None, total: int, done: list) -> dict:
+    from ssmspec.trees import Tree
+
+    s = settings
+    trees = [Tree.from_config(cfg) for cfg in s.configs]
+    widths = sorted({w for t in trees for w in t.level_widths()[:-1]} | {1})
+    max_depth = max(t.max_depth for t in trees)
+    dtimer = _Timer(drafter, s, device, s.prompt_len + max_depth + 8)
+    use_graph = s.cuda_graphs and device.type == "cuda"
+    steps = []
+    for w in widths:
+        if progress:
+            progress(f"drafter step width {w}", done[0], total)
+        cache = dtimer.cache_rows(w)
+        t = time_call(dtimer.step_fn(drafter, cache), warmup=s.warmup, repeats=s.repeats, device=device,
+                      cuda_graph=use_graph)
+        steps.append({"width": w, **t.to_dict()})
+        done[0] += 1
+    step_ms = {d["width"]: d["median"] for d in steps}
+
+    impl, make_draft = _draft_closure(drafter, s, dtimer, device)
+    configs = []
+    for cfg, tree in zip(s.configs, trees):
+        if progress:
+            progress(f"drafting {','.join(map(str, cfg))}", done[0], total)
+        t = time_call(make_draft(tree), warmup=s.warmup, repeats=s.repeats, device=device)
+        gamma = tree.max_depth
+        verify_ms = float(fit_for(tree.num_nodes)) if fit_for is not None else None
+        configs.append({
+            "config": list(cfg), "nodes": tree.num_nodes, "widths": tree.level_widths()[:-1],
+            "steps_ms_sum": sum(step_ms[w] for w in tree.level_widths()[:-1]),
+            "draft": t.to_dict(), "predicted_verify_ms": verify_ms,
+            "predicted_step_ms": None if verify_ms is None else verify_ms + t.median,
+            "extrapolated": tree.num_nodes > max(s.sizes),  # the fit is used past the measured sizes
+            "lambda_gamma": (t.median / gamma) / target_step_ms,
+        })
+        done[0] += 1
+    return {"impl": impl, "target_step_ms": target_step_ms, "steps": steps, "configs": configs,
+            "lambda_gamma": step_ms[1] / target_step_ms}
+
+
+def _draft_closure(drafter, s: ProfileSettings, dtimer: _Timer, device):
+    """The drafting call per tree: the decoder's ModelDrafter (batch 1), else a step loop with select."""
+    from ..decoding.drafters import ModelDrafter
+    from ..decoding.sampling import SamplingParams
+
+    if s.batch == 1:
+        md = ModelDrafter(drafter, sample_children=False)
+        md.start_from(dtimer.base.clone())
+        seqlen0 = md.cache.seqlen.clone()
+        params = SamplingParams()
+        root = int(dtimer.prompt[0, -1])
+
+        def make(tree):
+            def fn():
+                md.cache.seqlen.copy_(seqlen0)  # draft feeds the root: undo that advance
+                md.pending = []
+                return md.draft(root, tree, params, None)
+            return fn
+
+        return "ModelDrafter.draft (greedy)", make
+
+    def make(tree):
+        widths = tree.level_widths()[:-1]
+        cfg = tree.config
+
+        def fn():
+            cache = dtimer.base.clone()
+            logits = drafter.step(dtimer.prompt[:, -1:], cache)[:, -1]
+            for d, w in enumerate(widths[1:]):
+                k = cfg[d]
+                top = torch.topk(logits, k, dim=-1).indices  # (rows, k)
+                rows = torch.arange(logits.shape[0], device=device).repeat_interleave(k)
+                cache = cache.select(rows)
+                logits = drafter.step(top.reshape(-1, 1), cache)[:, -1]
+            return logits
+        return fn
+
+    return "step loop with cache.select (top-k)", make
+
+
+def _device_info(device: torch.device) -> dict:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        cpu = platform.processor() or platform.machine() or "cpu"
+        name = f"CPU ({cpu}, {torch.get_num_threads()} threads)"
+    return {"type": device.type, "name": name, "torch": torch.__version__, "cuda": torch.version.cuda}
+
+
+def _backend_report(device: torch.device) -> dict:
+    from ..ops import dispatch
+
+    out = {"backend": dispatch.get_backend()}
+    for op in sorted(dispatch._REFERENCE):
+        impl = dispatch.resolve(op, device)
+        out[op] = "reference" if impl.__module__.endswith(".naive") else impl.__module__
+    return out

@@ -1,0 +1,110 @@
+"""What `ssmspec profile` measures: ProfileSettings, the one home of its defaults, and the CLI's parsers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..errors import InputError
+
+
+METHODS = ("stree", "unrolled", "chain")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_CONFIGS = ((3, 2, 2, 1), (3, 3, 2, 1), (3, 2, 2, 1, 1), (2, 2, 2, 1, 1, 1))
+"""Tree configurations timed for the drafter by default (the mamba-drafters paper's table 6)."""
+
+ProgressFn = Callable[[str, int, int], None]
+"""progress(label, done, total): called before each timed item and once at the end."""
+
+
+@dataclass
+class ProfileSettings:
+    """What `run_profile` measures and how."""
+
+    sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    """Input sizes N (packed tokens per target call); 1 is the autoregressive step."""
+    methods: tuple[str, ...] = METHODS
+    """Any of stree, unrolled, chain."""
+    batch: int = 1
+    """Independent sequences per call (rows of the cache)."""
+    repeats: int = 10
+    """Timed calls per measurement (the median is reported)."""
+    warmup: int = 3
+    """Untimed calls before each measurement."""
+    prompt_len: int = 128
+    """Tokens prefilled into the cache before timing."""
+    fanout: int = 2
+    """Children per node of the balanced tree used for stree and unrolled."""
+    cuda_graphs: bool = True
+    """Capture each timed call into a CUDA graph when on CUDA and the call allows it."""
+    threads: int | None = None
+    """CPU threads while timing on the CPU; None: `timing.default_cpu_threads()` (1 unless OMP_NUM_THREADS is set)."""
+    reference_n: int = 5
+    """N1 of the break-even ratio t(N2) / t(N1) (5, as in the STree paper)."""
+    configs: tuple[tuple[int, ...], ...] = DEFAULT_CONFIGS
+    """Tree configurations whose drafting time is measured (needs a drafter)."""
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not self.sizes:
+            raise InputError("--sizes needs at least one size, e.g. 1,2,4,8")
+        bad = [n for n in self.sizes if not isinstance(n, int) or n < 1]
+        if bad:
+            raise InputError(f"sizes must be positive integers, got {bad}")
+        if not self.methods:
+            raise InputError(f"--methods needs at least one of {', '.join(METHODS)}")
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise InputError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+        for name in ("batch", "repeats", "prompt_len", "reference_n"):
+            if getattr(self, name) < 1:
+                raise InputError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise InputError(f"warmup must be >= 0, got {self.warmup}")
+        if self.threads is not None and self.threads < 1:
+            raise InputError(f"threads must be >= 1, got {self.threads}")
+        if self.fanout < 1:
+            raise InputError(f"fanout must be >= 1, got {self.fanout}")
+        for cfg in self.configs:
+            if not cfg or any(n < 1 for n in cfg):
+                raise InputError(f"tree configuration {cfg} must be a non-empty list of positive integers")
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """`1,2,4,8` -> (1, 2, 4, 8), sorted and deduplicated; clear errors on anything else."""
+    try:
+        sizes = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise InputError(f"--sizes must be comma-separated positive integers such as 1,2,4,8, got {text!r}") from None
+    if not sizes or any(n < 1 for n in sizes):
+        raise InputError(f"--sizes must be comma-separated positive integers such as 1,2,4,8, got {text!r}")
+    return tuple(sorted(set(sizes)))
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+    """`stree,chain` -> ("stree", "chain"), deduplicated in order; clear errors on unknown methods."""
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if not methods or unknown:
+        raise InputError(f"--methods must list some of {', '.join(METHODS)}, got {text!r}")
+    return tuple(dict.fromkeys(methods))
+
+
+def parse_configs(text: str) -> tuple[tuple[int, ...], ...]:
+    """`3,2,1;4,2,1,1` -> ((3, 2, 1), (4, 2, 1, 1))."""
+    out = []
+    for part in text.split(";"):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            cfg = tuple(int(t) for t in part.split(","))
+        except ValueError:
+            raise InputError(f"--configs must look like 3,2,1;4,2,1,1, got {text!r}") from None
+        if any(n < 1 for n in cfg):
+            raise InputError(f"every level of a tree configuration must be >= 1, got {part!r}")
+        out.append(cfg)
+    if not out:
+        raise InputError(f"--configs must look like 3,2,1;4,2,1,1, got {text!r}")
+    return tuple(out)
