@@ -34,6 +34,8 @@ def resolve_method_and_tree(method: Optional[str], tree: Optional[str], draft_le
     """Turn --method/--tree/--draft-len into a (method, Tree or None) pair, checking they agree."""
     from ssmspec.trees import Tree, parse_tree_spec
 
+    if drafter not in (None, "ngram") and not Path(drafter).is_dir():
+        raise InputError(f"--drafter {drafter} is not a model directory; pass one, or 'ngram' for prompt lookup")
     if tree is not None and draft_len is not None:
         raise InputError("give either --tree or --draft-len, not both")
     if draft_len is not None and draft_len < 1:
@@ -49,7 +51,7 @@ def resolve_method_and_tree(method: Optional[str], tree: Optional[str], draft_le
 
 
 def generate_command(
-    target: Path = typer.Option(..., "--target", help="Target model directory (transformers Mamba2/NemotronH/Bamba, mamba_ssm, or ssmspec)."),
+    target: Path = typer.Option(..., "--target", exists=True, file_okay=False, help="Target model directory (transformers Mamba2/NemotronH/Bamba, mamba_ssm, or ssmspec)."),
     prompt: str = typer.Option(..., "--prompt", help="Prompt text, or - to read it from stdin.", callback=options.non_empty),
     drafter: Optional[str] = typer.Option(None, "--drafter", help="Drafter model directory, or 'ngram' for prompt lookup.",
                                           callback=options.non_empty),
