@@ -3,7 +3,7 @@
 Examples:
     ssmspec distill --target models/target --student-preset drafter-2l --data corpus/ --out drafter \\
         --steps 2000 --seq-len 1024 --batch-size 16 --eval-every 200
-    ssmspec sft --model drafter --data sharegpt.json --format chat --out drafter-chat --lora
+    ssmspec sft --student drafter --data sharegpt.json --format chat --out drafter-chat --lora
 """
 from __future__ import annotations
 
