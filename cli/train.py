@@ -160,6 +160,8 @@ def _run(mode: str, kw: dict, inputs: dict) -> None:
     cfg = build_config(mode, **kw)
     out = Path(cfg.out)
     data_paths = {"--data": Path(p.strip()) for p in cfg.data.spec.split(",") if p.strip()}
+    if outputs.owner_of(out) is None and _run_mode(out) == mode:
+        outputs.mark(out, mode)  # a run written before output markers existed: its run.json says whose it is
     outputs.claim(out, mode, inputs={**inputs, **data_paths}, overwrite=cfg.overwrite, resume=cfg.resume)
     ui = RichProgress()
     cb = type("CLIProgress", (TrainCallbacks,), {})()
@@ -177,6 +179,18 @@ def _run(mode: str, kw: dict, inputs: dict) -> None:
     finally:
         ui.close()
         outputs.mark(out, mode)
+
+
+def _run_mode(out: Path) -> Optional[str]:
+    """The mode recorded in a training run's run.json in `out`, if there is one."""
+    import json
+
+    from ssmspec.training.loop import RUN_FILE
+
+    try:
+        return json.loads((out / RUN_FILE).read_text())["config"]["mode"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def resume_command() -> str:

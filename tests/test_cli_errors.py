@@ -318,3 +318,15 @@ def test_the_installed_command_behaves(files):
         err = err.decode()
         assert proc.returncode == status, (name, err)
         assert_one_line_error(proc.returncode, err, status=status, mentions=mentions)
+
+
+def test_a_run_from_before_markers_is_recognised_by_its_run_json(files, tmp_path, monkeypatch, capsys):
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "run.json").write_text('{"config": {"mode": "distill"}}')
+    base = ["--data", files / "data.txt", "--out", old]
+    code, _, err = run_cli(["distill", "--target", files / "target", "--student-preset", "tiny", *base], monkeypatch, capsys)
+    assert_one_line_error(code, err, mentions="--overwrite")
+    code, _, err = run_cli(["sft", "--student-preset", "tiny", *base, "--overwrite"], monkeypatch, capsys)
+    assert_one_line_error(code, err, mentions="ssmspec distill")
+    assert (old / "run.json").exists()
