@@ -12,13 +12,11 @@ from ssmspec.benchmark.config import BenchConfig
 from ssmspec.errors import InputError
 
 from . import options
-from .app import app
 
 _DEFAULTS = {f.name: f.default for f in fields(BenchConfig)}
 DEFAULT_OUT = Path("bench-results")
 
 
-@app.command("bench")
 def bench_command(
     target: Path = typer.Option(..., "--target", help="Target model directory."),
     drafter: Optional[str] = typer.Option(None, "--drafter", help="Drafter model directory, or 'ngram' for prompt lookup."),

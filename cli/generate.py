@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import fields
 from pathlib import Path
 from typing import List, Optional
@@ -13,21 +14,28 @@ from ssmspec.decoding.generate import GenerationConfig
 from ssmspec.errors import InputError
 
 from . import options
-from .app import app
 
 _DEFAULTS = {f.name: f.default for f in fields(GenerationConfig)}
 
 
 def read_prompt(prompt: str) -> str:
-    if prompt == "-":
-        return sys.stdin.read()
-    return prompt
+    """The prompt text: the --prompt value, or stdin for `-`."""
+    if prompt != "-":
+        return prompt
+    raw = getattr(sys.stdin, "buffer", None)  # bytes, decoded strictly whatever the locale's error handler
+    try:
+        return raw.read().decode("utf-8") if raw is not None else sys.stdin.read()
+    except UnicodeDecodeError as e:
+        raise InputError(f"--prompt -: stdin is not UTF-8 text (bad byte at offset {e.start}); convert it first, "
+                         "e.g. with iconv") from None
 
 
 def resolve_method_and_tree(method: Optional[str], tree: Optional[str], draft_len: Optional[int], drafter: Optional[str]):
     """Turn --method/--tree/--draft-len into a (method, Tree or None) pair, checking they agree."""
     from ssmspec.trees import Tree, parse_tree_spec
 
+    if drafter not in (None, "ngram") and not Path(drafter).is_dir():
+        raise InputError(f"--drafter {drafter} is not a model directory; pass one, or 'ngram' for prompt lookup")
     if tree is not None and draft_len is not None:
         raise InputError("give either --tree or --draft-len, not both")
     if draft_len is not None and draft_len < 1:
@@ -42,28 +50,32 @@ def resolve_method_and_tree(method: Optional[str], tree: Optional[str], draft_le
     return method, shape
 
 
-@app.command("generate")
 def generate_command(
-    target: Path = typer.Option(..., "--target", help="Target model directory (transformers Mamba2/NemotronH/Bamba, mamba_ssm, or ssmspec)."),
-    prompt: str = typer.Option(..., "--prompt", help="Prompt text, or - to read it from stdin."),
-    drafter: Optional[str] = typer.Option(None, "--drafter", help="Drafter model directory, or 'ngram' for prompt lookup."),
-    method: Optional[str] = typer.Option(None, "--method", help="ar, chain or stree (default: stree with a drafter, else ar)."),
+    target: Path = typer.Option(..., "--target", exists=True, file_okay=False, help="Target model directory (transformers Mamba2/NemotronH/Bamba, mamba_ssm, or ssmspec)."),
+    prompt: str = typer.Option(..., "--prompt", help="Prompt text, or - to read it from stdin.", callback=options.non_empty),
+    drafter: Optional[str] = typer.Option(None, "--drafter", help="Drafter model directory, or 'ngram' for prompt lookup.",
+                                          callback=options.non_empty),
+    method: Optional[str] = options.choice(None, "--method", choices=("ar", "chain", "stree"),
+                                           help="Decoding method (default: stree with a drafter, else ar)."),
     tree: Optional[str] = typer.Option(None, "--tree", help="Tree configuration such as 3,2,2,1, 'parents:-1,0,0', or a tree.json."),
-    draft_len: Optional[int] = typer.Option(None, "--draft-len", help="Short form of --tree 1,1,...,1 (a chain of N drafted tokens)."),
-    max_new_tokens: int = typer.Option(_DEFAULTS["max_new_tokens"], "--max-new-tokens", help="Stop after this many new tokens."),
-    temperature: float = typer.Option(_DEFAULTS["temperature"], "--temperature", help="0 = greedy; > 0 samples, losslessly."),
-    top_p: float = typer.Option(_DEFAULTS["top_p"], "--top-p", help="Nucleus sampling mass (1 = off)."),
-    top_k: int = typer.Option(_DEFAULTS["top_k"], "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    draft_len: Optional[int] = options.count(None, "--draft-len", min=1, help="Short form of --tree 1,1,...,1 (a chain of N drafted tokens)."),
+    max_new_tokens: int = options.count(_DEFAULTS["max_new_tokens"], "--max-new-tokens", min=1, max=options.MAX_NEW_TOKENS,
+                                        help="Stop after this many new tokens."),
+    temperature: float = options.real(_DEFAULTS["temperature"], "--temperature", help="0 = greedy; > 0 samples, losslessly."),
+    top_p: float = options.real(_DEFAULTS["top_p"], "--top-p", max=1.0, above=True, help="Nucleus sampling mass (1 = off)."),
+    top_k: int = options.count(_DEFAULTS["top_k"], "--top-k", help="Keep the k most likely tokens (0 = off)."),
     seed: Optional[int] = options.SEED,
-    stop: Optional[List[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
-    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the tokenizer's chat template."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token_ids, stats) instead of streaming."),
-    graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="Replay the target's calls as CUDA graphs (default: on for greedy decoding on a GPU)."),
+    stop: Optional[List[str]] = typer.Option(None, "--stop", help="Stop string (repeatable).", callback=options.non_empty),
+    chat: bool = options.flag(False, "--chat", help="Wrap the prompt in the tokenizer's chat template."),
+    as_json: bool = options.flag(False, "--json", help="Print one JSON object (text, token_ids, stats) instead of streaming."),
+    graphs: Optional[bool] = options.flag(None, "--cuda-graphs/--no-cuda-graphs", help="Replay the target's calls as CUDA graphs (default: on for greedy decoding on a GPU)."),
     dtype: Optional[str] = options.DTYPE,
     device: str = options.DEVICE,
     backend: str = options.BACKEND,
 ) -> None:
     """Generate from a prompt; speculative methods give exactly the target's output.
+
+    Ctrl-C stops the generation: what was produced so far and a summary are printed, and the exit status is 130.
 
     Examples:
         ssmspec generate --target runs/target --prompt "def fib(n):" --drafter runs/drafter --tree 3,2,1
@@ -80,11 +92,20 @@ def generate_command(
     loaded = load_target(target, dtype=dtype, device=device)
     drafter_obj = load_drafter(drafter, loaded) if drafter is not None else None
 
-    def stream(piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    shown: list[str] = []
 
-    result = generate_text(loaded, text, drafter=drafter_obj, config=config, chat=chat, on_text=None if as_json else stream)
+    def stream(piece: str) -> None:
+        shown.append(piece)
+        if not as_json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+    started = time.perf_counter()
+    try:
+        result = generate_text(loaded, text, drafter=drafter_obj, config=config, chat=chat, on_text=stream)
+    except KeyboardInterrupt:
+        report_interrupted(method_name, shape, "".join(shown), time.perf_counter() - started, as_json)
+        raise typer.Exit(130) from None
     if as_json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats}))
         return
@@ -97,3 +118,17 @@ def generate_command(
         f"{s['target_calls']} target calls, {s['mean_accepted']:.2f} tokens per call, stop: {s['finish_reason']}",
         file=sys.stderr,
     )
+
+
+def report_interrupted(method: str, shape, text: str, elapsed: float, as_json: bool) -> None:
+    """After Ctrl-C: the text produced so far (already streamed, or as JSON) and a summary line on stderr."""
+    if as_json:
+        stats = {"method": method, "tree": shape.spec() if shape is not None else None, "elapsed_s": elapsed,
+                 "finish_reason": "interrupted"}
+        print(json.dumps({"text": text, "token_ids": None, "stats": stats}))
+    else:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    tree_part = f", tree {shape.spec()}" if shape is not None else ""
+    print(f"[{method}{tree_part}] interrupted after {elapsed:.2f}s with {len(text)} characters of output, "
+          "stop: interrupted", file=sys.stderr)

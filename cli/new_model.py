@@ -7,19 +7,20 @@ from typing import Optional
 import typer
 
 from ssmspec.errors import InputError
+from ssmspec.models.presets import PRESETS
 
-from .app import app
+from . import options, outputs
 
 
 def _vocab_source(path: Path):
     """(tokenizer, vocab size to use) from a tokenizer or model directory."""
-    from ssmspec.models.loading import TOKENIZER_FILES, _load_tokenizer
+    from ssmspec.models.loading import TOKENIZER_FILES
 
     if not path.is_dir():
         raise InputError(f"--vocab-from {path} is not a directory; pass a tokenizer or model directory")
     if not any((path / f).exists() for f in TOKENIZER_FILES):
         raise InputError(f"--vocab-from {path} holds no tokenizer files ({', '.join(TOKENIZER_FILES)})")
-    tokenizer = _load_tokenizer(path)
+    tokenizer = _read_tokenizer(path)
     vocab = len(tokenizer)
     if (path / "config.json").exists():
         # A model directory: match its (possibly padded) embedding size, so that
@@ -38,14 +39,30 @@ def _vocab_source(path: Path):
     return tokenizer, vocab
 
 
-@app.command("new-model")
+def _read_tokenizer(path: Path):
+    # The tokenizer alone (the directory may hold no model); quiet, as transformers warns about
+    # config.json files of model types it does not know.
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 -- transformers raises many kinds for a broken tokenizer
+        raise InputError(f"--vocab-from {path}: its tokenizer files do not load ({e})") from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 def new_model_command(
-    preset: str = typer.Option(..., "--preset", help="Preset name: tiny, tiny-hybrid, drafter-2l, mamba2-130m ... mamba2-2.7b, hybrid-8b."),
+    preset: str = options.choice(..., "--preset", choices=tuple(PRESETS), help="Preset."),
     out: Path = typer.Option(..., "--out", help="Directory to write (config.json, model.safetensors, tokenizer)."),
-    vocab_from: Optional[Path] = typer.Option(None, "--vocab-from", help="Tokenizer or model directory whose vocabulary (and tokenizer) the new model uses."),
-    seed: int = typer.Option(0, "--seed", help="Random init seed."),
-    dtype: str = typer.Option("fp32", "--dtype", help="Parameter dtype: fp32 or bf16."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Write into a non-empty directory, replacing its model files."),
+    vocab_from: Optional[Path] = typer.Option(None, "--vocab-from", exists=True, file_okay=False,
+                                              help="Tokenizer or model directory whose vocabulary (and tokenizer) the new model uses."),
+    seed: int = options.count(0, "--seed", help="Random init seed."),
+    dtype: str = options.choice("fp32", "--dtype", choices=("fp32", "bf16"), help="Parameter dtype."),
+    overwrite: bool = options.flag(False, "--overwrite", help="Replace an earlier `ssmspec new-model` output in --out."),
 ) -> None:
     """Write a preset model with random weights (pure Mamba-2 in transformers' Mamba2 format, hybrids in ssmspec's).
 
@@ -53,14 +70,9 @@ def new_model_command(
         ssmspec new-model --preset drafter-2l --vocab-from runs/target --out runs/drafter --dtype bf16
     """
     from ssmspec.models.loading import save_model
-    from ssmspec.models.presets import PRESETS, build_model, describe_preset
+    from ssmspec.models.presets import build_model, describe_preset
 
-    if preset not in PRESETS:
-        raise InputError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    if dtype not in ("fp32", "bf16"):
-        raise InputError(f"--dtype must be fp32 or bf16, got {dtype!r}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise InputError(f"{out} exists and is not empty; choose a new --out or pass --overwrite")
+    outputs.claim(out, "new-model", inputs={"--vocab-from": vocab_from}, overwrite=overwrite)
     tokenizer, vocab = (None, None) if vocab_from is None else _vocab_source(vocab_from)
     model = build_model(preset, vocab_size=vocab, seed=seed, dtype=dtype)
     if tokenizer is not None:
@@ -69,6 +81,7 @@ def new_model_command(
             if value is not None:
                 setattr(model.config, key, int(value))
     fmt = save_model(model, out, tokenizer=tokenizer)
+    outputs.mark(out, "new-model")
     info = describe_preset(preset, vocab)
     layers = ", ".join(f"{n} {kind}" for kind, n in info["layers"].items())
     fmt_name = "transformers Mamba2ForCausalLM" if fmt == "mamba2" else "ssmspec native"

@@ -1,7 +1,7 @@
 """`ssmspec profile`: time target (and drafter) calls against input size and fit the cost models.
 
 Example:
-    ssmspec profile --target-preset mamba2-2.7b --device cuda --dtype bf16 --out profile.json
+    ssmspec profile --target-preset mamba2-2.7b --device cuda --dtype bf16 --out runs/profile
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import typer
 
 from ssmspec import profiling
 from ssmspec.errors import InputError
+from ssmspec.models.presets import PRESETS
 
-from . import options
-from .app import app
+from . import options, outputs
 
 _D = profiling.ProfileSettings()
 
@@ -41,41 +41,42 @@ def _resolve_device(device: str):
 
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
-        raise InputError(f"--device must be cpu, cuda, cuda:N or auto, got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError("--device cuda asked for, but CUDA is not available on this machine; use --device cpu")
     return torch.device(device)
 
 
-@app.command("profile")
 def profile_command(
-    target: Optional[Path] = typer.Option(None, "--target", help="Target model directory."),
-    target_preset: Optional[str] = typer.Option(None, "--target-preset", help="Or a preset with random weights (e.g. mamba2-2.7b)."),
-    drafter: Optional[Path] = typer.Option(None, "--drafter", help="Drafter model directory (times drafting too)."),
-    drafter_preset: Optional[str] = typer.Option(None, "--drafter-preset", help="Or a drafter preset (e.g. drafter-2l), built with the target's vocabulary."),
+    target: Optional[Path] = typer.Option(None, "--target", exists=True, file_okay=False, help="Target model directory."),
+    target_preset: Optional[str] = options.choice(None, "--target-preset", choices=tuple(PRESETS),
+                                                  help="Or a preset with random weights (e.g. mamba2-2.7b)."),
+    drafter: Optional[Path] = typer.Option(None, "--drafter", exists=True, file_okay=False,
+                                           help="Drafter model directory (times drafting too)."),
+    drafter_preset: Optional[str] = options.choice(None, "--drafter-preset", choices=tuple(PRESETS),
+                                                   help="Or a drafter preset (e.g. drafter-2l), built with the target's vocabulary."),
     sizes: str = typer.Option(",".join(map(str, _D.sizes)), "--sizes", help="Input sizes N (1 = the autoregressive step)."),
     methods: str = typer.Option(",".join(_D.methods), "--methods", help="Any of stree, unrolled, chain."),
-    batch: int = typer.Option(_D.batch, "--batch", help="Sequences per call."),
-    repeats: int = typer.Option(_D.repeats, "--repeats", help="Timed calls per measurement (median reported)."),
-    warmup: int = typer.Option(_D.warmup, "--warmup", help="Untimed calls before each measurement."),
-    prompt_len: int = typer.Option(_D.prompt_len, "--prompt-len", help="Prompt tokens prefilled into the cache."),
-    dtype: str = typer.Option("auto", "--dtype", help="fp32, bf16, fp16, or auto (bf16 on CUDA, fp32 on the CPU)."),
+    batch: int = options.count(_D.batch, "--batch", min=1, help="Sequences per call."),
+    repeats: int = options.count(_D.repeats, "--repeats", min=1, help="Timed calls per measurement (median reported)."),
+    warmup: int = options.count(_D.warmup, "--warmup", help="Untimed calls before each measurement."),
+    prompt_len: int = options.count(_D.prompt_len, "--prompt-len", min=1, help="Prompt tokens prefilled into the cache."),
+    dtype: str = options.choice("auto", "--dtype", choices=("auto", *profiling.DTYPES),
+                                help="Parameter dtype (auto: bf16 on CUDA, fp32 on the CPU)."),
     device: str = options.DEVICE,
     configs: Optional[str] = typer.Option(None, "--configs", help="Tree configurations to time drafting for, e.g. '3,2,1;4,2,1,1'."),
-    fanout: int = typer.Option(_D.fanout, "--fanout", help="Children per node of the balanced tree timed by stree/unrolled."),
-    reference_n: int = typer.Option(_D.reference_n, "--reference-n", help="N1 of the break-even ratio t(N2)/t(N1)."),
-    cuda_graphs: bool = typer.Option(_D.cuda_graphs, "--cuda-graphs/--no-cuda-graphs", help="Replay each call as a CUDA graph when it can be captured."),
+    fanout: int = options.count(_D.fanout, "--fanout", min=1, help="Children per node of the balanced tree timed by stree/unrolled."),
+    reference_n: int = options.count(_D.reference_n, "--reference-n", min=1, help="N1 of the break-even ratio t(N2)/t(N1)."),
+    cuda_graphs: bool = options.flag(_D.cuda_graphs, "--cuda-graphs/--no-cuda-graphs", help="Replay each call as a CUDA graph when it can be captured."),
     backend: str = options.BACKEND,
-    out: Path = typer.Option(Path("profile.json"), "--out", help="Where to write profile.json."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG to draw (default: --out with .png)."),
-    no_plot: bool = typer.Option(False, "--no-plot", help="Do not draw the PNG."),
-    seed: int = typer.Option(_D.seed, "--seed", help="Seed of the random prompt and tokens."),
+    out: Path = typer.Option(Path("profile"), "--out", help="Directory to write profile.json and profile.png into."),
+    no_plot: bool = options.flag(False, "--no-plot", help="Do not draw profile.png."),
+    overwrite: bool = options.flag(False, "--overwrite", help="Replace an earlier `ssmspec profile` output in --out."),
+    seed: int = options.count(_D.seed, "--seed", help="Seed of the random prompt and tokens."),
 ) -> None:
     """Measure target (and drafter) runtime against input size, fit t = kN + C / aN^2 + bN + c, write profile.json.
 
     Examples:
-        ssmspec profile --target runs/target --drafter runs/drafter --out profile.json --plot profile.png
+        ssmspec profile --target runs/target --drafter runs/drafter --out runs/profile
         ssmspec profile --target-preset mamba2-2.7b --drafter-preset drafter-2l --device cuda --dtype bf16
     """
     import torch
@@ -91,11 +92,10 @@ def profile_command(
         reference_n=reference_n, configs=profiling.parse_configs(configs) if configs else _D.configs, seed=seed,
     )
     settings.validate()
+    outputs.claim(out, "profile", inputs={"--target": target, "--drafter": drafter}, overwrite=overwrite)
     dev = _resolve_device(device)
     if dtype == "auto":
         dtype = "bf16" if dev.type == "cuda" else "fp32"
-    if dtype not in profiling.DTYPES:
-        raise InputError(f"--dtype must be one of {', '.join(profiling.DTYPES)} or auto, got {dtype!r}")
     torch_dtype = profiling.DTYPES[dtype]
     try:
         dispatch.set_backend(backend)
@@ -125,11 +125,12 @@ def profile_command(
         prof = profiling.run_profile(tgt, settings=settings, drafter=drf, source=tgt_src,
                                      drafter_source=drf_src, progress=progress)
 
-    profiling.save_profile(prof, out)
+    json_path = profiling.save_profile(prof, out / "profile.json")
+    outputs.mark(out, "profile")
     render_profile(prof, console)
-    console.print(f"wrote {out}")
+    console.print(f"wrote {json_path}")
     if not no_plot:
-        png = profiling.plot_profile(prof, plot or out.with_suffix(".png"))
+        png = profiling.plot_profile(prof, out / "profile.png")
         console.print(f"wrote {png}")
 
 

@@ -3,61 +3,73 @@
 Examples:
     ssmspec distill --target models/target --student-preset drafter-2l --data corpus/ --out drafter \\
         --steps 2000 --seq-len 1024 --batch-size 16 --eval-every 200
-    ssmspec sft --model drafter --data sharegpt.json --format chat --out drafter-chat --lora
+    ssmspec sft --student drafter --data sharegpt.json --format chat --out drafter-chat --lora
 """
 from __future__ import annotations
 
+import shlex
+import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from ssmspec.models.presets import PRESETS
 from ssmspec.training.config import (
+    BAD_RECORD_POLICIES, DATA_FORMATS, LOSSES, PRECISIONS, SCAN_BACKENDS, SCHEDULES,
     CheckpointConfig, DataConfig, EvalConfig, LoraSettings, LossConfig, OptimConfig, RunConfig,
 )
 
-from .app import app
+from . import options, outputs
 
 _DATA, _OPT, _LOSS, _EVAL, _LORA, _CK = DataConfig(), OptimConfig(), LossConfig(), EvalConfig(), LoraSettings(), CheckpointConfig()
 _RUN = RunConfig()
 
 # Options shared by both commands (one definition each, defaults from the dataclasses).
-DATA = typer.Option(..., "--data", help="Data: .jsonl/.json/.txt/.parquet files or folders (comma-separated), or a datasets name.")
+DATA = typer.Option(..., "--data", help="Data: .jsonl/.json/.txt/.parquet files or folders (comma-separated), or a datasets name.",
+                    callback=options.non_empty)
 OUT = typer.Option(..., "--out", help="Output directory (final model, checkpoints/, log.jsonl, run.json).")
-TOKENIZER = typer.Option(None, "--tokenizer", help="Tokenizer directory, when the model directories hold none.")
-FORMAT = typer.Option(_DATA.format, "--format", help="text, chat (loss on assistant turns only), tokens (input_ids records), or auto.")
-TEXT_FIELD = typer.Option(_DATA.text_field, "--text-field", help="Record field holding the text (text format).")
-SEQ_LEN = typer.Option(_DATA.seq_len, "--seq-len", help="Tokens per packed training sequence.")
-HELD_OUT = typer.Option(_DATA.held_out_fraction, "--held-out", help="Share of packed sequences held out for evaluation.")
-MAX_HELD_OUT = typer.Option(_DATA.max_held_out_blocks, "--max-held-out", help="Most held-out sequences.")
-STREAMING = typer.Option(_DATA.streaming, "--streaming/--no-streaming", help="Read data lazily (corpora larger than memory).")
-ON_BAD = typer.Option(_DATA.on_bad_record, "--on-bad-record", help="Malformed records: error (stop, naming file and line) or skip (report each).")
-STEPS = typer.Option(_OPT.steps, "--steps", help="Optimizer steps.")
-BATCH = typer.Option(_OPT.batch_size, "--batch-size", help="Sequences per micro-batch per process.")
-ACCUM = typer.Option(_OPT.grad_accum, "--grad-accum", help="Micro-batches per optimizer step.")
-LR = typer.Option(_OPT.lr, "--lr", help="Peak learning rate (AdamW).")
-MIN_LR = typer.Option(_OPT.min_lr_ratio, "--min-lr-ratio", help="Final learning rate as a fraction of the peak.")
-WARMUP = typer.Option(_OPT.warmup_steps, "--warmup-steps", help="Linear warm-up steps.")
-SCHEDULE = typer.Option(_OPT.schedule, "--schedule", help="cosine, linear or constant.")
-WD = typer.Option(_OPT.weight_decay, "--weight-decay", help="AdamW weight decay on matrices.")
-CLIP = typer.Option(_OPT.max_grad_norm, "--max-grad-norm", help="Gradient clipping norm (0 = off).")
-PRECISION = typer.Option(_OPT.precision, "--precision", help="bf16, fp16, fp32, or auto (bf16 on a GPU with it).")
-SEED = typer.Option(_OPT.seed, "--seed", help="Seed for initialisation and data order.")
-EVAL_PROMPTS = typer.Option(None, "--eval-prompts", help="Prompts file (.jsonl or .txt) for measuring acceptance (default: held-out text).")
-EVAL_EVERY = typer.Option(_EVAL.eval_every, "--eval-every", help="Steps between evaluations (0 = only at the end).")
-EVAL_N = typer.Option(_EVAL.num_prompts, "--eval-num-prompts", help="Prompts used to measure acceptance.")
-EVAL_NEW = typer.Option(_EVAL.max_new_tokens, "--eval-max-new-tokens", help="Tokens generated per prompt when measuring acceptance.")
-EVAL_K = typer.Option(_EVAL.draft_len, "--eval-draft-len", help="Drafted tokens per target call (chain) when measuring acceptance.")
-SAVE_EVERY = typer.Option(_CK.save_every, "--save-every", help="Steps between checkpoints (one is always written at the end and on Ctrl-C).")
-KEEP = typer.Option(_CK.keep, "--keep-checkpoints", help="Checkpoints kept on disk.")
-LOG_EVERY = typer.Option(_CK.log_every, "--log-every", help="Steps between log lines.")
-RESUME = typer.Option(False, "--resume", help="Continue the run in --out from its latest checkpoint.")
-OVERWRITE = typer.Option(False, "--overwrite", help="Start over in an --out that holds another run.")
-LORA = typer.Option(_LORA.enabled, "--lora/--no-lora", help="Train LoRA adapters only (peft); the merged model is saved.")
-LORA_RANK = typer.Option(_LORA.rank, "--lora-rank", help="LoRA rank.")
-LORA_ALPHA = typer.Option(_LORA.alpha, "--lora-alpha", help="LoRA alpha.")
+TOKENIZER = typer.Option(None, "--tokenizer", exists=True, file_okay=False, help="Tokenizer directory, when the model directories hold none.")
+FORMAT = options.choice(_DATA.format, "--format", choices=DATA_FORMATS,
+                        help="text, chat (loss on assistant turns only), tokens (input_ids records), or auto.")
+TEXT_FIELD = typer.Option(_DATA.text_field, "--text-field", help="Record field holding the text (text format).", callback=options.non_empty)
+SEQ_LEN = options.count(_DATA.seq_len, "--seq-len", min=2, help="Tokens per packed training sequence.")
+HELD_OUT = options.real(_DATA.held_out_fraction, "--held-out", max=1.0, below=True, help="Share of packed sequences held out for evaluation.")
+MAX_HELD_OUT = options.count(_DATA.max_held_out_blocks, "--max-held-out", help="Most held-out sequences.")
+STREAMING = options.flag(_DATA.streaming, "--streaming/--no-streaming", help="Read data lazily (corpora larger than memory).")
+ON_BAD = options.choice(_DATA.on_bad_record, "--on-bad-record", choices=BAD_RECORD_POLICIES,
+                        help="Malformed records: error (stop, naming file and line) or skip (report each).")
+STEPS = options.count(_OPT.steps, "--steps", min=1, help="Optimizer steps.")
+BATCH = options.count(_OPT.batch_size, "--batch-size", min=1, help="Sequences per micro-batch per process.")
+ACCUM = options.count(_OPT.grad_accum, "--grad-accum", min=1, help="Micro-batches per optimizer step.")
+LR = options.real(_OPT.lr, "--lr", above=True, help="Peak learning rate (AdamW).")
+MIN_LR = options.real(_OPT.min_lr_ratio, "--min-lr-ratio", max=1.0, help="Final learning rate as a fraction of the peak.")
+WARMUP = options.count(_OPT.warmup_steps, "--warmup-steps", help="Linear warm-up steps.")
+SCHEDULE = options.choice(_OPT.schedule, "--schedule", choices=SCHEDULES, help="Learning-rate schedule after warm-up.")
+WD = options.real(_OPT.weight_decay, "--weight-decay", help="AdamW weight decay on matrices.")
+CLIP = options.real(_OPT.max_grad_norm, "--max-grad-norm", help="Gradient clipping norm (0 = off).")
+DTYPE = options.choice(_OPT.precision, "--dtype", choices=PRECISIONS, help="Training precision (auto: bf16 on a GPU with it).")
+PRECISION = options.deprecated("--precision", use="--dtype", callback=DTYPE.callback)
+SEED = options.count(_OPT.seed, "--seed", help="Seed for initialisation and data order.")
+EVAL_PROMPTS = typer.Option(None, "--eval-prompts", exists=True, dir_okay=False,
+                            help="Prompts file (.jsonl or .txt) for measuring acceptance (default: held-out text).")
+EVAL_EVERY = options.count(_EVAL.eval_every, "--eval-every", help="Steps between evaluations (0 = only at the end).")
+EVAL_N = options.count(_EVAL.num_prompts, "--eval-num-prompts", min=1, help="Prompts used to measure acceptance.")
+EVAL_NEW = options.count(_EVAL.max_new_tokens, "--eval-max-new-tokens", min=1, max=options.MAX_NEW_TOKENS,
+                         help="Tokens generated per prompt when measuring acceptance.")
+EVAL_K = options.count(_EVAL.draft_len, "--eval-draft-len", min=1, help="Drafted tokens per target call (chain) when measuring acceptance.")
+SAVE_EVERY = options.count(_CK.save_every, "--save-every", help="Steps between checkpoints (one is always written at the end and on Ctrl-C).")
+KEEP = options.count(_CK.keep, "--keep-checkpoints", min=1, help="Checkpoints kept on disk.")
+LOG_EVERY = options.count(_CK.log_every, "--log-every", min=1, help="Steps between log lines.")
+RESUME = options.flag(False, "--resume", help="Continue the run in --out from its latest checkpoint.")
+OVERWRITE = options.flag(False, "--overwrite", help="Start over in an --out that holds an earlier run of this command.")
+LORA = options.flag(_LORA.enabled, "--lora/--no-lora", help="Train LoRA adapters only (peft); the merged model is saved.")
+LORA_RANK = options.count(_LORA.rank, "--lora-rank", min=1, help="LoRA rank.")
+LORA_ALPHA = options.real(_LORA.alpha, "--lora-alpha", above=True, help="LoRA alpha.")
 LORA_TARGETS = typer.Option(",".join(_LORA.targets), "--lora-targets", help="Linear layers given adapters, where present.")
-SCAN = typer.Option(_RUN.scan, "--scan", help="Training scan: auto (mamba_ssm when importable on a GPU), ssmspec, or mamba_ssm.")
+SCAN = options.choice(_RUN.scan, "--scan", choices=SCAN_BACKENDS,
+                      help="Training scan (auto: mamba_ssm when importable on a GPU).")
+MODEL_DIR = dict(exists=True, file_okay=False)
 
 
 def build_config(mode: str, **kw) -> RunConfig:
@@ -72,8 +84,8 @@ def build_config(mode: str, **kw) -> RunConfig:
         optim=OptimConfig(steps=kw["steps"], batch_size=kw["batch_size"], grad_accum=kw["grad_accum"], lr=kw["lr"],
                           min_lr_ratio=kw["min_lr_ratio"], warmup_steps=kw["warmup_steps"], schedule=kw["schedule"],
                           weight_decay=kw["weight_decay"], max_grad_norm=kw["max_grad_norm"],
-                          precision=kw["precision"], seed=kw["seed"]),
-        loss=LossConfig(loss=kw.get("loss", _LOSS.loss), temperature=kw.get("temperature", _LOSS.temperature),
+                          precision=kw["dtype"], seed=kw["seed"]),
+        loss=LossConfig(loss=kw.get("loss", _LOSS.loss), temperature=kw.get("distill_temperature", _LOSS.temperature),
                         ce_weight=kw.get("ce_weight", _LOSS.ce_weight)),
         eval=EvalConfig(eval_every=kw["eval_every"], eval_prompts=_s(kw.get("eval_prompts")), num_prompts=kw["eval_num_prompts"],
                         max_new_tokens=kw["eval_max_new_tokens"], draft_len=kw["eval_draft_len"]),
@@ -140,32 +152,68 @@ class RichProgress:
         self.progress.stop()
 
 
-def _run(cfg: RunConfig) -> None:
-    from ssmspec.training.loop import TrainCallbacks, train
+def _run(mode: str, kw: dict, inputs: dict) -> None:
+    """Check --out, build the config, train with a progress bar; after Ctrl-C say how to resume and exit 130."""
+    from ssmspec.training.loop import TrainCallbacks, latest_checkpoint, train
 
+    kw["dtype"] = options.merge_alias(kw["dtype"], kw.pop("precision"), _OPT.precision, "--dtype", "--precision")
+    cfg = build_config(mode, **kw)
+    out = Path(cfg.out)
+    data_paths = {"--data": Path(p.strip()) for p in cfg.data.spec.split(",") if p.strip()}
+    if outputs.owner_of(out) is None and _run_mode(out) == mode:
+        outputs.mark(out, mode)  # a run written before output markers existed: its run.json says whose it is
+    outputs.claim(out, mode, inputs={**inputs, **data_paths}, overwrite=cfg.overwrite, resume=cfg.resume)
     ui = RichProgress()
     cb = type("CLIProgress", (TrainCallbacks,), {})()
     for name in ("on_start", "on_step", "on_eval", "on_message", "on_end"):
         setattr(cb, name, getattr(ui, name))
     try:
         train(cfg, cb)
+    except KeyboardInterrupt:
+        ui.close()
+        if latest_checkpoint(out) is None:
+            print(f"{mode} interrupted before its first checkpoint: nothing to resume", file=sys.stderr)
+        else:
+            print(f"{mode} interrupted; continue with: {resume_command()}", file=sys.stderr)
+        raise typer.Exit(130) from None
     finally:
         ui.close()
+        outputs.mark(out, mode)
 
 
-@app.command("distill")
+def _run_mode(out: Path) -> Optional[str]:
+    """The mode recorded in a training run's run.json in `out`, if there is one."""
+    import json
+
+    from ssmspec.training.loop import RUN_FILE
+
+    try:
+        return json.loads((out / RUN_FILE).read_text())["config"]["mode"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def resume_command() -> str:
+    """This command line with --resume instead of --overwrite."""
+    args = [a for a in sys.argv[1:] if a not in ("--overwrite", "--resume")]
+    return shlex.join(["ssmspec", *args, "--resume"])
+
+
 def distill_command(
-    target: Path = typer.Option(..., "--target", help="Frozen target: any model ssmspec loads, or a transformers causal LM directory."),
-    student: Optional[Path] = typer.Option(None, "--student", help="Student Mamba-2 checkpoint directory to continue from."),
-    student_preset: Optional[str] = typer.Option(None, "--student-preset", help="Or a fresh student from a preset (e.g. drafter-2l), with the target's vocabulary."),
+    target: Path = typer.Option(..., "--target", **MODEL_DIR, help="Frozen target: any model ssmspec loads, or a transformers causal LM directory."),
+    student: Optional[Path] = typer.Option(None, "--student", **MODEL_DIR, help="Student Mamba-2 checkpoint directory to continue from."),
+    student_preset: Optional[str] = options.choice(None, "--student-preset", choices=tuple(PRESETS),
+                                                   help="Or a fresh student from a preset (e.g. drafter-2l), with the target's vocabulary."),
     data: str = DATA, out: Path = OUT, tokenizer: Optional[Path] = TOKENIZER, format: str = FORMAT, text_field: str = TEXT_FIELD,
     seq_len: int = SEQ_LEN, held_out: float = HELD_OUT, max_held_out: int = MAX_HELD_OUT, streaming: bool = STREAMING,
     on_bad_record: str = ON_BAD, steps: int = STEPS, batch_size: int = BATCH, grad_accum: int = ACCUM, lr: float = LR,
     min_lr_ratio: float = MIN_LR, warmup_steps: int = WARMUP, schedule: str = SCHEDULE, weight_decay: float = WD,
-    max_grad_norm: float = CLIP, precision: str = PRECISION, seed: int = SEED,
-    loss: str = typer.Option(_LOSS.loss, "--loss", help="kl (forward KL at --temperature), tvd, or kl+ce."),
-    temperature: float = typer.Option(_LOSS.temperature, "--temperature", help="Softmax temperature of both distributions."),
-    ce_weight: float = typer.Option(_LOSS.ce_weight, "--ce-weight", help="Weight of cross-entropy on the data in kl+ce."),
+    max_grad_norm: float = CLIP, dtype: str = DTYPE, precision: Optional[str] = PRECISION, seed: int = SEED,
+    loss: str = options.choice(_LOSS.loss, "--loss", choices=LOSSES,
+                               help="kl (forward KL at --distill-temperature), tvd, or kl+ce."),
+    distill_temperature: float = options.real(_LOSS.temperature, "--distill-temperature", above=True,
+                                              help="Softmax temperature of both distributions in the loss."),
+    ce_weight: float = options.real(_LOSS.ce_weight, "--ce-weight", help="Weight of cross-entropy on the data in kl+ce."),
     eval_prompts: Optional[Path] = EVAL_PROMPTS, eval_every: int = EVAL_EVERY, eval_num_prompts: int = EVAL_N,
     eval_max_new_tokens: int = EVAL_NEW, eval_draft_len: int = EVAL_K, save_every: int = SAVE_EVERY,
     keep_checkpoints: int = KEEP, log_every: int = LOG_EVERY, resume: bool = RESUME, overwrite: bool = OVERWRITE,
@@ -174,21 +222,28 @@ def distill_command(
 ):
     """Distil a Mamba-2 drafter from a frozen target's next-token distribution.
 
+    Ctrl-C saves a checkpoint, prints the command that resumes the run, and exits with status 130.
+
     Example: ssmspec distill --target tgt --student-preset drafter-2l --data corpus/ --out drafter --steps 2000
     """
-    _run(build_config("distill", **locals()))
+    kw = dict(locals())
+    _run("distill", kw, inputs={"--target": target, "--student": student, "--tokenizer": tokenizer,
+                                "--eval-prompts": eval_prompts})
 
 
-@app.command("sft")
 def sft_command(
-    model: Optional[Path] = typer.Option(None, "--model", help="Mamba-2 checkpoint directory to fine-tune."),
-    init_preset: Optional[str] = typer.Option(None, "--init-preset", help="Or a fresh model from a preset (pretraining; needs --tokenizer)."),
-    eval_target: Optional[Path] = typer.Option(None, "--eval-target", help="A target to measure acceptance against during training."),
+    student: Optional[Path] = typer.Option(None, "--student", **MODEL_DIR, help="Mamba-2 checkpoint directory to fine-tune."),
+    student_preset: Optional[str] = options.choice(None, "--student-preset", choices=tuple(PRESETS),
+                                                   help="Or a fresh model from a preset (pretraining; needs --tokenizer)."),
+    target: Optional[Path] = typer.Option(None, "--target", **MODEL_DIR, help="A target to measure acceptance against during training."),
+    model: Optional[Path] = options.deprecated("--model", use="--student", **MODEL_DIR),
+    init_preset: Optional[str] = options.deprecated("--init-preset", use="--student-preset", callback=options.one_of(tuple(PRESETS))),
+    eval_target: Optional[Path] = options.deprecated("--eval-target", use="--target", **MODEL_DIR),
     data: str = DATA, out: Path = OUT, tokenizer: Optional[Path] = TOKENIZER, format: str = FORMAT, text_field: str = TEXT_FIELD,
     seq_len: int = SEQ_LEN, held_out: float = HELD_OUT, max_held_out: int = MAX_HELD_OUT, streaming: bool = STREAMING,
     on_bad_record: str = ON_BAD, steps: int = STEPS, batch_size: int = BATCH, grad_accum: int = ACCUM, lr: float = LR,
     min_lr_ratio: float = MIN_LR, warmup_steps: int = WARMUP, schedule: str = SCHEDULE, weight_decay: float = WD,
-    max_grad_norm: float = CLIP, precision: str = PRECISION, seed: int = SEED,
+    max_grad_norm: float = CLIP, dtype: str = DTYPE, precision: Optional[str] = PRECISION, seed: int = SEED,
     eval_prompts: Optional[Path] = EVAL_PROMPTS, eval_every: int = EVAL_EVERY, eval_num_prompts: int = EVAL_N,
     eval_max_new_tokens: int = EVAL_NEW, eval_draft_len: int = EVAL_K, save_every: int = SAVE_EVERY,
     keep_checkpoints: int = KEEP, log_every: int = LOG_EVERY, resume: bool = RESUME, overwrite: bool = OVERWRITE,
@@ -197,8 +252,12 @@ def sft_command(
 ):
     """Next-token fine-tuning (chat: loss on assistant turns only) or pretraining on raw text.
 
-    Example: ssmspec sft --model drafter --data sharegpt.json --format chat --out drafter-chat
+    Ctrl-C saves a checkpoint, prints the command that resumes the run, and exits with status 130.
+
+    Example: ssmspec sft --student drafter --data sharegpt.json --format chat --out drafter-chat
     """
     kw = dict(locals())
-    kw["student"], kw["student_preset"], kw["target"] = kw.pop("model"), kw.pop("init_preset"), kw.pop("eval_target")
-    _run(build_config("sft", **kw))
+    for new, old in (("student", "model"), ("student_preset", "init_preset"), ("target", "eval_target")):
+        kw[new] = options.merge_alias(kw[new], kw.pop(old), None, "--" + new.replace("_", "-"), "--" + old.replace("_", "-"))
+    _run("sft", kw, inputs={"--student": kw["student"], "--target": kw["target"], "--tokenizer": tokenizer,
+                            "--eval-prompts": eval_prompts})

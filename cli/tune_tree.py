@@ -9,7 +9,6 @@ import typer
 from ssmspec.errors import InputError
 
 from . import options
-from .app import app
 
 from ssmspec.tuning.tune import TuneSettings
 
@@ -57,7 +56,6 @@ def check_models_match_profile(profile, target, drafter, force: bool) -> list[st
     return warnings
 
 
-@app.command("tune-tree")
 def tune_tree_command(
     target: Path = typer.Option(..., "--target", help="Target model directory."),
     drafter: Path = typer.Option(..., "--drafter", help="Drafter model directory (sharing the target's tokenizer)."),

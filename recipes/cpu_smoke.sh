@@ -20,7 +20,7 @@ ssmspec distill --target "$work/target" --student-preset tiny --data "$data" --t
 
 echo "== 3. profile the target's call time against input size, fit the cost models"
 ssmspec profile --target "$work/target" --sizes 1,2,4,8,16 --repeats 3 --warmup 1 --prompt-len 32 \
-  --device cpu --out "$work/profile.json" --plot "$work/profile.png"
+  --device cpu --out "$work/profile" --overwrite
 
 echo "== 4. autoregressive baseline, then chain and tree speculation: exactly the same tokens"
 prompt='def fibonacci(n):'
@@ -32,4 +32,4 @@ ssmspec generate --target "$work/target" --prompt "$prompt" --max-new-tokens 48 
 ssmspec generate --target "$work/target" --prompt "$prompt" --max-new-tokens 48 \
   --drafter "$work/drafter" --tree 3,2,1
 
-echo "== done: models, profile.json, profile.png and generations in $work"
+echo "== done: models, profile/profile.json, profile/profile.png and generations in $work"

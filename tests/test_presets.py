@@ -137,13 +137,18 @@ def test_new_model_refuses_non_empty_directory(cli, tmp_path):
     out = tmp_path / "x"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    result = cli("--preset", "tiny", "--out", out)
+    for extra in ([], ["--overwrite"]):  # files no ssmspec command wrote: --overwrite does not delete them
+        result = cli("--preset", "tiny", "--out", out, *extra)
+        assert isinstance(result.exception, InputError) and "--overwrite" not in str(result.exception)
+        assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    mine = tmp_path / "m"
+    assert cli("--preset", "tiny", "--out", mine).exit_code == 0
+    result = cli("--preset", "tiny", "--out", mine)  # its own earlier output: replaced only with --overwrite
     assert isinstance(result.exception, InputError) and "--overwrite" in str(result.exception)
-    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
-    assert cli("--preset", "tiny", "--out", out, "--overwrite").exit_code == 0
-    assert load_model(out).source_format == "mamba2"
+    assert cli("--preset", "tiny", "--out", mine, "--overwrite").exit_code == 0
+    assert load_model(mine).source_format == "mamba2"
     bad = cli("--preset", "nope", "--out", tmp_path / "y")
-    assert isinstance(bad.exception, InputError) and "tiny-hybrid" in str(bad.exception)
+    assert bad.exit_code == 2 and "tiny-hybrid" in bad.output
 
 
 def test_new_model_help_has_example(cli):

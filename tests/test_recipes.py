@@ -17,8 +17,8 @@ def test_cpu_smoke_recipe(tmp_path):
     runs = {m: json.loads((tmp_path / f"{m}.json").read_text()) for m in ("ar", "chain", "stree")}
     assert runs["chain"]["token_ids"] == runs["ar"]["token_ids"] == runs["stree"]["token_ids"]
     assert runs["stree"]["stats"]["new_tokens"] == 48
-    profile = json.loads((tmp_path / "profile.json").read_text())
-    assert "fits" in profile and (tmp_path / "profile.png").stat().st_size > 0
+    profile = json.loads((tmp_path / "profile" / "profile.json").read_text())
+    assert "fits" in profile and (tmp_path / "profile" / "profile.png").stat().st_size > 0
     assert (tmp_path / "drafter" / "config.json").exists()
 
 

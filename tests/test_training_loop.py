@@ -197,10 +197,9 @@ def test_cli_distill_and_sft_on_text_chat_and_bad_records(tmp_path):
     """The commands end to end through Typer, from model directories with a tokenizer, on text and chat files."""
     from typer.testing import CliRunner
 
-    from ssmspec.cli.app import _register, app
+    from ssmspec.cli.app import app
     from ssmspec.models.loading import load_model, save_model
 
-    _register()
     tok = char_tokenizer()
     save_model(bigram_target(vocab_size=len(tok)), tmp_path / "target", tokenizer=tok)
     save_model(tiny_model(seed=3, vocab_size=len(tok)), tmp_path / "student", tokenizer=tok)
@@ -219,7 +218,7 @@ def test_cli_distill_and_sft_on_text_chat_and_bad_records(tmp_path):
     chat = tmp_path / "chat.jsonl"
     good = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there, friend."}]}
     chat.write_text("\n".join([json.dumps(good)] * 20 + ["{oops"] + [json.dumps(good)] * 20) + "\n")
-    args = ["sft", "--model", str(tmp_path / "student"), "--data", str(chat), "--format", "chat", *common]
+    args = ["sft", "--student", str(tmp_path / "student"), "--data", str(chat), "--format", "chat", *common]
     res = runner.invoke(app, [*args, "--out", str(tmp_path / "s1")])
     assert isinstance(res.exception, DataError) and "chat.jsonl:21" in str(res.exception)
     res = runner.invoke(app, [*args, "--out", str(tmp_path / "s2"), "--on-bad-record", "skip"])
@@ -257,7 +256,7 @@ def test_accelerate_launch_two_gpus_trains_with_near_double_throughput(tmp_path)
         cmd = ["accelerate", "launch", *multi, "--num_processes", str(n), "--mixed_precision", "bf16", exe, "distill",
                "--target", str(tmp_path / "target"), "--student-preset", "drafter-2l", "--data", str(data),
                "--out", str(out), "--steps", "60", "--seq-len", "512", "--batch-size", "128", "--eval-every", "0",
-               "--log-every", "20", "--precision", "bf16"]
+               "--log-every", "20", "--dtype", "bf16"]
         subprocess.run(cmd, check=True, env={**os.environ, "NCCL_NVLS_ENABLE": "0"})
         steps = [json.loads(line) for line in open(out / "log.jsonl") if '"event": "step"' in line]
         tps[n] = steps[-1]["tokens_per_s"]
@@ -277,7 +276,7 @@ def test_two_cpu_processes_reproduce_the_single_process_run(tmp_path, token_data
     exe = str(Path(sys.executable).parent / "ssmspec")
     common = ["distill", "--target", str(tmp_path / "target"), "--student-preset", "tiny", "--data", str(token_data),
               "--steps", "6", "--seq-len", "32", "--eval-every", "0", "--log-every", "1", "--eval-num-prompts", "1",
-              "--eval-max-new-tokens", "4", "--precision", "fp32"]
+              "--eval-max-new-tokens", "4", "--dtype", "fp32"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([exe, *common, "--batch-size", "4", "--out", str(tmp_path / "one")], check=True, env=env)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", exe, *common,
