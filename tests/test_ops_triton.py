@@ -512,7 +512,7 @@ else:
         from ssmspec.ops.step_update.naive import naive_mamba_step_out
 
         if preload:
-            monkeypatch.setattr(GV, "_config", lambda n, k, device: GV.GemvConfig(1, 0, 1, preload=True))
+            monkeypatch.setattr(GV, "gemv_config", lambda n, k, device: GV.GemvConfig(1, 0, 1, preload=True))
 
         batch, heads, head_dim, d_state, groups, norm_groups, kernel_size = shape
         channels, d_inner, d_model = heads * head_dim + 2 * groups * d_state, heads * head_dim, 40

@@ -282,8 +282,11 @@ else:
             assert torch.equal(got["conv_state"], ref["conv_state"]), f"layer {i} conv"
             assert_close(got["ssm_state"], ref["ssm_state"], atol=1e-5, rtol=1e-5, name=f"layer {i} ssm_state")
 
-    def test_dispatch_triton_backend_runs_the_kernels(monkeypatch, nan_outputs):
-        monkeypatch.setattr(dispatch, "_backend", "triton")
+    def test_dispatch_triton_backend_runs_the_kernels(nan_outputs):
+        with dispatch.use_backend("triton"):
+            _dispatch_runs_the_kernels()
+
+    def _dispatch_runs_the_kernels():
         assert dispatch.resolve("tree_scan_gated", torch.device("cpu")) is TS.tree_scan_gated
         assert dispatch.resolve("replay_states", torch.device("cpu")) is SR.replay_states
         assert dispatch.resolve("replay_states_layers", torch.device("cpu")) is SR.replay_states_layers
