@@ -51,30 +51,31 @@ def _package(name: str) -> str:
     return name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
 
 
+def _resolve(name: str, node: ast.Import | ast.ImportFrom, alias: ast.alias) -> tuple[str, str | None]:
+    """(imported module, the name taken from it or None) for one alias of an import statement
+    of module `name`, relative imports resolved; `from pkg import mod` is an import of pkg.mod."""
+    if isinstance(node, ast.Import):
+        return alias.name, None
+    base = node.module or ""
+    if node.level:
+        pkg = _package(name)
+        for _ in range(node.level - 1):
+            pkg = pkg.rpartition(".")[0]
+        base = f"{pkg}.{base}" if base else pkg
+    sub = f"{base}.{alias.name}"
+    return (sub, None) if sub in MODULES else (base, alias.name)
+
+
 def _imports(name: str):
-    """(imported module, the names taken from it or None) for every import statement of `name`,
-    relative imports resolved; `from pkg import mod` counts as an import of pkg.mod."""
+    """(node, alias, imported module, name taken or None) for every import of module `name`."""
     for node in ast.walk(TREES[name]):
-        if isinstance(node, ast.Import):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
             for alias in node.names:
-                yield alias.name, None
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                pkg = _package(name)
-                for _ in range(node.level - 1):
-                    pkg = pkg.rpartition(".")[0]
-                base = f"{pkg}.{base}" if base else pkg
-            for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                if sub in MODULES:
-                    yield sub, None
-                else:
-                    yield base, alias.name
+                yield (node, alias, *_resolve(name, node, alias))
 
 
 def _graph() -> dict[str, set[str]]:
-    return {name: {target for target, _ in _imports(name) if target in MODULES and target != name}
+    return {name: {target for _, _, target, _ in _imports(name) if target in MODULES and target != name}
             for name in MODULES}
 
 
@@ -134,48 +135,26 @@ def test_no_import_circles():
 
 
 def test_no_op_imports_another_ops_private_names():
+    """Neither `from ..other_op.x import _name` nor `other_op_module._name` after importing it."""
     borrowed = []
     for name in MODULES:
         op = _op(name)
         if op is None:
             continue
-        for target, taken in _imports(name):
-            target_op = _op(target) or (_op(f"{target}.x") if target.count(".") == 2 else None)
-            if target_op is None or target_op == op:
+        other_modules = set()  # local names bound to another op's module
+        for node, alias, target, taken in _imports(name):
+            target_op = _op(target if taken is None else f"{target}.{taken}")
+            if target_op in (None, op):
                 continue
             if taken is not None and taken.startswith("_"):
                 borrowed.append(f"{name} imports {target}.{taken}")
-        for node in ast.walk(TREES[name]):  # module.attribute of another op's module
+            elif taken is None or f"{target}.{taken}" in MODULES:
+                other_modules.add(alias.asname or alias.name.split(".")[0])
+        for node in ast.walk(TREES[name]):
             if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
-                    and isinstance(node.value, ast.Name) and node.value.id in _op_aliases(name, op):
+                    and isinstance(node.value, ast.Name) and node.value.id in other_modules:
                 borrowed.append(f"{name} uses {node.value.id}.{node.attr}")
     assert borrowed == []
-
-
-def _op_aliases(name: str, op: str) -> set[str]:
-    """Local names under which module `name` (of op `op`) holds another op's module."""
-    aliases = set()
-    for node in ast.walk(TREES[name]):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            for alias in node.names:
-                local = alias.asname or alias.name.split(".")[0]
-                for target, taken in _imports_of(name, node, alias):
-                    if taken is None and _op(target) not in (None, op):
-                        aliases.add(local)
-    return aliases
-
-
-def _imports_of(name, node, alias):
-    if isinstance(node, ast.Import):
-        return [(alias.name, None)]
-    base = node.module or ""
-    if node.level:
-        pkg = _package(name)
-        for _ in range(node.level - 1):
-            pkg = pkg.rpartition(".")[0]
-        base = f"{pkg}.{base}" if base else pkg
-    sub = f"{base}.{alias.name}"
-    return [(sub, None)] if sub in MODULES else [(base, alias.name)]
 
 
 def _reads_environment(tree: ast.AST) -> list[int]:

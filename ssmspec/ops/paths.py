@@ -84,24 +84,27 @@ def _import_kernel(op: str) -> tuple[Callable | None, str | None]:
         return None, f"the Triton kernel does not import ({type(e).__name__}: {e})"
 
 
-def _kernel_choice(op: str, device: torch.device) -> tuple[Callable | None, str]:
-    """(the kernel to run, or None for the reference, and why)."""
+def kernel(op: str, device: torch.device) -> Callable | None:
+    """The Triton kernel that runs `op` for tensors on `device` now, or None: the reference.
+    (Runs for every op of every layer of every eager decode step: no more than a few lookups.)"""
+    backend = settings().backend
+    if backend == "reference" or (backend == "auto" and device.type != "cuda"):
+        return None
+    impl, missing = _import_kernel(op)
+    if impl is None and backend == "triton" and op in TRITON_KERNELS:
+        raise CodePathError(f"the triton backend was asked for, but {missing} for {op}")
+    return impl
+
+
+def _kernel_reason(op: str, device: torch.device) -> str:
+    """Why `kernel(op, device)` chose what it did (for `explain`)."""
     backend = settings().backend
     if backend == "reference":
-        return None, "backend reference"
+        return "backend reference"
     if backend == "auto" and device.type != "cuda":
-        return None, f"backend auto on {device.type}"
-    impl, missing = _import_kernel(op)
-    if impl is None:
-        if backend == "triton" and op in TRITON_KERNELS:
-            raise CodePathError(f"the triton backend was asked for, but {missing} for {op}")
-        return None, missing
-    return impl, f"backend {backend} on {device.type}"
-
-
-def kernel(op: str, device: torch.device) -> Callable | None:
-    """The Triton kernel that runs `op` for tensors on `device` now, or None: the reference."""
-    return _kernel_choice(op, device)[0]
+        return f"backend auto on {device.type}"
+    missing = _import_kernel(op)[1]
+    return missing if missing is not None else f"backend {backend} on {device.type}"
 
 
 # --- per model: the fused kernel path, the split verify layer, the one-launch kernels -------------
@@ -293,11 +296,11 @@ def explain(model=None, device: torch.device | None = None, tree_nodes: int = 16
              f"Triton interpreter {'on' if s.interpret else 'off'}; device {device}"]
     for op in ("chunk_scan", *TRITON_KERNELS):
         try:
-            impl, why = _kernel_choice(op, device)
+            impl = kernel(op, device)
         except CodePathError as e:
             lines.append(f"{op}: unavailable ({e})")
             continue
-        lines.append(f"{op}: {'triton' if impl is not None else 'reference'} ({why})")
+        lines.append(f"{op}: {'triton' if impl is not None else 'reference'} ({_kernel_reason(op, device)})")
     if model is None:
         return lines
     d_model = model.config.d_model
@@ -305,11 +308,12 @@ def explain(model=None, device: torch.device | None = None, tree_nodes: int = 16
         fused = fused_layers(d_model, device)
     except CodePathError:
         fused = False
-    if fused:
-        lines.append("model layers: fused kernel path (residual adds inside the norms, norms folded into projections)")
+    if not fused:
+        why = _fused_reason(d_model, device)
+        lines.append(f"model layers: plain per-op path ({why})")
+        lines.append(f"decode step (batch 1), verify: the plain per-op path ({why})")
     else:
-        lines.append(f"model layers: plain per-op path ({_fused_reason(d_model, device)})")
-    if fused:
+        lines.append("model layers: fused kernel path (residual adds inside the norms, norms folded into projections)")
         why = step_reason(model, 1, device)
         lines.append("decode step (batch 1): " + ("cuda-one-launch (ops/stream_layers)" if why is None
                                                   else f"triton ({why})"))
@@ -331,7 +335,7 @@ def explain(model=None, device: torch.device | None = None, tree_nodes: int = 16
 def _fused_reason(d_model: int, device: torch.device) -> str:
     try:
         if kernel("add_rms_norm", device) is None:
-            return _kernel_choice("add_rms_norm", device)[1]
+            return _kernel_reason("add_rms_norm", device)
     except CodePathError as e:
         return str(e)
     return f"d_model {d_model} wider than the fused add + norm kernel's {_add_norm_max_dim()}"

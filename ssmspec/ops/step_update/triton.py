@@ -16,8 +16,9 @@ Also here: `add_rms_norm` (a residual add fused into the next sublayer's RMSNorm
 `LanguageModel._fused_step` / `_fused_verify`), `mamba_step_out` (the step, out_proj and the
 residual add: at batch 1 with the gated norm's weight folded into out_proj, two launches, the
 norm inside the out_proj GEMV) and
-the one-launch RMSNorm, gated RMSNorm and time step of the verify path. Every kernel launches
-with programmatic dependent launch on Hopper (ops/pdl.py).
+the one-launch gated RMSNorm and time step of the verify path; the one-launch RMSNorm lives in
+ops/triton_common.py (gemv runs it too) and is re-exported here. Every kernel launches with
+programmatic dependent launch on Hopper (ops/pdl.py).
 """
 from __future__ import annotations
 
