@@ -30,7 +30,6 @@ from typing import Callable
 import torch
 
 from ..errors import CodePathError
-
 from .settings import (  # noqa: F401  (the settings, re-exported: models and the CLI ask here)
     BACKEND_ENV,
     BACKENDS,
