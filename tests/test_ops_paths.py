@@ -15,6 +15,9 @@ CPU = torch.device("cpu")
 
 
 def test_the_environment_is_read_once(monkeypatch):
+    from ssmspec.ops import settings
+
+    monkeypatch.setattr(settings, "_process", None)  # no set_backend from an earlier test in the way
     paths.environment.cache_clear()
     try:
         monkeypatch.setenv("SSMSPEC_BACKEND", "reference")
