@@ -24,3 +24,8 @@ class DataError(SsmspecError):
 
 class ProfileMismatchError(SsmspecError):
     """A profile.json measured on another model architecture or dtype than the one in use."""
+
+
+class CodePathError(SsmspecError):
+    """A code-path setting that is not understood (a backend name, SSMSPEC_STREAM_LAYERS), or a
+    kernel asked for explicitly that cannot run or build here."""

@@ -45,12 +45,10 @@ def nan_outputs(monkeypatch):
 
 
 @pytest.fixture
-def triton_backend(monkeypatch):
+def triton_backend():
     """The Triton kernels only for the test (GPU tests comparing another kernel path with them):
-    the one-launch CUDA kernels off (SSMSPEC_STREAM_LAYERS=0) until the test sets it to 1."""
-    from ssmspec.ops import dispatch
+    the one-launch CUDA kernels off until the test asks for them (`paths.use_stream_layers("on")`)."""
+    from ssmspec.ops import paths
 
-    monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "0")
-    dispatch.set_backend("triton")
-    yield
-    dispatch.set_backend("auto")
+    with paths.use_backend("triton"), paths.use_stream_layers("off"):
+        yield

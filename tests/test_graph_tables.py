@@ -27,3 +27,24 @@ def test_the_context_nests_and_restores_on_errors():
     with pytest.raises(RuntimeError), graph_tables.written_after_capture(cpu):
         raise RuntimeError("capture failed")
     assert graph_tables._arena is None
+
+
+def test_what_a_graph_reads_lives_as_long_as_the_graph():
+    """With an owner (the captured graph) the arena and host buffers are kept for it, and let go
+    with it: nothing accumulates over the process as graphs come and go."""
+    import gc
+
+    class Graph:  # stands in for torch.cuda.CUDAGraph (weakly referenceable, as it is)
+        pass
+
+    cpu = torch.device("cpu")
+    before = len(graph_tables._kept_by_owner)
+    graphs = [Graph() for _ in range(3)]
+    for g in graphs:
+        with graph_tables.written_after_capture(cpu, owner=g):
+            assert graph_tables._arena["kept"] is graph_tables._kept_by_owner[g]
+    assert len(graph_tables._kept_by_owner) == before + 3
+    kept = len(graph_tables._kept)
+    del graphs, g
+    gc.collect()
+    assert len(graph_tables._kept_by_owner) == before and len(graph_tables._kept) == kept

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 from helpers import assert_close, tiny_model  # noqa: E402
-from ssmspec.ops import dispatch, overlap  # noqa: E402
+from ssmspec.ops import dispatch, overlap, paths  # noqa: E402
 from ssmspec.trees import Tree  # noqa: E402
 
 
@@ -38,10 +38,9 @@ def _verify_both_ways(model, tokens, tree, monkeypatch):
     cache = model.new_cache(1, 32)
     with torch.no_grad():
         model(tokens[:, :3], cache, last_only=True)
-        monkeypatch.setattr(overlap, "SPLIT_IN_PROJ", False)
+        monkeypatch.setattr(paths, "SPLIT_IN_PROJ_MIN_ROWS", 10**6)  # the plain layer at every size
         want, _ = model.verify(tokens[:, 3:], tree, cache)
-        monkeypatch.setattr(overlap, "SPLIT_IN_PROJ", True)
-        monkeypatch.setattr(overlap, "SPLIT_IN_PROJ_MIN_ROWS", 2)
+        monkeypatch.setattr(paths, "SPLIT_IN_PROJ_MIN_ROWS", 2)
         splits.clear()
         got, _ = model.verify(tokens[:, 3:], tree, cache)
     return want, got, sum(splits)
@@ -70,12 +69,9 @@ if not INTERPRETED:
         assert pending_slots_for(huge, model) == 0
 
     def test_reference_backend_never_splits(monkeypatch):
-        monkeypatch.setattr(overlap, "SPLIT_IN_PROJ_MIN_ROWS", 2)
-        dispatch.set_backend("reference")
-        try:
+        monkeypatch.setattr(paths, "SPLIT_IN_PROJ_MIN_ROWS", 2)
+        with dispatch.use_backend("reference"):
             assert overlap.split_in_proj_counters(64, 1, 32, 68, 32, 4, 4, 8, torch.device("cpu")) is None
-        finally:
-            dispatch.set_backend("auto")
 
 else:
     from ssmspec.ops.gemv.triton import skinny_linear
@@ -84,9 +80,8 @@ else:
 
     @pytest.fixture(autouse=True)
     def _triton_backend():
-        dispatch.set_backend("triton")
-        yield
-        dispatch.set_backend("auto")
+        with dispatch.use_backend("triton"):
+            yield
 
     @pytest.mark.parametrize("rows, n, unit", [(5, 96, 8), (16, 64, 32)])
     def test_skinny_linear_raises_ready_counters_per_column_block(rows, n, unit):
@@ -146,7 +141,7 @@ else:
         cache = model.new_cache(1, 32)
         with torch.no_grad():
             model(tokens[:, :3], cache, last_only=True)
-        monkeypatch.setattr(overlap, "SPLIT_IN_PROJ_MIN_ROWS", 2)
+        monkeypatch.setattr(paths, "SPLIT_IN_PROJ_MIN_ROWS", 2)
 
         def failing_scan(*args, **kwargs):
             assert kwargs.get("gate_flags") is not None and kwargs["gate_flags"].any()  # raised by z's GEMM

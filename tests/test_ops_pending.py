@@ -165,8 +165,7 @@ def _model_with_pending_matches_plain(layers, backend):
     cache: same logits at every verify, same states and logits after a step (which settles)."""
     from ssmspec.ops import dispatch
 
-    dispatch.set_backend(backend)
-    try:
+    with dispatch.use_backend(backend):
         torch.manual_seed(0)
         model = tiny_model(layers)
         tree = Tree.from_config((2, 2, 1))
@@ -197,8 +196,6 @@ def _model_with_pending_matches_plain(layers, backend):
             for a, b in zip(plain.layers, deferred.layers):
                 if hasattr(a, "ssm_state"):
                     assert_close(b.ssm_state, a.ssm_state, atol=1e-4, rtol=1e-4, name="state")
-    finally:
-        dispatch.set_backend("auto")
 
 
 if INTERPRETED:

@@ -378,7 +378,9 @@ else:
         from ssmspec.ops.gemv.naive import naive_norm_linear
 
         n, k = 70, 128
-        monkeypatch.setitem(GV.SKINNY_WIDE, (n, k), (16, 32, 1, 1, 0, 2))
+        import types
+
+        monkeypatch.setattr(GV, "SKINNY_WIDE", types.MappingProxyType({**GV.SKINNY_WIDE, (n, k): (16, 32, 1, 1, 0, 2)}))
         assert GV.skinny_rows(40, n, k) and not GV.skinny_rows(40, n, 150) and not GV.skinny_rows(65, n, k)
         x, w, res = torch.randn(1, 40, k) * 3, torch.randn(n, k) / 8, torch.randn(1, 40, n)
         x_sq = x.pow(2).sum(-1).reshape(40, 1, 1) * torch.tensor([0.25, 0.75]).reshape(1, 1, 2)
@@ -512,7 +514,7 @@ else:
         from ssmspec.ops.step_update.naive import naive_mamba_step_out
 
         if preload:
-            monkeypatch.setattr(GV, "_config", lambda n, k, device: GV.GemvConfig(1, 0, 1, preload=True))
+            monkeypatch.setattr(GV, "gemv_config", lambda n, k, device: GV.GemvConfig(1, 0, 1, preload=True))
 
         batch, heads, head_dim, d_state, groups, norm_groups, kernel_size = shape
         channels, d_inner, d_model = heads * head_dim + 2 * groups * d_state, heads * head_dim, 40

@@ -147,14 +147,14 @@ if not INTERPRETED:
         assert torch.equal(r["conv_state"], conv) and torch.equal(r["ssm_state"], ssm)
 
     def test_dispatch_reference_backend_runs_the_references():
-        from ssmspec.ops import dispatch
+        from ssmspec.ops import dispatch, paths
 
         assert dispatch._REFERENCE["tree_scan_gated"] is naive_tree_scan_gated
         assert dispatch._REFERENCE["replay_states"] is naive_replay_states
         assert dispatch._REFERENCE["replay_states_layers"] is naive_replay_states_layers
-        assert dispatch._TRITON["tree_scan_gated"] == ("ssmspec.ops.tree_scan.triton", "tree_scan_gated")
-        assert dispatch._TRITON["replay_states"] == ("ssmspec.ops.state_replay.triton", "replay_states")
-        assert dispatch._TRITON["replay_states_layers"] == ("ssmspec.ops.state_replay.triton", "replay_states_layers")
+        assert paths.TRITON_KERNELS["tree_scan_gated"] == ("ssmspec.ops.tree_scan.triton", "tree_scan_gated")
+        assert paths.TRITON_KERNELS["replay_states"] == ("ssmspec.ops.state_replay.triton", "replay_states")
+        assert paths.TRITON_KERNELS["replay_states_layers"] == ("ssmspec.ops.state_replay.triton", "replay_states_layers")
 
     def test_naive_replay_states_layers_is_each_layers_replay():
         layers, path, path_len = _layers_inputs(3, [5, 1])
@@ -282,8 +282,11 @@ else:
             assert torch.equal(got["conv_state"], ref["conv_state"]), f"layer {i} conv"
             assert_close(got["ssm_state"], ref["ssm_state"], atol=1e-5, rtol=1e-5, name=f"layer {i} ssm_state")
 
-    def test_dispatch_triton_backend_runs_the_kernels(monkeypatch, nan_outputs):
-        monkeypatch.setattr(dispatch, "_backend", "triton")
+    def test_dispatch_triton_backend_runs_the_kernels(nan_outputs):
+        with dispatch.use_backend("triton"):
+            _dispatch_runs_the_kernels()
+
+    def _dispatch_runs_the_kernels():
         assert dispatch.resolve("tree_scan_gated", torch.device("cpu")) is TS.tree_scan_gated
         assert dispatch.resolve("replay_states", torch.device("cpu")) is SR.replay_states
         assert dispatch.resolve("replay_states_layers", torch.device("cpu")) is SR.replay_states_layers

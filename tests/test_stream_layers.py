@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import kernel_shaped_model, tiny_model
 
+from ssmspec.ops import paths
 from ssmspec.ops.stream_layers import unsupported_reason
 
 CPU = torch.device("cpu")
@@ -61,89 +62,126 @@ def test_stream_proj_refuses_with_the_reason():
     # the ring of 4 slots of 8 rows at mamba2-2.7b fits beside a tree-scan program (32 KB of 228)
     assert stream_proj.cuda.smem_bytes(2560) + 1024 + 33 * 1024 <= 228 * 1024
 
-    tokens = torch.zeros(1, 16, dtype=torch.long)
-    assert model._stream_proj(tokens) is None  # not asked for: no warning
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SSMSPEC_STREAM_LAYERS", "1")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            assert model._stream_proj(tokens) is None and model._stream_proj(tokens) is None
-        assert len(caught) == 1 and "needs CUDA" in str(caught[0].message)
+    with paths.use_stream_layers("auto"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # not asked for: no warning
+        assert model.one_launch.verify(model, 16, CPU) is None
+    with paths.use_stream_layers("1"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fresh = kernel_shaped_model()
+        assert fresh.one_launch.verify(fresh, 16, CPU) is None and fresh.one_launch.verify(fresh, 8, CPU) is None
+        assert fresh.one_launch.verify(fresh, 17, CPU) is None  # larger trees never take it: nothing to say
+    assert len(caught) == 1 and "needs CUDA" in str(caught[0].message)
 
 
-def test_the_mode_comes_from_the_environment(monkeypatch):
-    from ssmspec.ops import stream_layers
-
-    monkeypatch.delenv("SSMSPEC_STREAM_LAYERS", raising=False)
-    assert stream_layers.mode() == "auto" and stream_layers.enabled()
-    for value, want in (("auto", "auto"), ("1", "on"), (" ON ", "on"), ("0", "off"), ("off", "off")):
-        monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", value)
-        assert stream_layers.mode() == want
-    assert not stream_layers.enabled()
-    monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "yes please")
-    with pytest.raises(ValueError, match="expected 1 .* 0 .* auto"):
-        stream_layers.mode()
+def test_the_settings_come_from_the_environment():
+    """Read once per process (ops/paths.py `environment`); `read_settings` is the parser."""
+    for value, want in (("", "auto"), ("auto", "auto"), ("1", "on"), (" ON ", "on"), ("0", "off"), ("off", "off")):
+        assert paths.read_settings({"SSMSPEC_STREAM_LAYERS": value}).stream_layers == want
+    assert paths.read_settings({}) == paths.Settings("auto", "auto", False)
+    assert paths.read_settings({"SSMSPEC_BACKEND": "Triton", "TRITON_INTERPRET": "1"}) == \
+        paths.Settings("triton", "auto", True)
 
 
-def test_the_default_mode_falls_back_quietly_and_asking_warns(monkeypatch):
+@pytest.mark.parametrize("environ, match", [({"SSMSPEC_STREAM_LAYERS": "yes please"}, "SSMSPEC_STREAM_LAYERS='yes please'"),
+                                            ({"SSMSPEC_BACKEND": "cuda"}, "SSMSPEC_BACKEND='cuda' is not a backend")])
+def test_bad_settings_raise_one_typed_sentence(environ, match):
+    from ssmspec.errors import CodePathError, SsmspecError
+
+    with pytest.raises(CodePathError, match=match) as info:
+        paths.read_settings(environ)
+    assert isinstance(info.value, SsmspecError) and "\n" not in str(info.value)
+    with pytest.raises(CodePathError, match="unknown backend 'foo'"):
+        paths.set_backend("foo")
+    with pytest.raises(CodePathError, match="unknown backend"):
+        paths.use_backend("foo")
+    with pytest.raises(CodePathError, match="one-launch mode"):
+        paths.use_stream_layers("maybe")
+
+
+def test_scoped_settings_nest_and_restore():
+    outer = paths.settings()
+    with paths.use_backend("reference"):
+        assert paths.get_backend() == "reference"
+        with paths.use_stream_layers("0"), paths.use_backend("triton"):
+            assert paths.settings() == paths.Settings("triton", "off", outer.interpret)
+        assert paths.settings() == paths.Settings("reference", outer.stream_layers, outer.interpret)
+    assert paths.settings() == outer
+    with pytest.raises(RuntimeError), paths.use_backend("reference"):
+        raise RuntimeError("boom")
+    assert paths.settings() == outer
+
+
+def test_the_default_mode_falls_back_quietly_and_asking_warns():
     """On the CPU the one-launch kernels cannot run: the default mode keeps the Triton path
     without a word; SSMSPEC_STREAM_LAYERS=1 says why, once per model; 0 does not even look."""
     import warnings
 
-    monkeypatch.delenv("SSMSPEC_STREAM_LAYERS", raising=False)
-    ids = torch.zeros(1, 1, dtype=torch.long)
-    with warnings.catch_warnings():
+    with paths.use_stream_layers("auto"), warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert kernel_shaped_model()._stream_layers(ids) is None
+        model = kernel_shaped_model()
+        assert model.one_launch.step(model, 1, CPU) is None
     model = kernel_shaped_model()
-    monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "1")
-    with warnings.catch_warnings(record=True) as caught:
+    with paths.use_stream_layers("on"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert model._stream_layers(ids) is None and model._stream_layers(ids) is None
+        assert model.one_launch.step(model, 1, CPU) is None and model.one_launch.step(model, 1, CPU) is None
+        assert model.one_launch.step(model, 2, CPU) is None  # batch 2 never takes it: nothing to say
     assert len(caught) == 1 and "needs CUDA" in str(caught[0].message)
-    monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "0")
     fresh = kernel_shaped_model()
-    assert fresh._stream_layers(ids) is None and getattr(fresh, "_stream_runner", None) is None
+    with paths.use_stream_layers("off"):
+        assert fresh.one_launch.step(fresh, 1, CPU) is None and fresh.one_launch.kept("step", CPU) is None
+        assert paths.step_reason(fresh, 1, CPU) == "SSMSPEC_STREAM_LAYERS=0"
 
 
 def test_a_failed_build_warns_by_default_and_raises_when_asked(monkeypatch):
     """A toolkit that cannot build the kernel: the default mode warns once and keeps the Triton
-    kernels (and does not try again for that model); SSMSPEC_STREAM_LAYERS=1 raises."""
+    kernels (and does not try again for that model); SSMSPEC_STREAM_LAYERS=1 raises a typed error."""
     import warnings
+
+    from ssmspec.errors import CodePathError
+    from ssmspec.ops import stream_layers
 
     calls = []
 
-    def build():
+    def build(model, device):
         calls.append(1)
         raise RuntimeError("Error building extension 'x'")
 
-    monkeypatch.delenv("SSMSPEC_STREAM_LAYERS", raising=False)
+    # as if this CPU could run it: the kernel's own checks pass, its build fails
+    monkeypatch.setattr(paths, "step_reason", lambda model, batch, device: None)
+    monkeypatch.setattr(stream_layers, "StreamLayers", build)
     model = kernel_shaped_model()
-    with warnings.catch_warnings(record=True) as caught:
+    with paths.use_stream_layers("auto"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
-            assert model._one_launch_runner("_probe", CPU, lambda: None, build, "the kernel", "Triton") is None
+            assert model.one_launch.step(model, 1, CPU) is None
     assert len(calls) == 1 and len(caught) == 1 and "failed to build" in str(caught[0].message)
-    monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "1")
-    with pytest.raises(RuntimeError, match="=1, but the kernel failed to build"):
-        kernel_shaped_model()._one_launch_runner("_probe", CPU, lambda: None, build, "the kernel", "Triton")
+    with paths.use_stream_layers("1"), pytest.raises(CodePathError, match="=1, but the one-launch layer stack failed"):
+        fresh = kernel_shaped_model()
+        fresh.one_launch.step(fresh, 1, CPU)
 
 
-def test_the_default_mode_waits_for_gpu_tests_at_other_widths(monkeypatch):
-    """mamba2-130m's width (768) fits both kernels but has not run their GPU tests: the default
-    mode refuses it with that reason; SSMSPEC_STREAM_LAYERS=1 goes on to the next check."""
+def test_any_width_that_fits_the_tiling_passes_the_width_check():
+    """mamba2-130m's width (768) fits both kernels: refused here only for the device, in every
+    mode (which widths run is decided by the kernels' limits; tests/gpu runs them at the presets'
+    widths)."""
     import dataclasses
 
     from ssmspec.models import LanguageModel
     from ssmspec.models.presets import preset_config
     from ssmspec.ops import stream_proj
-    from ssmspec.ops.stream_layers import GPU_TESTED_D_MODELS
 
-    assert 768 not in GPU_TESTED_D_MODELS
     cfg = dataclasses.replace(preset_config("mamba2-130m", vocab_size=256), layers=["mamba"])
     model = LanguageModel(cfg).to(torch.bfloat16).fold_norm_weights_()
-    monkeypatch.delenv("SSMSPEC_STREAM_LAYERS", raising=False)
-    for reason in (unsupported_reason(model, 1, CPU), stream_proj.unsupported_reason(model, 16, CPU)):
-        assert "d_model 768 has not run the kernels' GPU tests" in reason and "=1 takes them" in reason
-    monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "1")
     assert unsupported_reason(model, 1, CPU) == stream_proj.unsupported_reason(model, 16, CPU) == "needs CUDA"
+    odd = dataclasses.replace(cfg, d_model=640)
+    assert "d_model 640 does not fit" in unsupported_reason(LanguageModel(odd).to(torch.bfloat16).fold_norm_weights_(),
+                                                             1, CPU)
+
+
+def test_the_model_names_its_mamba_stack_for_the_kernels():
+    model = kernel_shaped_model()
+    stack = model.folded_mamba_stack()
+    assert [m for m, _ in stack] == model.mamba_mixers() == [layer.mixer for layer in model.layers]
+    assert [eps for _, eps in stack] == [layer.norm.eps for layer in model.layers]
+    assert kernel_shaped_model(("mamba", "mlp")).folded_mamba_stack() is None
+    assert len(kernel_shaped_model(("mamba", "mlp")).mamba_mixers()) == 1

@@ -32,7 +32,7 @@ def _warm_up_and_capture(fn, cache: ModelCache, warmup: int = 2, also=()) -> tor
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with graph_tables.written_after_capture(), torch.cuda.graph(graph):  # no table copies in the graph
+    with graph_tables.written_after_capture(owner=graph), torch.cuda.graph(graph):  # no table copies in the graph
         fn()
     cache.copy_(snapshot)  # capture itself runs nothing, but the warm-up steps advanced the cache
     for x, saved in kept:

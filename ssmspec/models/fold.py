@@ -30,13 +30,12 @@ def fold_norm_weights_(model: nn.Module) -> nn.Module:
 
 
 def fold_for_kernels(*models) -> None:
-    """Fold each model (None and non-LanguageModel drafters are skipped) whose device runs the
-    fused-norm kernels under the current backend; the reference path is left as it is. Decoding
-    (`generate`) and `profile` call it so that they run, and time, the same path."""
-    from .lm import LanguageModel
-
+    """Fold each model (None and drafters that are not language models, without
+    `fold_norm_weights_`, are skipped) whose device runs the fused-norm kernels under the current
+    backend; the reference path is left as it is. Decoding (`generate`) and `profile` call it so
+    that they run, and time, the same path."""
     for model in models:
-        if isinstance(model, LanguageModel) and dispatch.uses_kernel("norm_linear", model.device):
+        if hasattr(model, "fold_norm_weights_") and dispatch.uses_kernel("norm_linear", model.device):
             fold_norm_weights_(model)
 
 

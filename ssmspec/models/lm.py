@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..ops import dispatch
+from ..ops import dispatch, paths
 from .attention import Attention
 from .cache import ModelCache
 from .config import ModelConfig
@@ -27,9 +27,6 @@ class RMSNorm(nn.Module):
         hf = h.float()
         hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * hf).to(h.dtype)
-
-
-_ADD_NORM_MAX_DIM = 16384  # widest row of the fused add + RMSNorm kernel (one program per row)
 
 
 def _mlp_through_dispatch(mlp: MLP, h: torch.Tensor) -> torch.Tensor:
@@ -99,6 +96,21 @@ class LanguageModel(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embeddings.weight
+        self.one_launch = paths.OneLaunchRunners()
+        """The one-launch CUDA kernels' runners for this model, built on first use where
+        ops/paths.py says they run (none on the CPU)."""
+
+    def mamba_mixers(self) -> list[Mamba2Mixer]:
+        """The Mamba-2 mixers of the stack, in layer order."""
+        return [layer.mixer for layer in self.layers if layer.kind == "mamba"]
+
+    def folded_mamba_stack(self) -> list[tuple[Mamba2Mixer, float]] | None:
+        """(mixer, its pre-norm's eps) of every layer when every layer is a Mamba-2 layer with its
+        norms folded into its projections (models/fold.py): the stack that the one-launch CUDA
+        kernels run. None otherwise."""
+        if not all(layer.kind == "mamba" and layer.norms_folded for layer in self.layers):
+            return None
+        return [(layer.mixer, layer.norm.eps) for layer in self.layers]
 
     @property
     def device(self) -> torch.device:
@@ -188,8 +200,7 @@ class LanguageModel(nn.Module):
     def step(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor:
         """One token per row: input_ids (B, 1) -> logits (B, 1, V); cache advanced by one."""
         self.settle(cache)
-        if (not torch.is_grad_enabled() and dispatch.uses_kernel("add_rms_norm", input_ids.device)
-                and self.config.d_model <= _ADD_NORM_MAX_DIM):
+        if not torch.is_grad_enabled() and paths.fused_layers(self.config.d_model, input_ids.device):
             return self._fused_step(input_ids, cache)
         h = self.embeddings(input_ids)
         for i, layer in enumerate(self.layers):
@@ -241,58 +252,9 @@ class LanguageModel(nn.Module):
         logits = dispatch.linear(normed, self.lm_head.weight, self.lm_head.bias)
         return (logits.float() if float_logits else logits), acts
 
-    def _stream_layers(self, input_ids: torch.Tensor):
-        """The one-launch layer stack (ops/stream_layers) where it can run this model's batch-1
-        step here and SSMSPEC_STREAM_LAYERS is not 0; else None (see `_one_launch_runner`)."""
-        from ..ops import stream_layers
-
-        if input_ids.shape[0] != 1 or not stream_layers.enabled():
-            return None
-        device = input_ids.device
-        return self._one_launch_runner(
-            "_stream_runner", device, lambda: stream_layers.unsupported_reason(self, 1, device),
-            lambda: stream_layers.StreamLayers(self, device), "the one-launch layer stack",
-            "the decode step keeps the Triton kernels")
-
-    def _one_launch_runner(self, attr: str, device: torch.device, reason, build, what: str, fallback: str):
-        """The runner of a one-launch CUDA kernel (ops/stream_layers, ops/stream_proj), decided
-        once per model and device and kept in `attr`: built on first use, or None (the caller
-        keeps the Triton kernels) where `reason()` says it cannot run. Only SSMSPEC_STREAM_LAYERS=1
-        warns about that; the default mode falls back without a word. A failed build warns in the
-        default mode and raises with =1. Decided before a CUDA graph captures the call (StepGraph
-        and GreedyTreeGraph run it eagerly first): never built during a capture."""
-        from ..ops import stream_layers
-
-        kept = getattr(self, attr, None)
-        if kept is not None and kept[0] == device:
-            return kept[1]
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return None
-        asked = stream_layers.mode() == "on"
-        env = stream_layers.cuda.ENV
-        why = reason()
-        runner = None
-        if why is not None:
-            if asked:
-                import warnings
-
-                warnings.warn(f"{env}=1, but {what} cannot run: {why}; {fallback}", stacklevel=4)
-        else:
-            try:
-                runner = build()
-            except Exception as e:  # a compiler or toolkit that fails to build it
-                if asked:
-                    raise RuntimeError(f"{env}=1, but {what} failed to build: {e}") from e
-                import warnings
-
-                warnings.warn(f"{what} failed to build ({type(e).__name__}: {e}); {fallback} "
-                              f"({env}=0 skips the build)", stacklevel=4)
-        setattr(self, attr, (device, runner))
-        return runner
-
     def _fused_step(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor:
         """`step` on the kernels, same math (see `_fused_stack`). input_ids (B, 1) -> logits (B, 1, V)."""
-        runner = self._stream_layers(input_ids)
+        runner = self.one_launch.step(self, input_ids.shape[0], input_ids.device)
         if runner is not None:  # every layer, the final norm and the LM head in one launch
             logits = runner(self.embeddings(input_ids)[:, 0], cache)
             cache.seqlen += 1
@@ -329,8 +291,7 @@ class LanguageModel(nn.Module):
             for `replay`.
         """
         device = tokens.device
-        if (not torch.is_grad_enabled() and dispatch.uses_kernel("add_rms_norm", device)
-                and self.config.d_model <= _ADD_NORM_MAX_DIM):
+        if not torch.is_grad_enabled() and paths.fused_layers(self.config.d_model, device):
             return self._fused_verify(tokens, tree, cache, float_logits)
         parents = tree.parents_tensor(device)
         depth = tree.depth_tensor(device)
@@ -352,7 +313,7 @@ class LanguageModel(nn.Module):
     def verify_splits_in_proj(self, nodes: int, batch: int = 1) -> bool:
         """Whether `verify` (without autograd) of `nodes`-node trees at `batch` rows splits the
         folded Mamba layers' in_proj and runs z's GEMM beside the conv and the scan (ops/overlap.py)."""
-        if not (dispatch.uses_kernel("add_rms_norm", self.device) and self.config.d_model <= _ADD_NORM_MAX_DIM):
+        if not paths.fused_layers(self.config.d_model, self.device):
             return False  # the plain verify loop, which never splits
         return any(layer.kind == "mamba" and layer.norms_folded
                    and layer.mixer.verify_splits_in_proj(batch * nodes, batch, self.device) for layer in self.layers)
@@ -361,7 +322,7 @@ class LanguageModel(nn.Module):
         """`verify` on the kernels, same math and contract (see `_fused_stack`)."""
         device = tokens.device
         parents = tree.parents_tensor(device)
-        runner = self._stream_proj(tokens)
+        runner = self.one_launch.verify(self, tokens.numel(), device)
         if runner is not None:
             return self._stream_proj_verify(runner, tokens, parents, cache, float_logits)
         depth = tree.depth_tensor(device)
@@ -382,33 +343,6 @@ class LanguageModel(nn.Module):
 
         logits, acts = self._fused_stack(self.embeddings(tokens), run_mixer, run_folded, float_logits)
         return logits, TreeActivations(acts)
-
-    def _stream_proj(self, tokens: torch.Tensor):
-        """The verify's projections on the weight stream (ops/stream_proj) where they can run this
-        model and tree size here and SSMSPEC_STREAM_LAYERS is not 0; else None. Decided once per
-        row count; see `_one_launch_runner` for the rest."""
-        from ..ops import stream_layers, stream_proj
-
-        if not stream_layers.enabled():
-            return None
-        rows, device = tokens.numel(), tokens.device
-        reasons = getattr(self, "_stream_proj_reasons", None)
-        if reasons is None:
-            reasons = self._stream_proj_reasons = {}
-        if (rows, device) not in reasons:
-            reasons[rows, device] = stream_proj.unsupported_reason(self, rows, device)
-        if reasons[rows, device] is not None:
-            if (rows <= stream_proj.MAX_NODES and stream_layers.mode() == "on"
-                    and not getattr(self, "_stream_proj_warned", False)):  # once per model
-                import warnings
-
-                warnings.warn(f"{stream_layers.cuda.ENV}=1, but the verify's weight-stream projections cannot run: "
-                              f"{reasons[rows, device]}; the tree verify keeps the Triton kernels", stacklevel=4)
-                self._stream_proj_warned = True
-            return None
-        return self._one_launch_runner(
-            "_stream_proj_runner", device, lambda: None, lambda: stream_proj.StreamProj(self, device),
-            "the verify's weight-stream projections", "the tree verify keeps the Triton kernels")
 
     def _stream_proj_verify(self, runner, tokens: torch.Tensor, parents: torch.Tensor, cache: ModelCache,
                             float_logits: bool = True):

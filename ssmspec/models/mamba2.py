@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ops import dispatch, overlap
+from ..ops import dispatch, overlap, paths
 from .cache import MambaLayerCache
 from .config import MambaConfig
 
@@ -220,7 +220,7 @@ class Mamba2Mixer(nn.Module):
     def verify_splits_in_proj(self, rows: int, batch: int, device: torch.device) -> bool:
         """Whether `folded_residual_verify` on `rows` rows (batch x nodes) splits in_proj and runs
         z's GEMM beside the conv and the scan (ops/overlap.py)."""
-        return overlap.can_split_in_proj(*self._split_args(rows, batch, device))
+        return paths.splits_in_proj(*self._split_args(rows, batch, device))
 
     def folded_residual_verify(self, h: torch.Tensor, cache: MambaLayerCache, parents: torch.Tensor,
                                pre_norm_eps: float, h_sq: torch.Tensor | None = None, pending=None):
@@ -234,7 +234,7 @@ class Mamba2Mixer(nn.Module):
         h (B, N, D) -> (B, N, D), its partial sums of squares (or None), and the activations
         for `replay`. h itself may be overwritten by the output (the residual add in place).
 
-        From ops/overlap.SPLIT_IN_PROJ_MIN_ROWS rows on (where `verify_splits_in_proj`), in_proj
+        From ops/paths.SPLIT_IN_PROJ_MIN_ROWS rows on (where `verify_splits_in_proj`), in_proj
         runs as two GEMMs and z's beside the conv and the scan, on a second stream."""
         c = self.cfg
         w, bias = self.in_proj.weight, self.in_proj.bias

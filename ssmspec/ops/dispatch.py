@@ -1,15 +1,11 @@
-"""Run-time choice between the plain-torch references and the GPU kernels.
-
-Models call the functions here; `set_backend("reference" | "triton" | "auto")` picks the
-implementation. "auto" uses a kernel when CUDA is available and the kernel module imports.
+"""The ops as models call them: each runs the plain-torch reference or its Triton kernel, as
+ops/paths.py decides (`use_backend`, `set_backend`, `explain` are its, re-exported here).
 """
 from __future__ import annotations
 
-import functools
-import importlib
-
 import torch
 
+from . import paths
 from .chunk_scan.naive import naive_chunk_scan
 from .gemv.naive import naive_linear, naive_norm_linear
 from .greedy_accept.naive import naive_greedy_accept
@@ -30,8 +26,8 @@ from .step_update.naive import (
 from .tree_conv.naive import naive_tree_conv
 from .tree_scan.naive import naive_tree_scan, naive_tree_scan_gated
 
-BACKENDS = ("auto", "reference", "triton")
-_backend = "auto"
+BACKENDS = paths.BACKENDS
+explain, get_backend, set_backend, use_backend = paths.explain, paths.get_backend, paths.set_backend, paths.use_backend
 
 _REFERENCE = {
     "tree_scan": naive_tree_scan,
@@ -52,71 +48,19 @@ _REFERENCE = {
     "norm_linear": naive_norm_linear,
     "greedy_accept": naive_greedy_accept,
 }
-# op name -> (module, function) of its Triton kernel, filled in as kernels land.
-_TRITON = {
-    "tree_scan": ("ssmspec.ops.tree_scan.triton", "tree_scan"),
-    "tree_scan_gated": ("ssmspec.ops.tree_scan.triton", "tree_scan_gated"),
-    "tree_conv": ("ssmspec.ops.tree_conv.triton", "tree_conv"),
-    "replay_states": ("ssmspec.ops.state_replay.triton", "replay_states"),
-    "replay_states_layers": ("ssmspec.ops.state_replay.triton", "replay_states_layers"),
-    "settle_pending_layers": ("ssmspec.ops.state_replay.triton", "settle_pending_layers"),
-    "advance_positions": ("ssmspec.ops.state_replay.triton", "advance_positions"),
-    "mamba_step": ("ssmspec.ops.step_update.triton", "mamba_step"),
-    "mamba_step_out": ("ssmspec.ops.step_update.triton", "mamba_step_out"),
-    "rms_norm": ("ssmspec.ops.step_update.triton", "rms_norm"),
-    "add_rms_norm": ("ssmspec.ops.step_update.triton", "add_rms_norm"),
-    "gated_rms_norm": ("ssmspec.ops.step_update.triton", "gated_rms_norm"),
-    "time_step": ("ssmspec.ops.step_update.triton", "time_step"),
-    "linear": ("ssmspec.ops.gemv.triton", "linear"),
-    "norm_linear": ("ssmspec.ops.gemv.triton", "norm_linear"),
-    "greedy_accept": ("ssmspec.ops.greedy_accept.triton", "greedy_accept"),
-}
-
-
-def set_backend(name: str) -> None:
-    global _backend
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    _backend = name
-
-
-def get_backend() -> str:
-    return _backend
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_impl(op: str):
-    # Cached: resolve() runs for every op of every layer of every decode step.
-    spec = _TRITON.get(op)
-    if spec is None:
-        return None
-    try:
-        return getattr(importlib.import_module(spec[0]), spec[1])
-    except (ImportError, AttributeError):
-        return None
 
 
 def resolve(op: str, device: torch.device):
-    """The implementation of `op` for tensors on `device` under the current backend."""
-    if _backend == "reference":
-        return _REFERENCE[op]
-    wants_kernel = _backend == "triton" or (_backend == "auto" and device.type == "cuda")
-    if wants_kernel:
-        impl = _triton_impl(op)
-        if impl is not None:
-            return impl
-        if _backend == "triton" and op in _TRITON:
-            raise RuntimeError(f"--backend triton asked for, but the Triton kernel for {op} is unavailable")
-    return _REFERENCE[op]
+    """The implementation of `op` for tensors on `device` under the current settings (ops/paths.py)."""
+    return paths.kernel(op, device) or _REFERENCE[op]
 
 
 def uses_kernel(op: str, device: torch.device) -> bool:
-    """Whether `op` on `device` runs a Triton kernel under the current backend.
+    """Whether `op` on `device` runs a Triton kernel under the current settings.
 
-    Models use it to branch into a fused path (e.g. the single-token step) while the reference
-    path stays the plain code it was.
-    """
-    return resolve(op, device) is not _REFERENCE[op]
+    Models use it to branch into a fused path for one op (e.g. the single-token step) while the
+    reference path stays the plain code it was."""
+    return paths.kernel(op, device) is not None
 
 
 def tree_scan(x, dt, A, B, C, D, parents, initial_state, pending=None):

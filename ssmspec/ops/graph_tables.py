@@ -11,40 +11,43 @@ earlier kernel of the same graph writes at every replay.)
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
 ARENA_ENTRIES = 8192
 """int64 entries of one capture's arena (64 KB; mamba2-2.7b's replay table takes 640)."""
 
-ENABLED = True
-"""False: `written_after_capture` captures the copies as outside it (for a timing A/B only)."""
 _arena: dict | None = None
-"""The innermost `written_after_capture`'s arena: its tensor, entries used, (slice, host rows) to write."""
+"""The innermost `written_after_capture`'s arena: its tensor, entries used, (slice, host rows) to
+write, and the list that keeps what the graph reads."""
+_kept_by_owner: "weakref.WeakKeyDictionary[object, list]" = weakref.WeakKeyDictionary()
+"""Arenas and host buffers that a captured graph reads, alive as long as the graph (its owner)."""
 _kept: list = []
-"""Arenas and host buffers that captured graphs read: alive as long as the process."""
+"""The same for captures without an owner (a table captured outside `written_after_capture`):
+alive as long as the process."""
 
 
 @contextlib.contextmanager
-def written_after_capture(device: torch.device | None = None):
+def written_after_capture(device: torch.device | None = None, owner: object | None = None):
     """Around a `torch.cuda.graph(...)` block (entered before it): the tables that `device_table`
     makes inside the capture are slices of an arena allocated here, written on the current stream
     when the block exits without an error (before any replay on that stream). A table that does
-    not fit the arena is captured as a copy, as outside this context."""
+    not fit the arena is captured as a copy, as outside this context. owner: the captured graph,
+    which keeps the arena and host buffers alive (without one they live as long as the process)."""
     global _arena
-    if not ENABLED:
-        yield
-        return
     outer = _arena
     device = device or torch.device("cuda", torch.cuda.current_device())
-    _arena = {"arena": torch.empty(ARENA_ENTRIES, dtype=torch.int64, device=device), "used": 0, "tables": []}
+    kept = _kept if owner is None else _kept_by_owner.setdefault(owner, [])
+    _arena = {"arena": torch.empty(ARENA_ENTRIES, dtype=torch.int64, device=device), "used": 0, "tables": [],
+              "kept": kept}
     try:
         yield
         arena = _arena
         for table, host in arena["tables"]:
             table.copy_(host, non_blocking=True)
         if arena["tables"]:
-            _kept.append(arena)  # the graph reads the arena; the copies read the host buffers
+            kept.append(arena)  # the graph reads the arena; the copies read the host buffers
     finally:
         _arena = outer
 
@@ -63,6 +66,6 @@ def device_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
             table = arena["arena"][start:start + entries].view(host.shape)
             arena["tables"].append((table, host))
             return table
-        _kept.append(host)  # the captured copy reads it at every replay
+        (_kept if arena is None else arena["kept"]).append(host)  # the captured copy reads it at every replay
     # Outside capture the caching host allocator keeps `host` until the copy has run.
     return host.to(device, non_blocking=True)

@@ -3,9 +3,9 @@
 The tree verify's Mamba layer is a chain: in_proj, the tree conv, the tree scan, out_proj. While
 the conv and the scan run the weight stream idles, although only x, B, C and dt feed them: the
 gate z (half of in_proj's weights) is needed only at the scan's end. `Mamba2Mixer` can therefore
-split in_proj in two and run z's GEMM on a second stream beside the conv and the scan (worth it
-from 33 rows: SPLIT_IN_PROJ_MIN_ROWS). The scan cannot wait for z's whole launch (a graph edge
-would put z's GEMM back on the chain), so it waits for ready counters instead:
+split in_proj in two and run z's GEMM on a second stream beside the conv and the scan, where
+ops/paths.py `splits_in_proj` says it pays. The scan cannot wait for z's whole launch (a graph
+edge would put z's GEMM back on the chain), so it waits for ready counters instead:
 
 - z's GEMM (ops/gemv `skinny_linear`, `ready_flags`) adds, once an output tile is stored, the
   number of scan programs that read each head's columns to that head's counter (a CTA barrier,
@@ -20,14 +20,16 @@ Why this cannot deadlock: z's GEMM waits for nothing but its inputs, so it finis
 SMs. The scan's programs spin only after all of the conv finished, and let the next kernel
 launch only once none of them has a wait ahead, so what can hold SMs while they spin is the scan
 itself and z's GEMM. z's GEMM therefore progresses as long as one SM holds no scan program: the
-caller checks that the scan has fewer programs than the GPU has SMs (`leaves_an_sm`, counting a
-whole SM per program, the worst case).
+caller checks that the scan has fewer programs than the GPU has SMs (ops/paths.py `leaves_an_sm`,
+counting a whole SM per program, the worst case).
 """
 from __future__ import annotations
 
 import functools
 
 import torch
+
+from . import paths
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,7 +42,9 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_stream(device.index if device.index is not None else torch.cuda.current_device())
 
 
-_COUNTERS: dict = {}
+_COUNTERS: dict[tuple[str, int | None, int], torch.Tensor] = {}
+"""Ready counters per (device, count): one entry per device and head count in use, never
+replaced (a captured graph keeps reading the buffer it was captured with)."""
 
 
 def ready_counters(device: torch.device, n: int) -> torch.Tensor | None:
@@ -56,51 +60,12 @@ def ready_counters(device: torch.device, n: int) -> torch.Tensor | None:
     return counters
 
 
-def leaves_an_sm(programs: int, device: torch.device) -> bool:
-    """Whether a launch of `programs` programs leaves at least one of `device`'s SMs free of them
-    even if each program takes a whole SM."""
-    if device.type != "cuda":
-        return True  # the CPU interpreter runs launches one after another
-    return programs < torch.cuda.get_device_properties(device).multi_processor_count
-
-
-SPLIT_IN_PROJ = True
-"""Whether `split_in_proj_counters` may split a verify layer's in_proj (benchmarks turn it off to
-time the same iteration with the plain layer)."""
-SPLIT_IN_PROJ_MIN_ROWS = 33
-"""Rows (batch x tree nodes) from which the verify layer splits in_proj. At mamba2-2.7b the 64-node
-iteration takes 3.31 ms split (with 16 pending slots) against 3.58 plain on an H100, but the
-16-node one 2.75-3.08 against 2.65-2.66: there the conv and scan are short and the second GEMM
-launch costs more than the overlap gives."""
-
-
-def can_split_in_proj(rows: int, batch: int, d_inner: int, rest: int, k: int, element_size: int, heads: int,
-                      head_dim: int, device: torch.device) -> bool:
-    """Whether a verify layer of `rows` rows should run z's GEMM (the first d_inner of in_proj's
-    d_inner + rest outputs, K inputs) beside its conv and scan. Not when the kernels are not in
-    use, for too few rows, for a half that the skinny GEMM does not take, when z's tiles are not
-    whole heads, or when the scan's programs could fill every SM while they wait."""
-    from . import dispatch
-
-    if not SPLIT_IN_PROJ or rows < SPLIT_IN_PROJ_MIN_ROWS:
-        return False
-    if not (dispatch.uses_kernel("tree_scan_gated", device) and dispatch.uses_kernel("norm_linear", device)):
-        return False
-    from .gemv import triton as gemv
-    from .tree_scan import triton as scan
-
-    if not (gemv.ENABLED and (device.type == "cuda" or gemv._interpreting())
-            and gemv.skinny_rows(rows, d_inner, k, element_size) and gemv.skinny_rows(rows, rest, k, element_size)):
-        return False
-    width = gemv.skinny_tile_width(d_inner, k, rows)
-    return bool(width) and width % head_dim == 0 and leaves_an_sm(scan.gated_programs(batch, heads, head_dim), device)
-
-
 def split_in_proj_counters(rows: int, batch: int, d_inner: int, rest: int, k: int, element_size: int,
                            heads: int, head_dim: int, device: torch.device):
     """(ready counters, scan programs reading each head) with which a verify layer runs z's GEMM
-    beside its conv and scan, or None where it should not (`can_split_in_proj`, same arguments)."""
-    if not can_split_in_proj(rows, batch, d_inner, rest, k, element_size, heads, head_dim, device):
+    beside its conv and scan, or None where it should not (ops/paths.py `splits_in_proj`, same
+    arguments)."""
+    if not paths.splits_in_proj(rows, batch, d_inner, rest, k, element_size, heads, head_dim, device):
         return None
     from .tree_scan import triton as scan
 

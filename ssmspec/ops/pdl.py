@@ -14,9 +14,10 @@ before `gdc_wait` (the cascade of early launches can reach several kernels back)
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from .settings import interpreting
 
 try:  # Triton >= 3.3
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
@@ -26,10 +27,6 @@ except ImportError:  # older Triton: kernels keep USE_PDL False and never reach 
     gdc_launch_dependents = gdc_wait = None
     _HAVE_GDC = False
 
-ENABLED = True
-"""Benchmarks set this False to time the same kernels without PDL (read at launch / capture)."""
-
-
 @functools.lru_cache(maxsize=None)
 def _supported(index: int) -> bool:
     return _HAVE_GDC and torch.cuda.get_device_capability(index)[0] >= 9
@@ -37,6 +34,6 @@ def _supported(index: int) -> bool:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: a Hopper-or-later GPU, not the interpreter."""
-    if not ENABLED or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type != "cuda" or interpreting():
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())

@@ -131,7 +131,7 @@ def test_greedy_fast_path_equals_reference_token_for_token(variant, pending, mon
     that continues after them flushes them first. split: the verify layers split in_proj, z's
     GEMM on a second stream (ops/overlap.py), at any row count."""
     from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
-    from ssmspec.ops import dispatch, overlap
+    from ssmspec.ops import dispatch, paths
 
     if variant.startswith("tiny"):
         model = tiny_model().to(DEV)
@@ -140,7 +140,7 @@ def test_greedy_fast_path_equals_reference_token_for_token(variant, pending, mon
     if "folded" in variant:
         model.fold_norm_weights_()
     if variant.endswith("split"):
-        monkeypatch.setattr(overlap, "SPLIT_IN_PROJ_MIN_ROWS", 2)
+        monkeypatch.setattr(paths, "SPLIT_IN_PROJ_MIN_ROWS", 2)
     prompt = torch.randint(0, 64, (1, 7), device=DEV)
 
     def reference_greedy(steps):

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from ssmspec.ops import dispatch, overlap
+from ssmspec.ops import dispatch, overlap, paths
 from ssmspec.trees import Tree
 
 pytestmark = pytest.mark.requires_cuda
@@ -29,9 +29,8 @@ def model():
 
 @pytest.fixture(autouse=True)
 def _triton_backend():
-    dispatch.set_backend("triton")
-    yield
-    dispatch.set_backend("auto")
+    with dispatch.use_backend("triton"):
+        yield
 
 
 def _prefilled(model, batch, tokens):
@@ -47,7 +46,7 @@ def test_split_verify_equals_plain_verify_eager_and_in_a_graph(model, tree_confi
     squares may round differently), and every replay of a captured split verify gives the
     eager split logits bit for bit (the counters' protocol under real concurrency)."""
     tree = Tree.from_config(tree_config)
-    assert tree.num_nodes >= overlap.SPLIT_IN_PROJ_MIN_ROWS
+    assert tree.num_nodes >= paths.SPLIT_IN_PROJ_MIN_ROWS
     torch.manual_seed(0)
     cache = _prefilled(model, 1, torch.randint(0, 512, (1, 24), device=DEV))
     tokens = torch.randint(0, 512, (1, tree.num_nodes), device=DEV)
@@ -56,10 +55,10 @@ def test_split_verify_equals_plain_verify_eager_and_in_a_graph(model, tree_confi
     monkeypatch.setattr(overlap, "split_in_proj_counters",
                         lambda *a, **k: splits.append(real(*a, **k)) or splits[-1])
     with torch.no_grad():
-        monkeypatch.setattr(overlap, "SPLIT_IN_PROJ", False)
-        want, _ = model.verify(tokens, tree, cache)
+        with monkeypatch.context() as plain:
+            plain.setattr(paths, "SPLIT_IN_PROJ_MIN_ROWS", 10**6)  # the plain layer
+            want, _ = model.verify(tokens, tree, cache)
         assert not any(s is not None for s in splits)
-        monkeypatch.setattr(overlap, "SPLIT_IN_PROJ", True)
         splits.clear()
         got, _ = model.verify(tokens, tree, cache)
         assert splits and all(s is not None for s in splits)

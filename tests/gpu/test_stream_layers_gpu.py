@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import kernel_shaped_model, rel_err as _rel
 
+from ssmspec.ops import paths
 from ssmspec.ops.stream_layers import StreamLayers
 
 pytestmark = pytest.mark.requires_cuda
@@ -20,7 +21,7 @@ def _prefilled(model, prompt):
 
 
 @pytest.mark.parametrize("layers", [2, 5])
-def test_stream_layers_step_matches_the_triton_step(layers, triton_backend, monkeypatch):
+def test_stream_layers_step_matches_the_triton_step(layers, triton_backend):
     """Teacher-forced: the same tokens through both steps from copies of one cache; logits and
     every layer's states agree to bf16 rounding, and the streaming runner really ran."""
     model = kernel_shaped_model(("mamba",) * layers, DEV)
@@ -31,10 +32,9 @@ def test_stream_layers_step_matches_the_triton_step(layers, triton_backend, monk
     with torch.no_grad():
         for t in tokens:
             want = model.step(t, ref_cache)
-            monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "1")
-            got = model.step(t, cache)
-            monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "0")
-            assert isinstance(model._stream_runner[1], StreamLayers)
+            with paths.use_stream_layers("on"):
+                got = model.step(t, cache)
+            assert isinstance(model.one_launch.kept("step", model.device), StreamLayers)
             assert torch.isfinite(got).all()
             assert _rel(got, want) < 2e-2, _rel(got, want)
     for lc, rc in zip(cache.layers, ref_cache.layers):
@@ -66,9 +66,9 @@ def test_stream_layers_in_a_cuda_graph(triton_backend, monkeypatch):
         return tokens, logits
 
     tokens, ref = run()
-    monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "1")
-    _, got = run(tokens)
-    assert isinstance(model._stream_runner[1], StreamLayers)
+    with paths.use_stream_layers("on"):
+        _, got = run(tokens)
+    assert isinstance(model.one_launch.kept("step", model.device), StreamLayers)
     for want, have in zip(ref, got):
         assert _rel(have, want) < 2e-2
         top = want.float().flatten().topk(2).values

@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import kernel_shaped_model, rel_err as _rel
 
+from ssmspec.ops import paths
 from ssmspec.ops.stream_proj import StreamProj, unsupported_reason
 from ssmspec.trees import Tree
 
@@ -21,18 +22,17 @@ def _prefilled(model, prompt, pending=0):
     return cache
 
 
-def _verify_both(model, tokens, tree, cache, monkeypatch):
+def _verify_both(model, tokens, tree, cache):
     with torch.no_grad():
         want = model.verify(tokens, tree, cache)
-        monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "1")
-        got = model.verify(tokens, tree, cache)
-        monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "0")
+        with paths.use_stream_layers("on"):
+            got = model.verify(tokens, tree, cache)
     return want, got
 
 
 @pytest.mark.parametrize("config, pending", [((3, 2, 1), 0), ((2, 2), 0), ((3, 2, 1), 16), ((1,), 0)],
                          ids=["16-nodes", "7-nodes", "16-nodes-pending", "2-nodes"])
-def test_stream_proj_verify_matches_the_triton_verify(config, pending, triton_backend, monkeypatch):
+def test_stream_proj_verify_matches_the_triton_verify(config, pending, triton_backend):
     """Logits and every activation the replay reads agree to bf16 rounding, the runner really
     ran, and the cache is left as it was (verify writes nothing to it)."""
     model = kernel_shaped_model(("mamba",) * 3, DEV)
@@ -47,8 +47,8 @@ def test_stream_proj_verify_matches_the_triton_verify(config, pending, triton_ba
         assert int(cache.pending_count[0]) > 0
     before = cache.clone()
     tokens = torch.randint(0, 64, (1, tree.num_nodes), device=DEV)
-    (want, want_acts), (got, got_acts) = _verify_both(model, tokens, tree, cache, monkeypatch)
-    assert isinstance(model._stream_proj_runner[1], StreamProj)
+    (want, want_acts), (got, got_acts) = _verify_both(model, tokens, tree, cache)
+    assert isinstance(model.one_launch.kept("verify", model.device), StreamProj)
     assert torch.isfinite(got).all() and _rel(got, want) < 2e-2, _rel(got, want)
     for a, b in zip(got_acts.layers, want_acts.layers):
         for name in ("xBC", "x", "dt", "B"):
@@ -72,8 +72,8 @@ def test_stream_proj_at_the_mamba2_2p7b_shape(triton_backend, monkeypatch):
     tree = Tree.from_config((3, 2, 1))
     cache = _prefilled(model, torch.randint(0, 1000, (1, 8), device=DEV))
     tokens = torch.randint(0, 1000, (1, tree.num_nodes), device=DEV)
-    (want, _), (got, _) = _verify_both(model, tokens, tree, cache, monkeypatch)
-    assert isinstance(model._stream_proj_runner[1], StreamProj)
+    (want, _), (got, _) = _verify_both(model, tokens, tree, cache)
+    assert isinstance(model.one_launch.kept("verify", model.device), StreamProj)
     assert _rel(got, want) < 1e-2, _rel(got, want)
 
 
@@ -87,13 +87,13 @@ def test_stream_proj_in_a_captured_tree_iteration(triton_backend, monkeypatch):
     tree = Tree.from_config((3, 2, 1))
     cache = _prefilled(model, torch.randint(0, 64, (1, 5), device=DEV), pending=16)
     tokens = torch.randint(0, 64, (1, tree.num_nodes), device=DEV)
-    monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "1")
     snapshot = cache.clone()
-    eager = GreedyTreeGraph(model, cache, tree, capture=False)
-    want_tokens, want_n = (t.clone() for t in eager(tokens))
-    want_cache = cache.clone()
-    cache.copy_(snapshot)
-    graph = GreedyTreeGraph(model, cache, tree)
+    with paths.use_stream_layers("on"):
+        eager = GreedyTreeGraph(model, cache, tree, capture=False)
+        want_tokens, want_n = (t.clone() for t in eager(tokens))
+        want_cache = cache.clone()
+        cache.copy_(snapshot)
+        graph = GreedyTreeGraph(model, cache, tree)
     for _ in range(10):
         cache.copy_(snapshot)
         got_tokens, got_n = graph(tokens)
@@ -102,7 +102,7 @@ def test_stream_proj_in_a_captured_tree_iteration(triton_backend, monkeypatch):
         for lc, rc in zip(cache.layers, want_cache.layers):
             assert torch.equal(lc.ssm_state, rc.ssm_state) and torch.equal(lc.conv_state, rc.conv_state)
             assert torch.equal(lc.pending_x, rc.pending_x)
-    assert isinstance(model._stream_proj_runner[1], StreamProj)
+    assert isinstance(model.one_launch.kept("verify", model.device), StreamProj)
 
 
 def test_stream_proj_refuses_what_it_cannot_run(triton_backend, monkeypatch):
@@ -116,16 +116,15 @@ def test_stream_proj_refuses_what_it_cannot_run(triton_backend, monkeypatch):
     tree = Tree.from_config((4, 3))  # 17 nodes
     cache = _prefilled(model, torch.randint(0, 64, (1, 5), device=DEV))
     tokens = torch.randint(0, 64, (1, tree.num_nodes), device=DEV)
-    (want, _), (got, _) = _verify_both(model, tokens, tree, cache, monkeypatch)
-    assert getattr(model, "_stream_proj_runner", None) is None and torch.equal(got, want)
+    (want, _), (got, _) = _verify_both(model, tokens, tree, cache)
+    assert model.one_launch.kept("verify", model.device) is None and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("preset", ["mamba2-130m", "mamba2-370m", "mamba2-780m", "mamba2-1.3b"])
-def test_both_kernels_at_the_smaller_mamba2_preset_shapes(preset, triton_backend, monkeypatch):
+def test_both_kernels_at_the_smaller_mamba2_preset_shapes(preset, triton_backend):
     """Two layers of each smaller mamba2 preset's shape (d_model 768 to 2048): a 16-node verify and
-    a decode step on the one-launch kernels against the Triton ones. Not yet run on a GPU (round
-    16 ran out of device time): once it passes, these widths join GPU_TESTED_D_MODELS and the
-    default mode takes the kernels there too."""
+    a decode step on the one-launch kernels against the Triton ones (the default mode takes them
+    at every width their limits allow: this test proves those widths)."""
     import dataclasses
 
     from ssmspec.models import LanguageModel
@@ -137,23 +136,20 @@ def test_both_kernels_at_the_smaller_mamba2_preset_shapes(preset, triton_backend
     model = init_weights(LanguageModel(cfg), seed=0, std=0.02).eval().to(DEV, torch.bfloat16)
     model.fold_norm_weights_()
     dev = torch.device(DEV)
-    monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "1")  # the default mode waits for this test (GPU_TESTED_D_MODELS)
     assert stream_layers.unsupported_reason(model, 1, dev) is None and unsupported_reason(model, 16, dev) is None
-    monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "0")
     tree = Tree.from_config((3, 2, 1))
     cache = _prefilled(model, torch.randint(0, 1000, (1, 8), device=DEV))
     tokens = torch.randint(0, 1000, (1, tree.num_nodes), device=DEV)
-    (want, _), (got, _) = _verify_both(model, tokens, tree, cache, monkeypatch)
-    assert isinstance(model._stream_proj_runner[1], StreamProj)
+    (want, _), (got, _) = _verify_both(model, tokens, tree, cache)
+    assert isinstance(model.one_launch.kept("verify", model.device), StreamProj)
     assert torch.isfinite(got).all() and _rel(got, want) < 1e-2, _rel(got, want)
     ref_cache = cache.clone()
     with torch.no_grad():
         for t in torch.randint(0, 1000, (4, 1, 1), device=DEV):
             want = model.step(t, ref_cache)
-            monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "1")
-            got = model.step(t, cache)
-            monkeypatch.setenv("SSMSPEC_STREAM_LAYERS", "0")
-            assert isinstance(model._stream_runner[1], stream_layers.StreamLayers)
+            with paths.use_stream_layers("on"):
+                got = model.step(t, cache)
+            assert isinstance(model.one_launch.kept("step", model.device), stream_layers.StreamLayers)
             assert torch.isfinite(got).all() and _rel(got, want) < 2e-2, _rel(got, want)
     for lc, rc in zip(cache.layers, ref_cache.layers):
         assert _rel(lc.ssm_state, rc.ssm_state) < 2e-2

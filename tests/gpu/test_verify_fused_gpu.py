@@ -132,13 +132,15 @@ def test_replay_states_layers_in_cuda_graph_gpu(batch, written_after, monkeypatc
     torch.cuda.current_stream().wait_stream(side)
     kept = len(graph_tables._kept)
     graph = torch.cuda.CUDAGraph()
-    with graph_tables.written_after_capture() if written_after else contextlib.nullcontext(), torch.cuda.graph(graph):
+    with (graph_tables.written_after_capture(owner=graph) if written_after else contextlib.nullcontext()), \
+            torch.cuda.graph(graph):
         scratch = torch.full((64 * 1024,), -1, dtype=torch.int64, device=DEV)
         del scratch
         SR.replay_states_layers(*args(conv, ssm))
-    assert len(graph_tables._kept) == kept + 1
+    held = graph_tables._kept_by_owner[graph] if written_after else graph_tables._kept[kept:]
+    assert len(held) == 1  # kept as long as the graph (without an owner: the process)
     if written_after:
-        ((table, host),) = graph_tables._kept[-1]["tables"]
+        ((table, host),) = held[0]["tables"]
         torch.cuda.synchronize()
         assert table.tolist() == host.tolist()
         host.fill_(-1)  # a graph that still read it would now follow wild pointers

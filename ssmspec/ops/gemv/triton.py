@@ -2,8 +2,8 @@
 
 At one row a linear layer is a pure weight stream: the time is N*K*2 bytes over bandwidth. The
 GEMV gives each program a few output rows and streams their K in wide, coalesced chunks, with
-enough programs (several per SM) to keep many loads in flight. Knobs (swept on an H100 at the
-decode shapes): rows per program, columns per load, warps, a fully
+enough programs (several per SM) to keep many loads in flight. Knobs (swept on the device by
+`bench/bench_kernels.py --gemv-sweep`): rows per program, columns per load, warps, a fully
 unrolled K loop (all of a program's loads issued before the first add), a persistent grid
 (programs loop over row tiles), and split-K (partial sums over column ranges, fp32).
 
@@ -16,7 +16,7 @@ inputs go to F.linear (cuBLAS).
 from __future__ import annotations
 
 import functools
-import os
+import types
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +24,8 @@ import triton
 import triton.language as tl
 
 from .. import pdl
-from ..pdl import gdc_launch_dependents, gdc_wait
-
-ENABLED = True
-"""Benchmarks set this False to compare with cuBLAS through the same code path."""
+from ..settings import interpreting
+from ..triton_common import gdc_launch_dependents, gdc_wait, rms_norm
 
 SKINNY_MAX_ROWS = 16
 """Row counts 2..SKINNY_MAX_ROWS run the skinny GEMM; above it cuBLAS, which the sweep on the
@@ -78,7 +76,7 @@ def _scale_from_groups(rvec, offs_k, group_size, NORM_GROUPS: tl.constexpr, BLOC
 
 
 @triton.jit
-def _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+def gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, UNROLL: tl.constexpr,
                PRELOAD: tl.constexpr, USE_PDL: tl.constexpr,
                res_ptr=None, group_size=1, eps=0.0, NORM_GROUPS: tl.constexpr = 0, HAS_RES: tl.constexpr = False,
@@ -192,11 +190,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, swn, tiles, HAS_BIAS: tl.cons
     split = tl.program_id(1)
     if PERSISTENT:
         for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
-            _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS, PARTIAL, BLOCK_N, BLOCK_K,
+            gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tile, split, N, K, swn, HAS_BIAS, PARTIAL, BLOCK_N, BLOCK_K,
                        K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G,
                        GROUPED, BLOCK_K2)
     else:
-        _gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tl.program_id(0), split, N, K, swn, HAS_BIAS, PARTIAL, BLOCK_N,
+        gemv_tile(x_ptr, w_ptr, b_ptr, y_ptr, tl.program_id(0), split, N, K, swn, HAS_BIAS, PARTIAL, BLOCK_N,
                    BLOCK_K, K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G,
                    GROUPED, BLOCK_K2)
 
@@ -216,16 +214,19 @@ class GemvConfig(tuple):
         return super().__new__(cls, (block_n, block_k, num_warps, split, persistent, unroll, preload))
 
 
-# (N, K) -> config. In H100 sweeps no per-shape tile beat the defaults by more than ~3%: under
-# PDL one row per program with its whole K range preloaded (when next_pow2(K) <= PRELOAD_MAX_K),
-# else DEFAULT (2 rows x 1024). Inside the AR step graph, timed with no profiler run before, the
-# 2.7b out_proj was 1.2-1.5% faster on 4 warps than on the default 8.
-TUNED: dict[tuple[int, int], GemvConfig] = {(2560, 5120): GemvConfig(2, 0, 4, preload=True)}
+# (N, K) -> config. In the H100 sweeps (bench/results/gemv_sweep-h100.log, -out_proj-pdl-) no
+# per-shape tile beat the defaults by more than ~3%: under PDL one row per program with its whole
+# K range preloaded (when next_pow2(K) <= PRELOAD_MAX_K), else DEFAULT (2 rows x 1024). Inside
+# the AR step graph, timed with no profiler run before (runs 54-55), the 2.7b out_proj was
+# 1.2-1.5% faster on 4 warps than on the default 8.
+TUNED = types.MappingProxyType({(2560, 5120): GemvConfig(2, 0, 4, preload=True)})
+"""Read-only: a benchmark times other configs through `linear(..., config=)`."""
 DEFAULT = GemvConfig()
 PRELOAD_MAX_K = 8192
 
 
-def _config(n: int, k: int, device: torch.device) -> GemvConfig:
+def gemv_config(n: int, k: int, device: torch.device) -> GemvConfig:
+    """The GEMV's config for an (N, K) weight on `device`: TUNED's, else the default."""
     if (n, k) in TUNED:
         return GemvConfig(*TUNED[(n, k)])
     if pdl.enabled(device) and triton.next_power_of_2(k) <= PRELOAD_MAX_K:
@@ -258,18 +259,13 @@ def _launch_gemv(xv, weight, bias, y, cfg: GemvConfig, partial: bool, residual=N
     )
 
 
-TWO_PIECE_PRELOAD = True
-"""Preload a K that is not a power of two as two power-of-two pieces (see _gemv_tile);
-benchmarks turn it off to time the single padded block."""
-
-
 def preload_blocks(k: int, split: int = 1, norm_groups: int = 0) -> tuple[int, int]:
     """(BLOCK_K, BLOCK_K2) of a preloaded GEMV tile covering k / split columns: one padded
     power-of-two block, or the largest power of two below and a second piece for the rest
     (norms of several groups need the one block)."""
     span = triton.cdiv(k, split)
     whole = triton.next_power_of_2(span)
-    if not TWO_PIECE_PRELOAD or whole == span or split > 1 or norm_groups > 1:
+    if whole == span or split > 1 or norm_groups > 1:
         return whole, 0
     first = whole // 2
     return first, triton.next_power_of_2(span - first)
@@ -286,7 +282,7 @@ def gemv_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     partial sums over `split` column ranges (the bias in partial 0); their sum is x W^T + b. For a
     consumer that reduces them anyway (ops.step_update.add_rms_norm)."""
     n, k = weight.shape
-    cfg = list(GemvConfig(*(config or _config(n, k, x.device))))
+    cfg = list(GemvConfig(*(config or gemv_config(n, k, x.device))))
     cfg[3] = split
     cfg = GemvConfig(*cfg)
     y = torch.empty((split,) + tuple(x.shape[:-1]) + (n,), device=x.device, dtype=torch.float32)
@@ -365,11 +361,11 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
                    BLOCK_Q: tl.constexpr = 16, ysq_ptr=None, WRITE_SQ: tl.constexpr = False,
                    BALANCED: tl.constexpr = False, ACT: tl.constexpr = 0, w_desc=None, TMA: tl.constexpr = 0,
                    PRE: tl.constexpr = 0, flag_ptr=None, flag_unit=1, flag_count=1, FLAGS: tl.constexpr = 0):
-    # USE_PDL (a config's seventh entry): launched early, waiting at the start. With pointer loads
-    # early-launched instances ran 1.4x slower back to back (13.7 -> 20.5 us at 8 rows: they held
-    # their pipelines' shared memory while waiting); inside the tree iteration the 2.7b in_proj
-    # with TMA loads gains from it (16-node iteration 2.888 against 3.036 ms).
-    # HAS_RES: the output, rounded to y's dtype, is added to the residual (as in _gemv_tile).
+    # USE_PDL (a config's seventh entry): launched early, waiting at the start. In the pointer-load
+    # sweep of round 2 early-launched instances ran 1.4x slower back to back (13.7 -> 20.5 us at 8
+    # rows: they held their pipelines' shared memory while waiting); inside the tree iteration the
+    # 2.7b in_proj with TMA loads gains from it (tune_skinny_graph.py, run 51).
+    # HAS_RES: the output, rounded to y's dtype, is added to the residual (as in gemv_tile).
     # NORM_GROUPS > 0: x is normalised over that many groups of K (no weight: folded into w) from
     # the partial sums of squares at xsq_ptr, which x's producer wrote (no norm launch, no second
     # pass over x): each group's dot products are scaled by its 1/rms.
@@ -468,27 +464,29 @@ a sixth entry 1 or 2 reads the weight through a TMA descriptor (see `_skinny_spa
 entry 1 launches it with PDL: its programs start while the kernel before ends and wait at their
 start, before any load (they hold their shared memory meanwhile); 2 or 3 also load their first
 1 or 2 weight boxes before waiting (TMA 1 or 2, one norm group at most)."""
-# (N, K) -> config: the best at 16 rows of H100 sweeps: mamba2-2.7b out_proj, hybrid-8b Mamba
-# in/out_proj, MLP up/down, attention q/o and k/v, LM head. Unlisted shapes use SKINNY_DEFAULT
-# (the best pointer-load tile at the 2.7b in_proj). The mamba2-2.7b in_proj and out_proj read
-# their weights by TMA, ranked inside the 16-node tree iteration (3.02-3.05 ms against 3.155 with
-# pointer-load entries), the in_proj launched with PDL (2.888 against 3.036 ms), the out_proj too
-# with its first weight box loaded before the wait (2.833 against 2.893 ms). Later, with faster
-# kernels around them: the in_proj with its first two boxes loaded before the wait (TMA 2
+# (N, K) -> config: the best at 16 rows of the H100 sweeps (bench/results/gemv_sweep-h100.log, then
+# `bench_kernels.py --skinny-sweep`, bench/results/round4/skinny_sweep*.log): mamba2-2.7b out_proj,
+# hybrid-8b Mamba in/out_proj, MLP up/down, attention q/o and k/v, LM head. Unlisted shapes use
+# SKINNY_DEFAULT (the best pointer-load tile at the 2.7b in_proj). The mamba2-2.7b in_proj and
+# out_proj read their weights by TMA, ranked inside the 16-node tree iteration
+# (bench/tune_skinny_graph.py, runs 46-47: 3.02-3.05 ms against 3.155 with the pointer-load entries),
+# the in_proj launched with PDL (run 51: 2.888 against 3.036 ms), the out_proj too with its first
+# weight box loaded before the wait (run 57: 2.833 against 2.893 ms). Round 9 (run 106,
+# tune_skinny_graph.py): the in_proj with its first two boxes loaded before the wait (TMA 2
 # preloads) 2.701 against 2.740 ms, and then the LM head launched with PDL and one box preloaded
-# 2.689 ms (the LM head's variants, with or without PDL, measured 2.687-2.691 ms: noise).
-SKINNY_TUNED: dict[tuple[int, int], tuple[int, ...]] = {
+# 2.689 ms (in run 110 the LM head's variants, with or without PDL, were all 2.687-2.691 ms).
+SKINNY_TUNED = types.MappingProxyType({
     (10576, 2560): (64, 128, 4, 4, 0, 2, 3),
     (2560, 5120): (32, 256, 2, 4, 0, 1, 2),  # pointer loads: (0, 128, 2, 5, 2) 13.12 us vs 13.90 tiled
-    (50288, 2560): (64, 128, 4, 4, 0, 2, 2),  # 2.7b LM head: 87.7 us vs 90.2 default
-    (18560, 4096): (0, 128, 4, 4, 3, 0, 1),  # 53.77 vs 55.20 default; PDL: 16-node 6.430 vs 6.509 ms
+    (50288, 2560): (64, 128, 4, 4, 0, 2, 2),  # 2.7b LM head: 87.7 us vs 90.2 default (skinny_probe, run 48)
+    (18560, 4096): (0, 128, 4, 4, 3, 0, 1),  # 53.77 vs 55.20 default; PDL: 16-node 6.430 vs 6.509 ms (run 61)
     (4096, 8192): (0, 128, 2, 5, 2),  # 26.53 vs 28.21
     (21504, 4096): (0, 128, 4, 4, 3),  # 61.96 vs 65.50
     (4096, 21504): (0, 128, 2, 5, 2),  # 63.75 vs 69.56
     (4096, 4096): (0, 128, 2, 5, 2),  # 14.38 vs 15.24
     (1024, 4096): (0, 128, 2, 5, 1),  # 8.67 vs 10.78
     (131072, 4096): (16, 128, 2, 5),  # 359.2 vs 360.8
-}
+})
 
 
 SKINNY_WIDE_MAX_ROWS = 64
@@ -496,19 +494,20 @@ SKINNY_WIDE_MAX_ROWS = 64
 for the shapes of SKINNY_WIDE, where it matched cuBLAS; there it also takes its norm from the
 producer's partial sums and adds the residual in its epilogue, which the cuBLAS route pays for
 with a norm launch and an addmm copy."""
-# (N, K) -> config at 17..64 rows (entries as in SKINNY_DEFAULT's docstring): the best of an H100
-# sweep at 64 rows, the in_proj launched with PDL (64-node iteration 3.559 against 3.669 ms), the
-# out_proj too (0.1-0.5% faster in each of three measurements):
-SKINNY_WIDE: dict[tuple[int, int], tuple[int, ...]] = {
+# (N, K) -> config at 17..64 rows (entries as in SKINNY_DEFAULT's docstring). From
+# `bench/skinny_probe.py` (H100, 64 rows), the in_proj launched with PDL from run 51 (64-node
+# iteration 3.559 against 3.669 ms), the out_proj too (runs 51, 52, 57: 0.1-0.5% faster each time):
+SKINNY_WIDE = types.MappingProxyType({
     (10576, 2560): (128, 128, 4, 4, 0, 2, 1),  # mamba2-2.7b in_proj: 22.05 us vs cuBLAS 22.19
     (2560, 5120): (32, 256, 4, 4, 0, 1, 1),  # mamba2-2.7b out_proj: 12.57 us vs cuBLAS 12.97
-    (50288, 2560): (64, 128, 4, 6, 0, 2),  # mamba2-2.7b LM head: 92.5 us vs cuBLAS 97.8
+    (50288, 2560): (64, 128, 4, 6, 0, 2),  # mamba2-2.7b LM head: 92.5 us vs cuBLAS 97.8 (run 48)
     # mamba2-2.7b in_proj split in two (ops/overlap.py): [x B C dt], then z (tiles of two whole
-    # heads, 40 programs beside the scan's 80). 64-node iteration: 3.357 ms with these against
-    # 3.439 with in_proj's 128-wide tiles for both, 3.72-3.76 with 64-wide ones for z
+    # heads, 40 programs beside the scan's 80). Round 14, run 190 (split_inproj_probe.py, 64-node
+    # iteration): 3.357 ms with these against 3.439 with in_proj's 128-wide tiles for both, 3.72-3.76
+    # with 64-wide ones for z
     (5456, 2560): (64, 128, 4, 4, 0, 2, 1),
     (5120, 2560): (128, 128, 4, 4, 0, 2, 1),
-}
+})
 
 
 def skinny_rows(rows: int, n: int, k: int, element_size: int = 2) -> bool:
@@ -518,7 +517,7 @@ def skinny_rows(rows: int, n: int, k: int, element_size: int = 2) -> bool:
     if 1 < rows <= SKINNY_MAX_ROWS:
         return True
     return (SKINNY_MAX_ROWS < rows <= SKINNY_WIDE_MAX_ROWS and (n, k) in SKINNY_WIDE
-            and (element_size == 2 or _interpreting()))
+            and (element_size == 2 or interpreting()))
 
 
 def _skinny_config(n: int, k: int, rows: int) -> tuple[int, ...]:
@@ -607,9 +606,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         # Without the producer's sums of squares, the norm kernel first, once, rather than inside
         # every program: on the H100 the norm inside (each program's tiles squared, or their Gram
         # matrix X X^T on the tensor cores) cost 3-16 us per call at 16 rows, more than the extra
-        # launch.
-        from ..step_update.triton import rms_norm
-
+        # launch (BENCHMARKS.md, run 15).
         rows = rms_norm(rows.reshape(-1, group_size), None, eps).reshape(m, k)
     y_sq = torch.empty(m, 1, grid, device=x.device, dtype=torch.float32) if return_sq else None
     w_desc = _weight_descriptor(weight, block_n, block_k) if tma else None
@@ -661,23 +658,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     n = weight.shape[0]
-    if (not ENABLED or rows == 0 or not (rows == 1 or skinny_rows(rows, n, k, weight.element_size()))
-            or weight.stride(-1) != 1 or (x.device.type != "cuda" and not _interpreting())):
+    if (rows == 0 or not (rows == 1 or skinny_rows(rows, n, k, weight.element_size()))
+            or weight.stride(-1) != 1 or (x.device.type != "cuda" and not interpreting())):
         return F.linear(x, weight, bias)
     if rows > 1:
         return skinny_linear(x, weight, bias)
-    cfg = GemvConfig(*(config or _config(n, k, x.device)))
+    cfg = GemvConfig(*(config or gemv_config(n, k, x.device)))
     if cfg[3] > 1:
         # split-K for a plain linear needs a reduction; kept for the sweep, tuned tables avoid it here
         return gemv_partials(x, weight, bias, cfg[3], cfg).sum(0).to(torch.result_type(x, weight))
     y = torch.empty(x.shape[:-1] + (n,), device=x.device, dtype=torch.result_type(x, weight))
     _launch_gemv(_as_vector(x, k), weight, bias, y, cfg, partial=False)
     return y
-
-
-def _interpreting() -> bool:
-    # CPU tensors reach the kernel only under Triton's interpreter (the CPU tests)
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm_groups: int = 1,
@@ -707,22 +699,22 @@ def norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if ready_flags is not None:
-        if activation is not None or not (ENABLED and 1 < rows and skinny_rows(rows, *weight.shape, weight.element_size())
-                                          and weight.stride(-1) == 1 and (x.device.type == "cuda" or _interpreting())):
+        if activation is not None or not (1 < rows and skinny_rows(rows, *weight.shape, weight.element_size())
+                                          and weight.stride(-1) == 1 and (x.device.type == "cuda" or interpreting())):
             raise ValueError("norm_linear: ready flags need the skinny GEMM's route (2..SKINNY_WIDE_MAX_ROWS rows "
                              "of a shape it takes, no activation)")
         return skinny_linear(x, weight, bias, residual=residual, norm_groups=norm_groups, eps=eps, x_sq=x_sq,
                              return_sq=return_sq, ready_flags=ready_flags)
-    if rows == 0 or (x.device.type != "cuda" and not _interpreting()) or (norm_groups and k % norm_groups):
+    if rows == 0 or (x.device.type != "cuda" and not interpreting()) or (norm_groups and k % norm_groups):
         return naive_norm_linear(x, weight, bias, norm_groups, eps, residual, x_sq, return_sq, activation=activation)
     if activation is not None:
         if residual is not None:
             raise ValueError("norm_linear: an activation applies to an output without a residual")
-        if not (skinny_rows(rows, *weight.shape, weight.element_size()) and ENABLED
+        if not (skinny_rows(rows, *weight.shape, weight.element_size())
                 and activation in SKINNY_ACTIVATIONS and weight.stride(-1) == 1 and not return_sq):
             return ACTIVATIONS[activation](norm_linear(x, weight, bias, norm_groups, eps, config=config, x_sq=x_sq))
         return skinny_linear(x, weight, bias, norm_groups=norm_groups, eps=eps, x_sq=x_sq, activation=activation)
-    if (not ENABLED or not (rows == 1 or skinny_rows(rows, *weight.shape, weight.element_size()))
+    if (not (rows == 1 or skinny_rows(rows, *weight.shape, weight.element_size()))
             or weight.stride(-1) != 1):
         y = _norm_then_cublas(x, weight, bias, norm_groups, eps, residual, reuse_residual)
         return (y, None) if return_sq else y
@@ -732,7 +724,7 @@ def norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return skinny_linear(x, weight, bias, residual=residual, norm_groups=norm_groups, eps=eps, x_sq=x_sq,
                              return_sq=return_sq)
     n = weight.shape[0]
-    cfg = GemvConfig(*(config or _config(n, k, x.device)))
+    cfg = GemvConfig(*(config or gemv_config(n, k, x.device)))
     if cfg[3] > 1:
         y = _norm_then_cublas(x, weight, bias, norm_groups, eps, residual)
         return (y, None) if return_sq else y
@@ -747,8 +739,6 @@ def _norm_then_cublas(x, weight, bias, norm_groups, eps, residual, reuse_residua
     """`norm_linear` for many rows: the norm kernel (ops/step_update rms_norm over each group),
     then cuBLAS with the residual add in its epilogue (addmm: one rounding instead of two; in
     place into the residual when the caller allows, else on a copy of it)."""
-    from ..step_update.triton import rms_norm
-
     k, n = x.shape[-1], weight.shape[0]
     if norm_groups:
         x = rms_norm(x.reshape(-1, k // norm_groups), None, eps).reshape(x.shape)

@@ -20,8 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pdl import gdc_launch_dependents, gdc_wait
-from ..step_update.triton import _pdl_args
+from ..triton_common import gdc_launch_dependents, gdc_wait, pdl_args
 
 _NO_INDEX = tl.constexpr(2**31 - 1)  # "no index yet": larger than every vocabulary index
 BLOCK_V = 4096
@@ -183,7 +182,7 @@ def greedy_accept(
     split = triton.cdiv(vocab, chunk)
     pmax = torch.empty(batch * n, split, dtype=torch.float32, device=device)
     pidx = torch.empty(batch * n, split, dtype=torch.int32, device=device)
-    pdl = _pdl_args(device)
+    pdl = pdl_args(device)
     _argmax_partials_kernel[(batch * n, split)](
         logits, pmax, pidx,
         n, vocab, chunk, split,

@@ -18,8 +18,7 @@ import triton
 import triton.language as tl
 
 from ..graph_tables import device_table
-from ..pdl import gdc_launch_dependents, gdc_wait
-from ..step_update.triton import _pdl_args
+from ..triton_common import gdc_launch_dependents, gdc_wait, pdl_args
 from .naive import layer_arguments, pending_per_layer
 
 
@@ -194,7 +193,7 @@ def replay_ssm_state(
         ssm_state, x, dt, A, B, path, path_len,
         heads, head_dim, d_state, steps, heads // B.shape[2],
         *ssm_state.stride(), *x.stride(), *dt.stride(), *B.stride(), *path.stride(),
-        **blocks, num_warps=4, **_pdl_args(ssm_state.device),
+        **blocks, num_warps=4, **pdl_args(ssm_state.device),
     )
 
 
@@ -311,7 +310,7 @@ def replay_conv_state(conv_state: torch.Tensor, xBC: torch.Tensor, path: torch.T
         channels, path.shape[1],
         *conv_state.stride(), *xBC.stride(), *path.stride(),
         HIST=history, BLOCK_H=triton.next_power_of_2(history), BLOCK_C=_CONV_BLOCK, num_warps=4,
-        **_pdl_args(conv_state.device),
+        **pdl_args(conv_state.device),
     )
 
 
@@ -479,7 +478,7 @@ def replay_states(
         *ssm_state.stride(), *x.stride(), *dt.stride(), *B.stride(),
         *conv_state.stride(), *xBC.stride(), *path.stride(),
         **blocks, HIST=max(history, 1), BLOCK_H=triton.next_power_of_2(max(history, 1)), BLOCK_C=_CONV_BLOCK,
-        num_warps=4, **_pdl_args(ssm_state.device),
+        num_warps=4, **pdl_args(ssm_state.device),
         **({} if pending is None else dict(px_ptr=pending[0], pdt_ptr=pending[1], pB_ptr=pending[2])),
         **_pending_args(pending), HAS_CONV=history > 0, ssm_programs=tile_programs,
     )
@@ -654,7 +653,7 @@ def replay_states_layers(
         DT_DTYPE=_TL_DTYPES[dt.dtype], A_DTYPE=_TL_DTYPES[A.dtype], B_DTYPE=_TL_DTYPES[B.dtype],
         ALIGNED=all(p % 16 == 0 for row in rows for p in row),
         **blocks, HIST=max(history, 1), BLOCK_H=triton.next_power_of_2(max(history, 1)), BLOCK_C=_CONV_BLOCK,
-        num_warps=4, **_pdl_args(ssm_state.device),
+        num_warps=4, **pdl_args(ssm_state.device),
         **_pending_args(per_layer[0]), COLUMNS=len(rows[0]), HAS_CONV=history > 0, ssm_programs=tile_programs,
     )
 
@@ -696,7 +695,7 @@ def settle_pending_layers(ssm_states: list[torch.Tensor], As: list[torch.Tensor]
         DT_DTYPE=tl.float32, A_DTYPE=_TL_DTYPES[A.dtype], B_DTYPE=_TL_DTYPES[pB.dtype],
         ALIGNED=all(p % 16 == 0 for row in rows for p in row),
         **blocks, HIST=1, BLOCK_H=1, BLOCK_C=_CONV_BLOCK,
-        num_warps=4, **_pdl_args(device),
+        num_warps=4, **pdl_args(device),
         **_pending_args(per_layer[0], force=True), COLUMNS=10, ssm_programs=n_ssm,
     )
 
@@ -726,4 +725,4 @@ def advance_positions(seqlen: torch.Tensor, count: torch.Tensor, path_len: torch
         return
     _advance_positions_kernel[(1,)](seqlen, count, path_len, batch, width, capacity,
                                     BLOCK=max(16, triton.next_power_of_2(batch)), num_warps=1,
-                                    **_pdl_args(seqlen.device))
+                                    **pdl_args(seqlen.device))

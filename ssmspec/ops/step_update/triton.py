@@ -16,44 +16,28 @@ Also here: `add_rms_norm` (a residual add fused into the next sublayer's RMSNorm
 `LanguageModel._fused_step` / `_fused_verify`), `mamba_step_out` (the step, out_proj and the
 residual add: at batch 1 with the gated norm's weight folded into out_proj, two launches, the
 norm inside the out_proj GEMV) and
-the one-launch RMSNorm, gated RMSNorm and time step of the verify path. Every kernel launches
-with programmatic dependent launch on Hopper (ops/pdl.py).
+the one-launch gated RMSNorm and time step of the verify path; the one-launch RMSNorm lives in
+ops/triton_common.py (gemv runs it too) and is re-exported here. Every kernel launches with
+programmatic dependent launch on Hopper (ops/pdl.py).
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from .. import pdl
-from ..gemv.triton import _gemv_tile
-from ..pdl import gdc_launch_dependents, gdc_wait
+from ..gemv import triton as gemv
+from ..gemv.triton import gemv_tile
+from ..settings import interpreting
+from ..triton_common import gdc_launch_dependents, gdc_wait, pdl_args, rms_norm, softplus
+
+__all__ = ["add_rms_norm", "gated_rms_norm", "mamba_step", "mamba_step_out", "rms_norm", "time_step"]
 
 
-PRELOAD_STATE = True
-"""Under PDL the step kernel reads its SSM state before waiting on in_proj (see the kernel)."""
-NORM_FROM_PARTS = True
-"""The gated norm reads per-block sums of squares written by the step kernel (n_parts floats)
-instead of re-reducing the whole group, and normalises in NORM_CHUNK-wide programs."""
 NORM_CHUNK = 512
-STORE_STATE = True
-"""False only for bench/step_cost_probe.py: time the fused step without its SSM state store (wrong results)."""
-
-
-def _pdl_args(device: torch.device, preload_state: bool = False) -> dict:
-    """Launch arguments for PDL (ops/pdl.py) on devices that have it, none elsewhere."""
-    if not pdl.enabled(device):
-        return {}
-    extra = {"PRELOAD_STATE": True} if preload_state and PRELOAD_STATE else {}
-    return {"USE_PDL": True, "launch_pdl": True, **extra}
-
-
-@triton.jit
-def _softplus(x):
-    # torch's softplus with its default threshold 20 (linear above it).
-    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+"""Channels per program of the gated norm, which reads per-block sums of squares written by the
+step kernel (n_parts floats) instead of re-reducing the whole group."""
 
 
 @triton.jit
@@ -95,13 +79,9 @@ def _step_ssm_kernel(
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
     WRITE_SQ: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
-    PRELOAD_STATE: tl.constexpr = False,
-    STORE_STATE: tl.constexpr = True,
 ):
     if USE_PDL:  # ops/pdl.py: the next kernel may launch now
         gdc_launch_dependents()
-        if not PRELOAD_STATE:
-            gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     grp = h // heads_per_group
@@ -114,7 +94,7 @@ def _step_ssm_kernel(
     cB = d_inner + grp * S + offs_s
     cC = d_inner + G * S + grp * S + offs_s
 
-    # Everything that does not depend on in_proj is read before the wait (PRELOAD_STATE): the
+    # Everything that does not depend on in_proj is read before the PDL wait: the
     # (P_blk, S) state, the conv history and taps, the conv bias, dt_bias, A and D. The state and
     # the conv history were last written by this kernel and out_proj's kernel in the previous
     # step (or by replay), and every step begins with the embedding lookup, a plain (non-PDL)
@@ -137,7 +117,7 @@ def _step_ssm_kernel(
     dt_b = tl.load(dtb_ptr + h).to(tl.float32)
     A = -tl.exp(tl.load(Alog_ptr + h).to(tl.float32))
     D = tl.load(D_ptr + h).to(tl.float32)
-    if USE_PDL and PRELOAD_STATE:
+    if USE_PDL:
         gdc_wait()
 
     new_x = tl.load(xbc_ptr + b * sxb + cx * sxc, mask=mask_p, other=0.0)
@@ -151,7 +131,7 @@ def _step_ssm_kernel(
     Bv = (acc_B * tl.sigmoid(acc_B)).to(in_dtype).to(tl.float32)
     Cv = (acc_C * tl.sigmoid(acc_C)).to(in_dtype).to(tl.float32)
 
-    dt = _softplus(tl.load(dtr_ptr + b * sdb + h * sdh).to(tl.float32) + dt_b)
+    dt = softplus(tl.load(dtr_ptr + b * sdb + h * sdh).to(tl.float32) + dt_b)
     dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
     state = state * tl.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
     y = tl.sum(state * Cv[None, :], axis=1) + x * D
@@ -165,8 +145,7 @@ def _step_ssm_kernel(
     # In-place writes last; the barrier in _shift_in also orders every replicated copy of the
     # state tile's loads before these stores.
     _shift_in(state_row, cx, mask_p, new_x, scc, sck, K, BLOCK_K)  # this program owns these x channels
-    if STORE_STATE:
-        tl.store(h_ptrs, state, mask=mask_ps)
+    tl.store(h_ptrs, state, mask=mask_ps)
 
 
 @triton.jit
@@ -272,7 +251,7 @@ def mamba_step(
     out = torch.empty(batch, d_inner, device=z.device, dtype=z.dtype)
     block_p = 16
     group_size = d_inner // norm_groups
-    from_parts = NORM_FROM_PARTS and head_dim % block_p == 0 and group_size % block_p == 0
+    from_parts = head_dim % block_p == 0 and group_size % block_p == 0
     parts_per_head = triton.cdiv(head_dim, block_p)
     n_parts = heads * parts_per_head
     sq = torch.empty(batch, n_parts, device=z.device, dtype=torch.float32) if from_parts else gated
@@ -286,7 +265,7 @@ def mamba_step(
         *conv_weight.stride(), gated.stride(0),
         K=kernel_size, HAS_BIAS=conv_bias is not None,
         BLOCK_P=block_p, BLOCK_S=max(16, triton.next_power_of_2(d_state)), BLOCK_K=block_k, WRITE_SQ=from_parts,
-        num_warps=4, **_pdl_args(z.device, preload_state=True),
+        num_warps=4, **pdl_args(z.device),
     )
     chunk = min(NORM_CHUNK if from_parts else 1024, triton.next_power_of_2(group_size))
     _gated_norm_kernel[(batch, norm_groups, triton.cdiv(group_size, chunk))](
@@ -297,47 +276,9 @@ def mamba_step(
         BLOCK_S=max(16, triton.next_power_of_2(d_state)), BLOCK_K=block_k,
         sq_ptr=sq, n_parts=n_parts, parts_per_head=parts_per_head, head_dim=head_dim, FROM_PARTS=from_parts,
         BLOCK_Q=max(16, triton.next_power_of_2(n_parts)), BLOCK_PB=block_p, HAS_W=norm_weight is not None,
-        num_warps=4 if from_parts else 8, **_pdl_args(z.device),
+        num_warps=4 if from_parts else 8, **pdl_args(z.device),
     )
     return out
-
-
-@triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, sxr, sor, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
-                     HAS_W: tl.constexpr = True):
-    if USE_PDL:  # ops/pdl.py: the next kernel may launch now; wait for the previous before any access
-        gdc_launch_dependents()
-        gdc_wait()
-    row = tl.program_id(0)
-    sq = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, D, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        v = tl.load(x_ptr + row * sxr + offs, mask=offs < D, other=0.0).to(tl.float32)
-        sq += v * v
-    r = tl.rsqrt(tl.sum(sq, axis=0) / D + eps)
-    for start in range(0, D, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        m = offs < D
-        v = tl.load(x_ptr + row * sxr + offs, mask=m, other=0.0).to(tl.float32) * r
-        if HAS_W:
-            v *= tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * sor + offs, v.to(out_ptr.dtype.element_ty), mask=m)
-
-
-def rms_norm(h: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim in one launch (inference only: no backward). h (..., D) -> (..., D).
-    weight None: no weight (folded into the next projection)."""
-    dim = h.shape[-1]
-    rows = h.reshape(-1, dim)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    out = torch.empty(rows.shape, device=h.device, dtype=h.dtype)
-    if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight if weight is not None else rows, out, dim, float(eps), rows.stride(0), out.stride(0),
-            BLOCK=min(4096, triton.next_power_of_2(dim)), num_warps=8, HAS_W=weight is not None, **_pdl_args(h.device),
-        )
-    return out.reshape(h.shape)
 
 
 @triton.jit
@@ -388,7 +329,7 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
         chunk = min(1024, triton.next_power_of_2(group_size))
         _gated_rms_norm_kernel[(y2.shape[0], dim // group_size, triton.cdiv(group_size, chunk))](
             y2, z2, weight, out, dim, group_size, float(eps), y2.stride(0), z2.stride(0), out.stride(0),
-            BLOCK_R=min(8192, triton.next_power_of_2(group_size)), CHUNK=chunk, num_warps=8, **_pdl_args(y.device),
+            BLOCK_R=min(8192, triton.next_power_of_2(group_size)), CHUNK=chunk, num_warps=8, **pdl_args(y.device),
         )
     return out.reshape(y.shape)
 
@@ -404,7 +345,7 @@ def _time_step_kernel(dt_ptr, bias_ptr, out_ptr, rows, H, sdr, dt_min, dt_max, B
     m = (offs_r < rows)[:, None] & (offs_h < H)[None, :]
     v = tl.load(dt_ptr + offs_r[:, None] * sdr + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
     v += tl.load(bias_ptr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_r[:, None] * H + offs_h[None, :], tl.minimum(tl.maximum(_softplus(v), dt_min), dt_max), mask=m)
+    tl.store(out_ptr + offs_r[:, None] * H + offs_h[None, :], tl.minimum(tl.maximum(softplus(v), dt_min), dt_max), mask=m)
 
 
 def time_step(dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, dt_max: float) -> torch.Tensor:
@@ -423,7 +364,7 @@ def time_step(dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, dt_max
         block_r = max(1, 1024 // block_h)
         _time_step_kernel[(triton.cdiv(rows, block_r),)](
             rows2d, dt_bias, out, rows, heads, rows2d.stride(0), float(dt_min), float(dt_max),
-            BLOCK_R=block_r, BLOCK_H=block_h, **_pdl_args(dt_raw.device),
+            BLOCK_R=block_r, BLOCK_H=block_h, **pdl_args(dt_raw.device),
         )
     return out
 
@@ -480,7 +421,7 @@ def add_rms_norm(delta: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps
         _add_rms_norm_kernel[(h2.shape[0],)](
             d2, h2, weight, h_out, out, dim, float(eps), d2.stride(1), d2.stride(0), h2.stride(0), h_out.stride(0),
             out.stride(0), SPLIT=split, ROUND=partial, BLOCK=triton.next_power_of_2(dim),
-            num_warps=4 if dim <= 4096 else 8, **_pdl_args(h.device),
+            num_warps=4 if dim <= 4096 else 8, **pdl_args(h.device),
         )
     return h_out.reshape(h.shape), out.reshape(h.shape)
 
@@ -501,7 +442,7 @@ def _step_out_kernel(
     tile's wait every step-kernel program that read the old window is done."""
     if USE_PDL:
         gdc_launch_dependents()
-    _gemv_tile(g_ptr, w_ptr, bias_ptr, y_ptr, tl.program_id(0), 0, N, K, swn, HAS_BIAS, False, BLOCK_N, BLOCK_K,
+    gemv_tile(g_ptr, w_ptr, bias_ptr, y_ptr, tl.program_id(0), 0, N, K, swn, HAS_BIAS, False, BLOCK_N, BLOCK_K,
                K_SPLIT, UNROLL, PRELOAD, USE_PDL, res_ptr, group_size, eps, NORM_GROUPS, HAS_RES, BLOCK_G, GROUPED,
                BLOCK_K2)
     if tl.program_id(0) == 0:
@@ -544,16 +485,14 @@ def mamba_step_out(
 
     Returns: (B, d_model), in residual's dtype when given, else z's.
     """
-    from ..gemv.triton import linear
-
     batch, heads, head_dim, d_state = ssm_state.shape
     channels, kernel_size = conv_weight.shape
     d_inner = heads * head_dim
     fused = (norm_weight is None and batch == 1 and out_weight.stride(-1) == 1 and d_inner % norm_groups == 0
              and tuple(out_weight.shape[1:]) == (d_inner,)
-             and (z.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
+             and (z.device.type == "cuda" or interpreting()))
     if not fused:
-        out = linear(mamba_step(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
+        out = gemv.linear(mamba_step(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
                                 norm_weight, n_groups, norm_groups, dt_min, dt_max, eps), out_weight, out_bias)
         return out if residual is None else residual + out.to(residual.dtype)
     if kernel_size < 2 or ssm_state.dtype != torch.float32 or tuple(xBC.shape) != (batch, channels) \
@@ -574,8 +513,8 @@ def mamba_step_out(
         *xBC.stride(), *dt_raw.stride(), *z.stride(), *conv_state.stride(), *ssm_state.stride(),
         *conv_weight.stride(), gated.stride(0),
         K=kernel_size, HAS_BIAS=conv_bias is not None,
-        BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_K=block_k, WRITE_SQ=False, STORE_STATE=STORE_STATE,
-        num_warps=4, **_pdl_args(z.device, preload_state=True),
+        BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_K=block_k, WRITE_SQ=False,
+        num_warps=4, **pdl_args(z.device),
     )
     return _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, norm_groups, eps, n_groups,
                             d_state, kernel_size)
@@ -585,15 +524,13 @@ def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, nor
                      kernel_size):
     """`_step_out_kernel` for one row: out_proj of the gated value with the gated norm and the
     residual add inside, and the deferred B/C conv-state shift."""
-    from ..gemv.triton import GemvConfig, _config, grouped_epilogue, preload_blocks
-
     n_out, d_inner = out_weight.shape
     y = torch.empty(1, n_out, device=gated.device,
                     dtype=torch.result_type(gated, out_weight) if residual is None else residual.dtype)
-    block_n, cfg_k, warps, split, _, unroll, preload = GemvConfig(*_config(n_out, d_inner, gated.device))
+    block_n, cfg_k, warps, split, _, unroll, preload = gemv.GemvConfig(*gemv.gemv_config(n_out, d_inner, gated.device))
     cfg_k2 = 0
     if preload:
-        cfg_k, cfg_k2 = preload_blocks(d_inner, 1, norm_groups)
+        cfg_k, cfg_k2 = gemv.preload_blocks(d_inner, 1, norm_groups)
         k_split = cfg_k + cfg_k2
     else:
         cfg_k = min(cfg_k, triton.next_power_of_2(d_inner))
@@ -608,7 +545,7 @@ def _launch_out_proj(gated, xBC, conv_state, out_weight, out_bias, residual, nor
         BLOCK_G=triton.next_power_of_2(norm_groups), BLOCK_N=block_n, BLOCK_K=cfg_k, K_SPLIT=k_split,
         UNROLL=bool(unroll), PRELOAD=bool(preload), K_CONV=kernel_size, BLOCK_S=max(16, triton.next_power_of_2(d_state)),
         BLOCK_KC=max(2, triton.next_power_of_2(kernel_size - 1)),
-        USE_PDL=use_pdl, GROUPED=bool(preload) and grouped_epilogue(d_inner, cfg_k, norm_groups), BLOCK_K2=cfg_k2,
+        USE_PDL=use_pdl, GROUPED=bool(preload) and gemv.grouped_epilogue(d_inner, cfg_k, norm_groups), BLOCK_K2=cfg_k2,
         num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
     )
     return y

@@ -3,7 +3,7 @@
 Built on first use with torch's C++ extension loader (nvcc and ninja on the machine; the build
 is cached under TORCH_EXTENSIONS_DIR, one per shape), for Hopper (sm_90a: the kernel's bulk copies
 and mbarriers). `unsupported_reason` says why a model or machine cannot use it; the caller then
-keeps the Triton path.
+keeps the Triton path. ops/paths.py decides when to use it.
 """
 from __future__ import annotations
 
@@ -16,14 +16,11 @@ import torch
 
 from .. import pdl
 
-ENV = "SSMSPEC_STREAM_LAYERS"
-SLOTS = 5          # ring slots (5 measured faster than 2-4)
+SLOTS = 5          # ring slots (run 130: 5 beat 2-4)
 SLOT_SEGMENTS = 8  # d_model-wide rows per slot: kernel.cu's SLOT_SEGS
 MAX_SMEM = 227 * 1024
 CONSUMER_THREADS = 256
 THREADS = CONSUMER_THREADS + 32
-USE_PDL = True
-"""Launch with programmatic dependent launch where ops/pdl.py does (False: for a timing A/B only)."""
 
 _LAUNCHER = r"""
 #include <torch/extension.h>
@@ -50,46 +47,17 @@ _DECLARATION = ("void launch(torch::Tensor table, int64_t n_layers, torch::Tenso
                 "torch::Tensor logits, int64_t smem, bool pdl);")
 
 
-MODES = {"": "auto", "auto": "auto", "1": "on", "on": "on", "0": "off", "off": "off"}
-
-
-def mode() -> str:
-    """The one-launch kernels' mode from SSMSPEC_STREAM_LAYERS: "auto" (unset, the default: used
-    where they can run, else the Triton kernels without a word), "on" (1: as auto, but say why
-    when they cannot run, and fail loudly when they do not build) or "off" (0: Triton only)."""
-    value = os.environ.get(ENV, "").strip().lower()
-    if value not in MODES:
-        raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected 1 (on), 0 (off) or auto (the default, when unset)")
-    return MODES[value]
-
-
-def enabled() -> bool:
-    """Whether the one-launch kernels may be used (SSMSPEC_STREAM_LAYERS is not 0)."""
-    return mode() != "off"
-
-
 def smem_bytes(d_model: int) -> int:
     """kernel.cu's dynamic shared memory: the ring, the step's arrays, the mbarriers."""
     return SLOTS * SLOT_SEGMENTS * d_model * 2 + (2 * 128 + 64 + 4 * 64) * 4 + 3 * SLOTS * 8
 
 
-GPU_TESTED_D_MODELS = (256, 2560)
-"""Widths at which both one-launch kernels (this one and ops/stream_proj) have run their GPU tests
-against the Triton kernels (tests/gpu). The default mode takes them only at these; with
-SSMSPEC_STREAM_LAYERS=1 they run at any width they fit (768-2048 compile, with the loader's flags:
-bench/compile_extensions.py; tests/gpu/test_stream_proj_gpu.py has the test that widens this)."""
-
-
 def width_reason(d_model: int, smem: int, widest: int) -> str | None:
-    """The width checks both one-launch kernels make (this one and ops/stream_proj), or None: the
-    tiling (a multiple of 256 whose shared memory, `smem`, fits), then, in the default mode, a
-    width whose GPU tests have run."""
+    """The width check both one-launch kernels make (this one and ops/stream_proj), or None: a
+    multiple of 256 (the tiling) whose shared memory, `smem`, fits."""
     if d_model % 256 or smem > MAX_SMEM:
         return f"d_model {d_model} does not fit the kernel's tiling (a multiple of 256 up to {widest})"
-    if mode() == "on" or d_model in GPU_TESTED_D_MODELS:
-        return None
-    return (f"d_model {d_model} has not run the kernels' GPU tests yet (tested: "
-            f"{', '.join(map(str, GPU_TESTED_D_MODELS))}); {ENV}=1 takes them anyway")
+    return None
 
 
 def machine_reason(device: torch.device) -> str | None:
@@ -110,11 +78,12 @@ def unsupported_reason(model, batch: int, device: torch.device) -> str | None:
     d_model = model.config.d_model
     if (why := width_reason(d_model, smem_bytes(d_model), 2816)) is not None:
         return why
+    stack = model.folded_mamba_stack()
+    if stack is None:
+        return "every layer must be a Mamba-2 layer with its norms folded (models/fold.py)"
     limits = set()
-    for layer in model.layers:
-        if layer.kind != "mamba" or not layer.norms_folded:
-            return "every layer must be a Mamba-2 layer with its norms folded (models/fold.py)"
-        m, c = layer.mixer, layer.mixer.cfg
+    for m, pre_norm_eps in stack:
+        c = m.cfg
         if c.d_state != 128 or c.n_groups != 1 or c.d_inner != 2 * d_model or m.norm.group_size != c.d_inner:
             return (f"mixer shape not supported (d_state {c.d_state}, groups {c.n_groups}, d_inner {c.d_inner}, "
                     f"norm group {m.norm.group_size}): needs d_state 128, one group, d_inner 2 * d_model")
@@ -124,7 +93,7 @@ def unsupported_reason(model, batch: int, device: torch.device) -> str | None:
             return "bf16 weights only"
         if len({m.dt_bias.dtype, m.A_log.dtype, m.D.dtype}) != 1 or m.dt_bias.dtype not in (torch.bfloat16, torch.float32):
             return "dt_bias, A_log and D must share one dtype, bf16 or fp32"
-        limits.add((layer.norm.eps, m.norm.eps, c.dt_min, c.dt_max, c.conv_kernel, c.n_heads, c.head_dim,
+        limits.add((pre_norm_eps, m.norm.eps, c.dt_min, c.dt_max, c.conv_kernel, c.n_heads, c.head_dim,
                     m.dt_bias.dtype))
     if len(limits) != 1:
         return "the layers differ in shape, eps or dt limits"
@@ -141,7 +110,7 @@ def unsupported_reason(model, batch: int, device: torch.device) -> str | None:
 
 
 def nvcc_flags(d_model: int, n_heads: int, head_dim: int, conv_k: int, param_fp32: bool) -> list[str]:
-    """nvcc's flags for one shape (public so that a build can be checked off the GPU with them)."""
+    """nvcc's flags for one shape (bench/compile_extensions.py compiles with them off the GPU)."""
     return ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-diag-suppress", "177,550",
             "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", f"-DD_MODEL={d_model}", f"-DN_HEADS={n_heads}",
             f"-DHEAD_DIM={head_dim}", "-DD_STATE=128", f"-DCONV_K={conv_k}", f"-DN_SLOTS={SLOTS}",
@@ -167,34 +136,9 @@ def _module(d_model: int, n_heads: int, head_dim: int, conv_k: int, param_fp32: 
 def build(model):
     """The extension for `model`'s layer shape: built now if this machine has not yet (about a
     minute; torch's loader keeps it under TORCH_EXTENSIONS_DIR), else loaded."""
-    first = model.layers[0].mixer
+    first = model.mamba_mixers()[0]
     c = first.cfg
     return _module(model.config.d_model, c.n_heads, c.head_dim, c.conv_kernel, first.dt_bias.dtype == torch.float32)
-
-
-def prebuild(models) -> list[str]:
-    """Build both one-launch extensions (this one and ops/stream_proj's) for every model that can
-    use them on this machine, in parallel (nvcc runs one process per build): one wait of about a
-    minute instead of one per shape at first use. Returns why each model that cannot was skipped."""
-    import concurrent.futures
-
-    from ..stream_proj import cuda as stream_proj
-
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    jobs, skipped = {}, []
-    for model in models:
-        m = model.layers[0].mixer
-        shape = (tuple(m.in_proj.weight.shape), tuple(m.out_proj.weight.shape), m.cfg.n_heads, m.cfg.conv_kernel,
-                 m.dt_bias.dtype)
-        for op, reason in ((sys.modules[__name__], unsupported_reason(model, 1, device)),
-                           (stream_proj, stream_proj.unsupported_reason(model, stream_proj.MAX_NODES, device))):
-            if reason is None:
-                jobs.setdefault((op.__name__, shape), (op, model))  # one build per shape
-            else:
-                skipped.append(f"{op.__name__.rsplit('.', 2)[-2]}: {reason}")
-    with concurrent.futures.ThreadPoolExecutor(max(1, len(jobs))) as pool:
-        list(pool.map(lambda job: job[0].build(job[1]), jobs.values()))
-    return skipped
 
 
 class StreamLayers:
@@ -213,12 +157,14 @@ class StreamLayers:
         if reason is not None:
             raise ValueError(f"stream_layers: {reason}")
         self.model = model
-        first = model.layers[0].mixer
+        stack = model.folded_mamba_stack()
+        self.mixers = [m for m, _ in stack]
+        first = self.mixers[0]
         c = first.cfg
         self.d_model = model.config.d_model
         self.smem = smem_bytes(self.d_model)
         self.launch = build(model).launch
-        self.eps_in, self.eps_out = model.layers[0].norm.eps, first.norm.eps
+        self.eps_in, self.eps_out = stack[0][1], first.norm.eps
         self.dt_min, self.dt_max = float(c.dt_min), float(c.dt_max)
         bf = torch.bfloat16
         self.zx = torch.empty(first.in_proj.weight.shape[0], device=device, dtype=bf)
@@ -232,7 +178,7 @@ class StreamLayers:
         and cache."""
         per_layer = [(m.in_proj.weight, m.out_proj.weight, m.conv1d.weight, m.conv1d.bias, m.dt_bias, m.A_log, m.D,
                       lc.conv_state, lc.ssm_state)
-                     for m, lc in zip((layer.mixer for layer in self.model.layers), cache.layers)]
+                     for m, lc in zip(self.mixers, cache.layers)]
         rows = [[t.data_ptr() for t in tensors] for tensors in per_layer]
         if rows != self._key:
             if torch.cuda.is_current_stream_capturing():
@@ -250,8 +196,8 @@ class StreamLayers:
     def __call__(self, h: torch.Tensor, cache) -> torch.Tensor:
         out = torch.empty_like(h)
         logits = torch.empty(1, self.model.lm_head.weight.shape[0], device=h.device, dtype=torch.float32)
-        self.launch(self.table(cache), len(self.model.layers), h.contiguous(), out, self.zx, self.g, self.hbuf,
+        self.launch(self.table(cache), len(self.mixers), h.contiguous(), out, self.zx, self.g, self.hbuf,
                     self.counter, self.eps_in, self.eps_out, self.dt_min, self.dt_max, self.model.lm_head.weight,
                     self.model.norm_f.weight, self.model.norm_f.eps, logits, self.smem,
-                    USE_PDL and pdl.enabled(out.device))
+                    pdl.enabled(out.device))
         return logits

@@ -29,11 +29,6 @@ __device__ __forceinline__ float hi_bf(uint32_t u) { return __uint_as_float(u & 
 __device__ __forceinline__ float sq2(uint32_t u) { return lo_bf(u) * lo_bf(u) + hi_bf(u) * hi_bf(u); }
 __device__ __forceinline__ float round_bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
 __device__ __forceinline__ int split_lo(int n, int part, int parts) { return (int)(((long long)n * part) / parts); }
-__device__ __forceinline__ unsigned long long now_ns() {
-  unsigned long long v;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
-  return v;
-}
 __device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                          uint32_t b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
@@ -145,30 +140,22 @@ __device__ __forceinline__ void rows_sq(float sq_lo, float sq_hi, float* sq, flo
 // The two sides of a ring of kSlots shared-memory slots of weight rows (ROW_BYTES of each row at
 // ROW_STRIDE apart), filled by one producer thread and read by WARPS consumer warps. The producer
 // copies slot k's rows once the consumers have released it, with at most kInFlight slots' copies in
-// flight (ops/stream_layers/kernel.cu: one); with STAMPS it adds up its two kinds of wait.
-template <int kSlots, int kInFlight, int SLOT_BYTES, int ROW_STRIDE, int ROW_BYTES, bool STAMPS>
+// flight (ops/stream_layers/kernel.cu: one).
+template <int kSlots, int kInFlight, int SLOT_BYTES, int ROW_STRIDE, int ROW_BYTES>
 struct RingProducer {
   unsigned char* ring;
   uint64_t* full;
   uint64_t* empty;
   uint64_t policy;
   unsigned k = 0;
-  unsigned long long ring_full_ns = 0, in_flight_ns = 0;
 
   __device__ __forceinline__ void issue(const __nv_bfloat16* first_row, int row_elems, int rows) {
     const int slot = k % kSlots;
-    unsigned long long t0 = 0, t1 = 0;
-    if constexpr (STAMPS) t0 = now_ns();
     mbar_wait(empty + slot, ((k / kSlots) & 1) ^ 1);
-    if constexpr (STAMPS) {
-      t1 = now_ns();
-      ring_full_ns += t1 - t0;
-    }
     if (k >= kInFlight) {
       const unsigned back = k - kInFlight;
       mbar_wait(full + back % kSlots, (back / kSlots) & 1);
     }
-    if constexpr (STAMPS) in_flight_ns += now_ns() - t1;
     mbar_expect_tx(full + slot, rows * ROW_BYTES);
     for (int r = 0; r < rows; ++r)
       bulk_load(ring + slot * SLOT_BYTES + r * ROW_STRIDE, first_row + (size_t)r * row_elems, ROW_BYTES, full + slot,

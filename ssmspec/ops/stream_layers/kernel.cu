@@ -90,26 +90,18 @@ __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;
 // counter only grows within a launch and the kernel's end resets it. The bar.sync orders the
 // CTA's writes before thread 0's release add, and the acquire poll plus the second bar.sync
 // orders the other CTAs' writes before this CTA's reads (as CUTLASS's grid barrier does). No
-// fence.sc (__threadfence): FENCE_SC puts the first probe's two back, for timing.
+// fence.sc (__threadfence): the release and acquire order what the barrier needs.
 __device__ __forceinline__ void grid_sync(unsigned* counter, unsigned round) {
   consumers_sync();
-#ifndef NO_GRID_SYNC  // timing only (wrong results): what the barriers cost
   if (threadIdx.x == 0) {
-#ifdef FENCE_SC
-    __threadfence();
-#endif
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
     const unsigned target = round * gridDim.x;
     unsigned seen;
     do {
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
     } while (seen < target);
-#ifdef FENCE_SC
-    __threadfence();
-#endif
   }
   consumers_sync();
-#endif
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -164,12 +156,6 @@ __device__ __forceinline__ void load_segment(const __nv_bfloat16* v, int lane, f
     for (int i = 0; i < 8; ++i) out[8 * j + i] = c[i];
   }
 }
-
-#ifdef NO_DOT  // timing only (wrong results): the stream through the ring without the dot products
-#define TIMED_DOT(seg, lane, x) 0.0f
-#else
-#define TIMED_DOT(seg, lane, x) segment_dot(seg, lane, x)
-#endif
 
 // Dot product of one weight segment in shared memory with the lane's chunks of the input.
 __device__ __forceinline__ float segment_dot(const unsigned char* seg, int lane, const float (&x)[CHUNKS * 8]) {
@@ -319,7 +305,7 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
     for (int r = in_lo; r < in_hi; r += SLOT_SEGS) {
       const unsigned char* slot = acquire();
       if (warp < in_hi - r) {
-        const float dot = TIMED_DOT(slot + warp * SEG_BYTES, lane, x);
+        const float dot = segment_dot(slot + warp * SEG_BYTES, lane, x);
         if (lane == 0) zx[r + warp] = __float2bfloat16(dot * r_in);
       }
       release();
@@ -330,7 +316,6 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
     // loads per thread (its B/C channel, its row's x, z and dt) and the per-row scalars into
     // shared memory; then each warp updates its rows' states from the ring slot.
     const __nv_bfloat16* xbc = zx + DI;
-#ifndef NO_STEP  // timing only (wrong results): the layer without the step's work
     {
       const float bc_new = ld_l2_bf(xbc + bc_ch);
       float acc = bc_bias + bc_w[KC - 1] * bc_new;
@@ -357,10 +342,8 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
       }
     }
     consumers_sync();
-#endif
     {
       const unsigned char* slot = acquire();
-#ifndef NO_STEP
       const float4 Bv = reinterpret_cast<const float4*>(bc)[lane];
       const float4 Cv = reinterpret_cast<const float4*>(bc + S)[lane];
 #pragma unroll
@@ -378,7 +361,6 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
           __stcs(reinterpret_cast<float4*>(L.ssm_state + (size_t)(st_lo + i) * S) + lane, st);
         }
       }
-#endif
       release();
     }
     grid_sync(counter, ++rounds);
@@ -394,7 +376,7 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
     for (int r = out_lo, i = 0; r < out_hi; r += SLOT_SEGS / 2, i += SLOT_SEGS / 2) {
       const unsigned char* slot = acquire();
       if ((warp >> 1) < out_hi - r) {
-        const float dot = TIMED_DOT(slot + warp * SEG_BYTES, lane, x);
+        const float dot = segment_dot(slot + warp * SEG_BYTES, lane, x);
         if (lane == 0) partial[2 * (i + (warp >> 1)) + half] = dot;
       }
       release();
@@ -433,7 +415,7 @@ stream_layers(const Layer* __restrict__ layers, int n_layers, const __nv_bfloat1
     for (int r = lm_lo; r < lm_hi; r += SLOT_SEGS) {
       const unsigned char* slot = acquire();
       if (warp < lm_hi - r) {
-        const float dot = TIMED_DOT(slot + warp * SEG_BYTES, lane, x);
+        const float dot = segment_dot(slot + warp * SEG_BYTES, lane, x);
         if (lane == 0) logits[r + warp] = round_bf(dot);
       }
       release();

@@ -25,10 +25,6 @@ ROWS = 8  # weight rows per ring slot: kernel.cu's ROWS
 WARPS = 8
 THREADS = WARPS * 32 + 32
 MAX_OUT_ROWS = 64  # kernel.cu's MAX_OUT_ROWS: out_proj rows per CTA
-TRACE = False
-"""Build with kernel.cu's TRACE stamps (bench/stream_proj_probe.py --trace; not for the product)."""
-USE_PDL = True
-"""Launch with programmatic dependent launch where ops/pdl.py does (False: for a timing A/B only)."""
 
 _LAUNCHER = r"""
 #include <torch/extension.h>
@@ -49,15 +45,6 @@ void launch(c10::optional<torch::Tensor> out_w, c10::optional<torch::Tensor> g, 
       zx.has_value() ? reinterpret_cast<__nv_bfloat16*>(zx->data_ptr()) : nullptr, (int)nodes, (float)eps_out,
       (float)eps_in, reinterpret_cast<unsigned*>(counter.data_ptr()));
 }
-
-#ifdef TRACE
-void set_trace(torch::Tensor buffer) {  // the stamps' buffer, [launch][CTA][TRACE_N] uint64
-  unsigned long long* p = reinterpret_cast<unsigned long long*>(buffer.data_ptr());
-  const unsigned launches = (unsigned)buffer.size(0);
-  C10_CUDA_CHECK(cudaMemcpyToSymbol(g_trace, &p, sizeof(p)));
-  C10_CUDA_CHECK(cudaMemcpyToSymbol(g_trace_launches, &launches, sizeof(launches)));
-}
-#endif
 """
 _DECLARATION = ("void launch(c10::optional<torch::Tensor> out_w, c10::optional<torch::Tensor> g, torch::Tensor h, "
                 "c10::optional<torch::Tensor> h_next, c10::optional<torch::Tensor> in_w, c10::optional<torch::Tensor> zx, "
@@ -79,11 +66,12 @@ def unsupported_reason(model, nodes: int, device: torch.device) -> str | None:
     d_model = model.config.d_model
     if (why := width_reason(d_model, smem_bytes(d_model), 4096)) is not None:
         return why
+    stack = model.folded_mamba_stack()
+    if stack is None:
+        return "every layer must be a Mamba-2 layer with its norms folded (models/fold.py)"
     shapes = set()
-    for layer in model.layers:
-        if layer.kind != "mamba" or not layer.norms_folded:
-            return "every layer must be a Mamba-2 layer with its norms folded (models/fold.py)"
-        m, c = layer.mixer, layer.mixer.cfg
+    for m, _ in stack:
+        c = m.cfg
         if c.d_inner % d_model or m.norm.group_size != c.d_inner:
             return (f"d_inner {c.d_inner} must be a multiple of d_model and the gated norm one group "
                     f"(group size {m.norm.group_size})")
@@ -102,27 +90,26 @@ def unsupported_reason(model, nodes: int, device: torch.device) -> str | None:
     return None
 
 
-def nvcc_flags(d_model: int, d_inner: int, n_in: int, slots: int, in_flight: int, trace: bool = False) -> list[str]:
-    """nvcc's flags for one shape (public so that a build can be checked off the GPU with them)."""
+def nvcc_flags(d_model: int, d_inner: int, n_in: int, slots: int, in_flight: int) -> list[str]:
+    """nvcc's flags for one shape (bench/compile_extensions.py compiles with them off the GPU)."""
     return ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-diag-suppress", "177,550",
             "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", f"-DD_MODEL={d_model}", f"-DD_INNER={d_inner}", f"-DN_IN={n_in}",
-            f"-DN_SLOTS={slots}", f"-DIN_FLIGHT={in_flight}"] + (["-DTRACE"] if trace else [])
+            f"-DN_SLOTS={slots}", f"-DIN_FLIGHT={in_flight}"]
 
 
 @functools.cache
-def _module(d_model: int, d_inner: int, n_in: int, slots: int, in_flight: int, trace: bool = False):
+def _module(d_model: int, d_inner: int, n_in: int, slots: int, in_flight: int):
     """The extension for one shape (built once per shape and machine, then loaded from cache)."""
     from torch.utils.cpp_extension import load_inline
 
     here = os.path.dirname(os.path.abspath(__file__))
     with open(os.path.join(here, "kernel.cu")) as f:
         source = f.read() + _LAUNCHER
-    flags = nvcc_flags(d_model, d_inner, n_in, slots, in_flight, trace)
-    name = f"ssmspec_stream_proj_{d_model}_{d_inner}_{n_in}_{slots}_{in_flight}{'_trace' if trace else ''}"
+    flags = nvcc_flags(d_model, d_inner, n_in, slots, in_flight)
+    name = f"ssmspec_stream_proj_{d_model}_{d_inner}_{n_in}_{slots}_{in_flight}"
     print(f"ssmspec: loading the tree verify's weight-stream projections {name} (built on first use on this "
           "machine, ~1 min; cached under TORCH_EXTENSIONS_DIR)", file=sys.stderr, flush=True)
-    return load_inline(name=name, cpp_sources=_DECLARATION + (" void set_trace(torch::Tensor buffer);" if trace else ""),
-                       cuda_sources=source, functions=["launch"] + (["set_trace"] if trace else []),
+    return load_inline(name=name, cpp_sources=_DECLARATION, cuda_sources=source, functions=["launch"],
                        extra_cuda_cflags=flags,
                        extra_include_paths=[here, os.path.join(os.path.dirname(here), "stream_layers")])
 
@@ -130,9 +117,9 @@ def _module(d_model: int, d_inner: int, n_in: int, slots: int, in_flight: int, t
 def build(model):
     """The extension for `model`'s projection shape: built now if this machine has not yet (about
     a minute; torch's loader keeps it under TORCH_EXTENSIONS_DIR), else loaded."""
-    m = model.layers[0].mixer
+    m = model.mamba_mixers()[0]
     n_in, d_model = m.in_proj.weight.shape
-    return _module(d_model, m.out_proj.weight.shape[1], n_in, SLOTS, IN_FLIGHT, TRACE)
+    return _module(d_model, m.out_proj.weight.shape[1], n_in, SLOTS, IN_FLIGHT)
 
 
 class StreamProj:
@@ -146,15 +133,14 @@ class StreamProj:
     """
 
     def __init__(self, model, device: torch.device):
-        m = model.layers[0].mixer
+        m = model.mamba_mixers()[0]
         self.n_in, self.d_model = m.in_proj.weight.shape
         self.d_inner = m.out_proj.weight.shape[1]
         self.module = build(model)
         self.launch = self.module.launch
         self.smem = smem_bytes(self.d_model, SLOTS)
-        # the grid barrier's tickets (kernel.cu: they count up across launches, never reset); a
-        # second counter numbers the launches of a TRACE build
-        self.counter = torch.zeros(2, device=device, dtype=torch.int32)
+        # the grid barrier's tickets (kernel.cu: they count up across launches, never reset)
+        self.counter = torch.zeros(1, device=device, dtype=torch.int32)
 
     def __call__(self, h: torch.Tensor, out_mixer=None, g: torch.Tensor | None = None, in_mixer=None,
                  in_eps: float = 0.0) -> torch.Tensor | None:
@@ -167,5 +153,5 @@ class StreamProj:
         self.launch(None if out_mixer is None else out_mixer.out_proj.weight, g, h,
                     None if out_mixer is None else h, None if in_mixer is None else in_mixer.in_proj.weight,
                     zx, rows, 0.0 if out_mixer is None else out_mixer.norm.eps, in_eps, self.counter, self.smem,
-                    USE_PDL and pdl.enabled(h.device))
+                    pdl.enabled(h.device))
         return zx

@@ -44,19 +44,8 @@
 #define IN_FLIGHT 1
 #endif
 
-#ifdef TRACE  // bench/stream_proj_probe.py --trace: globaltimer stamps per launch and CTA
-__device__ unsigned long long* g_trace;  // [launch][CTA][TRACE_N], set by the launcher's set_trace
-__device__ unsigned g_trace_launches;    // its launches (the index wraps around)
-#endif
-
 namespace {
 
-constexpr int TRACE_N = 16;
-#ifdef TRACE
-constexpr bool STAMPS = true;
-#else
-constexpr bool STAMPS = false;
-#endif
 constexpr int D = D_MODEL, DI = D_INNER, NIN = N_IN, NT = 16;
 constexpr int OUT_SEGS = DI / D;  // an out_proj row is OUT_SEGS slot rows of D columns
 constexpr int ROWS = 8, ROW_BYTES = D * 2;
@@ -112,19 +101,6 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
   const int out_lo = split_lo(D, cta, ctas), out_hi = split_lo(D, cta + 1, ctas);
   const int in_lo = split_lo(NIN, cta, ctas), in_hi = split_lo(NIN, cta + 1, ctas);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = threadIdx.x;
-#ifdef TRACE
-  // this launch's index: every CTA counts itself in at counter[1] (the probe allocates two counters)
-  __shared__ unsigned long long* trace;
-  if (t == 0) {
-    const unsigned ticket = atomicAdd(counter + 1, 1u);
-    trace = g_trace + ((size_t)(ticket / ctas % g_trace_launches) * ctas + cta) * TRACE_N;
-    trace[0] = now_ns();
-  }
-#define STAMP(i) \
-  if (t == 0) trace[i] = now_ns()
-#else
-#define STAMP(i)
-#endif
   if (t == 0) {
     for (int i = 0; i < N_SLOTS; ++i) {
       mbar_init(full + i, 1);
@@ -138,20 +114,12 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
     if (lane == 0) {
       uint64_t policy;
       asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-#ifdef TRACE
-      trace[10] = now_ns();
-#endif
-      RingProducer<N_SLOTS, IN_FLIGHT, SLOT_BYTES, ROW_STRIDE, ROW_BYTES, STAMPS> producer{ring, full, empty, policy};
+      RingProducer<N_SLOTS, IN_FLIGHT, SLOT_BYTES, ROW_STRIDE, ROW_BYTES> producer{ring, full, empty, policy};
       if (out_w != nullptr)  // segment-major: the consumers hold one segment's A fragments at a time
         for (int s = 0; s < OUT_SEGS; ++s)
           for (int r = out_lo; r < out_hi; r += ROWS) producer.issue(out_w + (size_t)r * DI + s * D, DI, min(ROWS, out_hi - r));
       if (in_w != nullptr)
         for (int r = in_lo; r < in_hi; r += ROWS) producer.issue(in_w + (size_t)r * D, D, min(ROWS, in_hi - r));
-#ifdef TRACE
-      trace[8] = producer.ring_full_ns;
-      trace[9] = producer.in_flight_ns;
-      trace[11] = now_ns();
-#endif
     }
     return;
   }
@@ -164,7 +132,6 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
   };
 
   asm volatile("griddepcontrol.wait;" ::: "memory");  // g, h: the kernels before this one
-  STAMP(1);
   const int col0 = warp * KW;
   const __nv_bfloat16* x_in = h;
   if (out_w != nullptr) {
@@ -187,7 +154,6 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
       Frags a;
       load_a(g, DI, s * D + col0, nodes, lane, a);
       add_sq(a, sq_lo, sq_hi);
-      if (s == 0) STAMP(2);
       for (int r = out_lo, i = 0; r < out_hi; r += ROWS, i += ROWS) {
         const unsigned char* slot = slots.acquire();
         float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -198,7 +164,6 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
         if (t < NT * ROWS && r + t % ROWS < out_hi) *dst = s == 0 ? v : *dst + v;
       }
     }
-    STAMP(3);
     set_rms(sq_lo, sq_hi, DI, eps_out);  // its barriers also order the sums above before their reads
     // h' = h + bf16(rms * sum) in bf16
 #pragma unroll
@@ -214,9 +179,7 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
       asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
       return;
     }
-    STAMP(4);
     grid_barrier(counter);
-    STAMP(5);
     x_in = h_next;
   }
   // every CTA is resident (past the barrier, or there is none): the next kernel may launch
@@ -226,7 +189,6 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
   load_a(x_in, D, col0, nodes, lane, a);
   add_sq(a, sq_lo, sq_hi);
   set_rms(sq_lo, sq_hi, D, eps_in);
-  STAMP(6);
   for (int r = in_lo; r < in_hi; r += ROWS) {
     const unsigned char* slot = slots.acquire();
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -236,5 +198,4 @@ stream_proj16(const __nv_bfloat16* __restrict__ out_w, const __nv_bfloat16* g, c
     const int n = t / ROWS, row = r + t % ROWS;
     if (t < NT * ROWS && n < nodes && row < in_hi) zx[n * NIN + row] = __float2bfloat16(v * rms[n]);
   }
-  STAMP(7);
 }

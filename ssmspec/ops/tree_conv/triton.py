@@ -11,8 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pdl import gdc_launch_dependents, gdc_wait
-from ..step_update.triton import _pdl_args
+from ..triton_common import gdc_launch_dependents, gdc_wait, pdl_args
 
 
 CONV_TILE: tuple[int, int, int] | None = None
@@ -124,6 +123,6 @@ def tree_conv(
         n, channels,
         *xBC.stride(), *conv_state.stride(), *weight.stride(), *out.stride(),
         K=kernel_size, HAS_BIAS=bias is not None, SILU=activation == "silu",
-        BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_K=triton.next_power_of_2(kernel_size), num_warps=warps, **_pdl_args(out.device),
+        BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_K=triton.next_power_of_2(kernel_size), num_warps=warps, **pdl_args(out.device),
     )
     return out

@@ -21,8 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pdl import gdc_launch_dependents, gdc_wait
-from ..step_update.triton import _pdl_args, _softplus
+from ..triton_common import gdc_launch_dependents, gdc_wait, pdl_args, softplus
 
 
 @triton.jit
@@ -135,7 +134,7 @@ def _tree_scan_kernel(
     if FUSED:
         # dt_ptr is dt_raw: the time step of every node here (padding lanes stay 0), stored for
         # replay by the P-block-0 program.
-        dt = _softplus(dt + dt_b)
+        dt = softplus(dt + dt_b)
         dt = tl.where(mask_n, tl.minimum(tl.maximum(dt, dt_min), dt_max), 0.0)
         if pid_p == 0:
             tl.store(dt_out_ptr + (b * N + offs_n) * H + h, dt, mask=mask_n)
@@ -423,7 +422,7 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
         HAS_D=D is not None, FUSED=fused is not None,
         BLOCK_N=block_n, BLOCK_P=block_p, BLOCK_S=block_s,
         PRECISION=precision, ONE_CHUNK=block_s >= d_state,
-        num_warps=SCAN_WARPS or (4 if block_n <= 32 else 8), **_pdl_args(y.device),
+        num_warps=SCAN_WARPS or (4 if block_n <= 32 else 8), **pdl_args(y.device),
         sq_ptr=sq, WRITE_SQ=sq is not None,
         **_pending_args(pending),
         **({} if gate_flags is None else dict(gate_flag_ptr=gate_flags, WAIT_GATE=True)),
