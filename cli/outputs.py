@@ -7,7 +7,6 @@ is replaced only with `--overwrite` and only when its marker names the same comm
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Mapping, Optional
@@ -19,7 +18,9 @@ MARKER = ".ssmspec-output"
 
 def _is_main_process() -> bool:
     # Under torchrun / accelerate every process runs the command; only the first one touches --out.
-    return int(os.environ.get("RANK", "0")) == 0
+    from ssmspec.ops.settings import environment
+
+    return environment().rank == 0
 
 
 def owner_of(out: Path) -> Optional[str]:

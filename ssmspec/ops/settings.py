@@ -36,6 +36,10 @@ class Settings:
     """The one-launch CUDA kernels' mode: auto, on or off."""
     interpret: bool = False
     """TRITON_INTERPRET=1: Triton kernels run on the CPU."""
+    omp_threads: int | None = None
+    """OMP_NUM_THREADS when the user set it to a positive integer (CPU thread count), else None."""
+    rank: int = 0
+    """RANK under torchrun / accelerate (0 for a single process)."""
 
 
 def read_settings(environ: Mapping[str, str]) -> Settings:
@@ -48,7 +52,11 @@ def read_settings(environ: Mapping[str, str]) -> Settings:
     if mode not in STREAM_LAYERS_MODES:
         raise CodePathError(f"{STREAM_LAYERS_ENV}={environ[STREAM_LAYERS_ENV]!r} is not understood: set it to 1 (on), "
                             "0 (off) or auto (the default, when unset)")
-    return Settings(backend, STREAM_LAYERS_MODES[mode], environ.get("TRITON_INTERPRET") == "1")
+    threads = environ.get("OMP_NUM_THREADS", "").strip()
+    rank = environ.get("RANK", "0").strip()
+    return Settings(backend, STREAM_LAYERS_MODES[mode], environ.get("TRITON_INTERPRET") == "1",
+                    int(threads) if threads.isdigit() and int(threads) > 0 else None,
+                    int(rank) if rank.isdigit() else 0)
 
 
 @functools.cache

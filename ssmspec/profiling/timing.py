@@ -8,7 +8,6 @@ timings of one call are too far apart to trust.
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from contextlib import contextmanager
@@ -95,8 +94,9 @@ def default_cpu_threads() -> int:
     time handing work between threads, and on a machine shared with other work a thread that
     waits for a busy core turns a 5 ms call into a 500 ms one; one thread gives stable timings.
     """
-    value = os.environ.get("OMP_NUM_THREADS", "").strip()
-    return int(value) if value.isdigit() and int(value) > 0 else 1
+    from ..ops.settings import environment
+
+    return environment().omp_threads or 1
 
 
 @contextmanager
