@@ -47,16 +47,17 @@ def pick_training_scan(choice: str, device: torch.device) -> TrainingScan:
     `naive_chunk_scan`, differentiable). fla and mamba_ssm asked for by name must be usable.
     """
     from ssmspec.ops import dispatch
-    from ssmspec.ops.chunk_scan.fla import fla_available, fla_chunk_scan
+    from ssmspec.ops.chunk_scan.fla import fla_available, fla_chunk_scan, fla_refusal
 
     on_cuda = torch.device(device).type == "cuda"
     if choice in ("auto", "fla"):
         version = fla_available() if on_cuda else None  # no import on the CPU: fla warns there, and takes seconds
-        if on_cuda and version is not None:
+        refused = fla_refusal(device) if version is not None else None
+        if on_cuda and version is not None and refused is None:
             return TrainingScan(f"fla:chunk_simple_gla (fla-core {version})", "fla-core imports and the device is CUDA",
                                 fla_chunk_scan)
         if choice == "fla":
-            why = "no CUDA device" if not on_cuda else "fla-core is not importable (pip install fla-core einops)"
+            why = ("no CUDA device" if not on_cuda else refused or "fla-core is not importable (pip install fla-core einops)")
             raise InputError(f"--scan fla asked for, but {why}; use --scan auto or --scan ssmspec")
     if choice in ("auto", "mamba_ssm"):
         scan = _mamba_ssm_scan() if on_cuda else None
@@ -70,7 +71,7 @@ def pick_training_scan(choice: str, device: torch.device) -> TrainingScan:
     elif not on_cuda:
         reason = "no CUDA device"
     else:
-        reason = "neither fla-core nor mamba_ssm imports"
+        reason = "neither fla-core nor mamba_ssm can train here"
     return TrainingScan(f"ssmspec:{impl.__module__}.{impl.__name__}", reason, impl)
 
 

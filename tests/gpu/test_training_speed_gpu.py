@@ -16,6 +16,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.requires_cuda
 
@@ -77,6 +78,11 @@ def _sft(work: Path, corpus: Path, tokenizer: Path, preset: str, scan: str, step
 
 
 def test_sft_speed_and_loss_curve_fla_vs_plain_torch(tmp_path):
+    from ssmspec.ops.chunk_scan.fla import fla_refusal
+
+    refused = fla_refusal(torch.device("cuda"))
+    if refused:  # reported as xfailed with the reason, never as a pass
+        pytest.xfail(refused)
     pytest.importorskip("fla")
     work = Path(os.environ.get("SSMSPEC_SPEED_WORK", tmp_path))
     corpus = _corpus(work)

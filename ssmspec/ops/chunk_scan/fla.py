@@ -26,6 +26,25 @@ def fla_available() -> str | None:
     return getattr(fla, "__version__", "unknown")
 
 
+def fla_refusal(device) -> str | None:
+    """Why fla's kernels cannot train on `device`, or None. fla-core 0.6.0 refuses the backward of
+    its gated chunked kernels on Hopper with Triton >= 3.4 and < 3.7.1 (wrong results in those
+    Triton versions, fla issue #640): seen on the H100 with Triton 3.6.0."""
+    import torch
+    import triton
+
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return None
+    parts = []
+    for piece in triton.__version__.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    version = tuple(parts + [0] * (3 - len(parts)))
+    if (3, 4, 0) <= version < (3, 7, 1):
+        return f"fla's backward refuses Triton {triton.__version__} on Hopper (needs >= 3.7.1 or tilelang)"
+    return None
+
+
 def fla_chunk_scan(x, dt, A, B, C, D, chunk_size: int = 64, initial_state=None):
     """Same contract as `naive_chunk_scan`, run by fla's Triton kernels.
 
