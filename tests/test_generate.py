@@ -300,3 +300,22 @@ def test_bandit_on_the_device_side_iteration_equals_the_host_loop(arch):
     assert runs[0].token_ids == runs[1].token_ids == ar.token_ids
     assert runs[0].accepted_per_call == runs[1].accepted_per_call
     assert min(runs[1].stats["tree_policy"]["pulls"]) >= 1 and sum(runs[1].stats["tree_policy"]["pulls"]) == runs[1].stats["target_calls"]
+
+
+def test_warm_up_prepares_every_prefill_chain_and_tree(monkeypatch):
+    # After warm_up a generation with any prompt length meets only prepared chain sizes and trees.
+    from ssmspec.decoding import warm_up
+    from ssmspec.ops import dispatch
+    from ssmspec.trees.tree import parse_tree_spec
+
+    real = dispatch.uses_kernel  # prefill by chains, as on a GPU (the reference ops run them here)
+    monkeypatch.setattr(dispatch, "uses_kernel", lambda op, device: op == "tree_scan" or real(op, device))
+
+    target = tiny_model(TARGETS["mamba2"], seed=2)
+    drafter = ModelDrafter(tiny_model(TARGETS["mamba2"], seed=3), graphs=True)
+    arms = parse_tree_spec("bandit:2,1;1,1,1")
+    warm_up(target, drafter=drafter, config=GenerationConfig(method="stree", tree=arms, graphs=True))
+    fast = next(iter(target._ssmspec_fast_paths.values()))
+    assert set(fast.chain_prefill._chains) == {64, 32, 16, 8, 4, 2, 1}
+    assert set(drafter._prefill._chains) == {64, 32, 16, 8, 4, 2, 1}
+    assert {key[1] for key in fast.tree_graphs if key[0] == "fused"} == {arm.parents for arm in arms.arms}

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from ..decoding.generate import GenerationConfig, GenerationResult, generate
+from ..decoding.generate import GenerationConfig, GenerationResult, generate, warm_up
 from ..errors import InputError
 from .config import BenchConfig, MethodSpec, resolve_methods
 from .lossless import Verdict, check_lossless
@@ -87,6 +87,8 @@ def run_bench(config: BenchConfig, on_progress: ProgressFn | None = None) -> Ben
 
             if on_progress and config.warmup:
                 on_progress(done, total, f"{spec.label} (warm-up)")
+            if config.warmup:  # every prefill chain size and every tree's graphs, then the first prompts
+                warm_up(model, drafter=drafter, config=gen_cfg(), token=encoded[0][1][0])
             for _, ids in encoded[:config.warmup]:
                 generate_once(model, ids, drafter, gen_cfg())
             if model.device.type == "cuda":

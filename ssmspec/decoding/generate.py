@@ -460,3 +460,18 @@ def generate(
     if cfg.tree_policy is not None and cfg.method != "ar":
         stats["tree_policy"] = cfg.tree_policy.summary()
     return GenerationResult(out.tokens, stats, accepted_per_call, out.finish_reason)
+
+
+def warm_up(target, *, drafter=None, config: GenerationConfig | None = None, token: int = 0) -> None:
+    """Compile the kernels and capture the graphs that generations with `config` will use, so
+    that timed or latency-sensitive calls pay none of it: one generation from a prompt of
+    2 * ChainPrefill.CHUNK - 1 tokens, which takes every prefill chain size once."""
+    import dataclasses
+
+    from .graphs import ChainPrefill
+
+    cfg = config or GenerationConfig()
+    for tree in _trees(cfg) if cfg.method != "ar" else (None,):  # every arm of a bandit
+        one = dataclasses.replace(cfg, tree=tree, tree_policy=None, max_new_tokens=8, stop_strings=(),
+                                  eos_token_id=None, timing=False)
+        generate(target, [token] * (2 * ChainPrefill.CHUNK - 1), drafter=drafter, config=one)
