@@ -15,6 +15,16 @@ from .mamba2 import Mamba2Mixer
 from .mlp import MLP
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding that leaves a meta-device weight uninitialised: loading builds the model on
+    the meta device and overwrites every weight, and `normal_` on a meta tensor imports
+    torch._dynamo (5-8 s on a slow CPU) for nothing."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -90,7 +100,7 @@ class LanguageModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embeddings = Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Sublayer(kind, cfg) for kind in cfg.layers)
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
