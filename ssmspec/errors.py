@@ -24,3 +24,7 @@ class DataError(SsmspecError):
 
 class ProfileMismatchError(SsmspecError):
     """A profile.json measured on another model architecture or dtype than the one in use."""
+
+
+class ResourceError(SsmspecError):
+    """A run that would not fit: more memory than the device has, a longer text than the model's context."""
