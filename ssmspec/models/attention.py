@@ -15,6 +15,7 @@ ATTENTION_SCORE_ELEMENTS = 1 << 24
 """Most attention scores (B x H x queries x keys) one call holds; a longer full-sequence pass
 attends in chunks of queries, so a prompt's memory grows linearly with its length, not as T x T."""
 MIN_QUERY_CHUNK = 16
+"""Fewest queries per chunk (fewer calls); passes this short are never chunked."""
 
 def _project_rows(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """linear(x), through the decode kernels (GEMV / skinny GEMM, ops/gemv) at inference: at a
@@ -121,7 +122,8 @@ class Attention(nn.Module):
         positions = seqlen[:, None] + torch.arange(steps, device=h.device)[None, :]
         q, k, v = self._project(h, positions)
         keys = steps + (0 if cache is None else cache.keys.shape[2])
-        if batch * self.cfg.n_heads * steps * keys > ATTENTION_SCORE_ELEMENTS:
+        # A single step (what CUDA graphs capture) holds one row of scores: never chunked.
+        if steps > MIN_QUERY_CHUNK and batch * self.cfg.n_heads * steps * keys > ATTENTION_SCORE_ELEMENTS:
             return self._attend_in_chunks(q, k, v, cache, seqlen)
         causal = torch.ones(steps, steps, dtype=torch.bool, device=h.device).tril()
         out = self._attend(q, k, v, cache, seqlen, causal)
