@@ -63,12 +63,17 @@ def test_chunked_attention_equals_the_full_pass(monkeypatch, steps, prefix):
 def test_chunked_attention_without_a_cache(monkeypatch, steps):
     layer, _, _ = _layer_and_cache(2, [0, 0])
     h = torch.randn(2, steps, 32)
-    expected = layer(h)
-    monkeypatch.setattr(attention_module, "ATTENTION_SCORE_ELEMENTS", 1)
-    monkeypatch.setattr(attention_module, "MIN_QUERY_CHUNK", 5)
-    actual = layer(h)
+    with torch.no_grad():
+        expected = layer(h)
+        monkeypatch.setattr(attention_module, "ATTENTION_SCORE_ELEMENTS", 1)
+        monkeypatch.setattr(attention_module, "MIN_QUERY_CHUNK", 5)
+        actual = layer(h)
     assert_close(actual, expected, name="output")
-    actual.sum().backward()  # training goes through it too
+    # Training keeps the one-call path (each chunk's probabilities would be kept for the backward).
+    monkeypatch.setattr(Attention, "_attend_in_chunks", lambda *a: pytest.fail("chunked under autograd"))
+    trained = layer(h.requires_grad_())
+    assert_close(trained, expected, name="output with autograd")
+    trained.sum().backward()
     assert layer.q_proj.weight.grad is not None
 
 

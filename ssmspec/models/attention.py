@@ -122,8 +122,11 @@ class Attention(nn.Module):
         positions = seqlen[:, None] + torch.arange(steps, device=h.device)[None, :]
         q, k, v = self._project(h, positions)
         keys = steps + (0 if cache is None else cache.keys.shape[2])
-        # A single step (what CUDA graphs capture) holds one row of scores: never chunked.
-        if steps > MIN_QUERY_CHUNK and batch * self.cfg.n_heads * steps * keys > ATTENTION_SCORE_ELEMENTS:
+        # Inference only: under autograd each chunk's probabilities are kept for the backward
+        # anyway (and the GPU's fused kernels never hold the scores). A single step (what CUDA
+        # graphs capture) holds one row of scores: never chunked.
+        if (not torch.is_grad_enabled() and steps > MIN_QUERY_CHUNK
+                and batch * self.cfg.n_heads * steps * keys > ATTENTION_SCORE_ELEMENTS):
             return self._attend_in_chunks(q, k, v, cache, seqlen)
         causal = torch.ones(steps, steps, dtype=torch.bool, device=h.device).tril()
         out = self._attend(q, k, v, cache, seqlen, causal)
