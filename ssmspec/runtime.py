@@ -38,7 +38,8 @@ def configure_threads(model=None, device=None) -> int:
     """Set torch's CPU thread count for decoding `model` (a LanguageModel) and return the count in use.
 
     Kept as the user set it: SSMSPEC_THREADS (applied here), OMP_NUM_THREADS or MKL_NUM_THREADS,
-    or a torch.set_num_threads call made before. A model on a GPU leaves the count alone.
+    or a torch.set_num_threads call made since ssmspec was imported (a count other than torch's
+    count then and the one chosen here). A model on a GPU leaves the count alone.
     """
     global _chosen
     current = torch.get_num_threads()
