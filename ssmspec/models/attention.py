@@ -17,6 +17,7 @@ attends in chunks of queries, so a prompt's memory grows linearly with its lengt
 MIN_QUERY_CHUNK = 16
 """Fewest queries per chunk (fewer calls); passes this short are never chunked."""
 
+
 def _project_rows(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """linear(x), through the decode kernels (GEMV / skinny GEMM, ops/gemv) at inference: at a
     few rows they stream the weights faster than cuBLAS. Training keeps nn.Linear (autograd)."""
