@@ -19,7 +19,9 @@ import torch
 
 from .decoding import GenerationConfig, GenerationResult, ModelDrafter, NgramDrafter, generate
 from .errors import InputError
+from .limits import check_context, declared_context
 from .models.loading import LoadedModel, check_same_vocab, load_model
+from .runtime import configure_threads
 from .tokenization import encode_prompt, tokenizer_for
 
 
@@ -54,12 +56,21 @@ def generate_text(
     chat: bool = False,
     on_text: Callable[[str], None] | None = None,
 ) -> GenerationResult:
-    """Tokenize, generate, detokenize. `on_text` receives text as it is accepted (streaming)."""
+    """Tokenize, generate, detokenize. `on_text` receives text as it is accepted (streaming).
+
+    On the CPU it first sets torch's thread count for decoding (ssmspec.runtime.configure_threads)
+    and reports it as stats["cpu_threads"]."""
     config = config or GenerationConfig(method="stree" if drafter is not None else "ar")
     tokenizer = tokenizer_for(target)
     ids = encode_prompt(tokenizer, prompt, chat)
     if config.eos_token_id is None:
-        config.eos_token_id = getattr(tokenizer, "eos_token_id", None) or target.model.config.eos_token_id
+        eos = getattr(tokenizer, "eos_token_id", None)  # 0 is a valid id: test for None, not falsiness
+        config.eos_token_id = eos if eos is not None else target.model.config.eos_token_id
+    # The context a checkpoint declares lives in its config.json; `generate` checks the rest.
+    check_context(target.model.config, len(ids), config.max_new_tokens,
+                  config.tree.num_nodes if config.method != "ar" and config.tree is not None else 0,
+                  declared_context(target.path))
+    threads = configure_threads(target.model)
     produced: list[int] = []
     shown = ""
 
@@ -75,6 +86,8 @@ def generate_text(
     decode = lambda toks: tokenizer.decode(toks, skip_special_tokens=True)  # noqa: E731
     result = generate(target.model, ids, drafter=drafter, config=config, decode=decode, on_tokens=stream)
     result.text = decode(result.token_ids)
+    if target.model.device.type == "cpu":
+        result.stats["cpu_threads"] = threads
     if on_text and result.text.startswith(shown) and len(result.text) > len(shown):
         on_text(result.text[len(shown):])
     return result

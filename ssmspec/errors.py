@@ -29,3 +29,7 @@ class ProfileMismatchError(SsmspecError):
 class CodePathError(SsmspecError):
     """A code-path setting that is not understood (a backend name, SSMSPEC_STREAM_LAYERS), or a
     kernel asked for explicitly that cannot run or build here."""
+
+
+class ResourceError(SsmspecError):
+    """A run that would not fit: more memory than the device has, a longer text than the model's context."""

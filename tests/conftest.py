@@ -1,8 +1,17 @@
 """Test options: slow and GPU tests are opt-in; CPU fp32 tests always run."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# The suite runs many tiny models; on a shared 2-core CI machine several threads per op only
+# wait for each other (ssmspec/runtime.py). One thread here and in the commands the tests spawn,
+# unless the caller chose a count.
+if not any(os.environ.get(name) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "SSMSPEC_THREADS")):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def pytest_addoption(parser):
@@ -10,8 +19,17 @@ def pytest_addoption(parser):
     parser.addoption("--run-gpu", action="store_true", help="run tests marked requires_cuda (needs a GPU)")
 
 
+RUN_SLOW_ENV = "SSMSPEC_RUN_SLOW"
+"""Set under --run-slow, so that child pytest runs (helpers.run_interpreted) run their slow tests too."""
+
+
+def pytest_configure(config):
+    if config.getoption("--run-slow"):
+        os.environ[RUN_SLOW_ENV] = "1"
+
+
 def pytest_collection_modifyitems(config, items):
-    run_slow = config.getoption("--run-slow")
+    run_slow = config.getoption("--run-slow") or os.environ.get(RUN_SLOW_ENV) == "1"
     run_gpu = config.getoption("--run-gpu")
     for item in items:
         if "slow" in item.keywords and not run_slow:

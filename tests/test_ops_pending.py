@@ -227,8 +227,12 @@ if INTERPRETED:
         with pytest.raises(ValueError, match="pending B"):
             TS.tree_scan(x, dt, A, B, C, D, tree.parents_tensor(), h0, pending=(px, pdt, pB[..., :8], count))
 
-    @pytest.mark.parametrize("one_launch", [True, False], ids=["layers-table", "per-layer-fallback"])
-    @pytest.mark.parametrize("shape", [(4, 8, 16, 2), (36, 8, 16, 1)], ids=["one-block", "x-over-two-blocks"])
+    @pytest.mark.parametrize("one_launch, shape", [
+        pytest.param(True, (4, 8, 16, 2), id="one-block-layers-table"),
+        pytest.param(False, (4, 8, 16, 2), id="one-block-per-layer-fallback"),
+        pytest.param(True, (36, 8, 16, 1), id="x-over-two-blocks-layers-table"),
+        pytest.param(False, (36, 8, 16, 1), id="x-over-two-blocks-per-layer-fallback", marks=pytest.mark.slow),
+    ])
     def test_deferred_replay_settle_and_advance_match_reference(one_launch, shape):
         """Rows that append and rows that flush, in one launch; the conv-block programs append
         (x's channels spread over blocks of 256, B's after them, dt in block 0)."""
@@ -260,7 +264,7 @@ if INTERPRETED:
         for got, want in zip(layers, ref_layers):
             assert_close(got["ssm_state"], want["ssm_state"], atol=1e-5, rtol=1e-5, name="settled")
 
-    @pytest.mark.parametrize("layers", [("mamba", "mamba"), ("mamba", "attention", "mlp", "mamba")],
-                             ids=["mamba", "hybrid"])
+    @pytest.mark.parametrize("layers", [pytest.param(("mamba", "mamba"), marks=pytest.mark.slow),
+                                        ("mamba", "attention", "mlp", "mamba")], ids=["mamba", "hybrid"])
     def test_model_with_pending_slots_matches_plain_cache_on_kernels(layers):
         _model_with_pending_matches_plain(layers, "triton")

@@ -175,7 +175,7 @@ else:
 
 
     @pytest.mark.parametrize("tree_name", list(TREES))
-    @pytest.mark.parametrize("kernel_size", [2, 4, 5])
+    @pytest.mark.parametrize("kernel_size", [2, 4, pytest.param(5, marks=pytest.mark.slow)])
     def test_tree_conv_matches_reference(tree_name, kernel_size, nan_outputs):
         tree = TREES[tree_name]
         batch, channels = 2, 300  # more channels than one block, not a multiple of it
@@ -242,11 +242,16 @@ else:
         assert_close(SU.rms_norm(h, w, 1e-5), naive_rms_norm(h, w, 1e-5), atol=1e-5, rtol=1e-5)
 
 
-    @pytest.mark.parametrize("folded", [False, True], ids=["norm-kernels", "folded-norms"])
-    @pytest.mark.parametrize("layers, batch, head_dim", [(("mamba", "mamba"), 2, 8),
-                                                         (("mamba", "mlp", "attention", "mlp", "mamba"), 2, 8),
-                                                         (("mamba", "mlp", "mamba"), 1, 16)],
-                             ids=["mamba", "hybrid", "batch1-P16"])
+    # By default two of the six stacks (together: batch 1 and 2, P 8 and 16, attention, folded and
+    # not); the rest with --run-slow (each is ~20 s in the interpreter).
+    _MODEL_STACKS = {"mamba": (("mamba", "mamba"), 2, 8), "hybrid": (("mamba", "mlp", "attention", "mlp", "mamba"), 2, 8),
+                     "batch1-P16": (("mamba", "mlp", "mamba"), 1, 16)}
+    _DEFAULT_STACKS = {"hybrid-norm-kernels", "batch1-P16-folded-norms"}
+
+    @pytest.mark.parametrize("layers, batch, head_dim, folded", [
+        pytest.param(*stack, folded, id=f"{name}-{fid}",
+                     marks=() if f"{name}-{fid}" in _DEFAULT_STACKS else pytest.mark.slow)
+        for folded, fid in ((False, "norm-kernels"), (True, "folded-norms")) for name, stack in _MODEL_STACKS.items()])
     def test_model_step_and_verify_through_kernels_match_reference(monkeypatch, layers, batch, head_dim, folded):
         """The fused step (residual adds inside the next norm, GEMV projections) and the tree
         verify+replay through the kernels equal the reference, for Mamba-only and hybrid stacks;
@@ -314,7 +319,7 @@ else:
         assert_close(SU.time_step(proj[..., 13:], bias, 0.0, float("inf")), naive_time_step(proj[..., 13:], bias, 0.0, float("inf")),
                      atol=1e-6, rtol=1e-6)
 
-    @pytest.mark.parametrize("n, k", [(37, 100), (300, 64)])
+    @pytest.mark.parametrize("n, k", [(37, 100), pytest.param(300, 64, marks=pytest.mark.slow)])
     def test_gemv_matches_reference(n, k, nan_outputs):
         from ssmspec.ops.gemv.naive import naive_linear
 

@@ -212,7 +212,7 @@ else:
         assert_close(TS.tree_scan(*args), naive_tree_scan(*args), atol=1e-4, rtol=1e-4)
 
     @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-    @pytest.mark.parametrize("kernel_size", [2, 4, 5])
+    @pytest.mark.parametrize("kernel_size", [2, 4, pytest.param(5, marks=pytest.mark.slow)])
     @pytest.mark.parametrize("steps", [5, 18], ids=["unrolled", "looped"])
     def test_replay_states_matches_reference(shape, kernel_size, steps):
         batch, heads, head_dim, d_state, groups = shape

@@ -5,6 +5,7 @@ drafted line verified in one call) and `stree` (a drafted tree packed and verifi
 """
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -14,6 +15,7 @@ import torch
 from ssmspec.trees import Tree, TreeArms
 
 from ..errors import InputError
+from ..limits import check_generation
 from ..models.fold import fold_for_kernels
 from ..models.lm import LanguageModel
 from ..ops import dispatch
@@ -58,6 +60,8 @@ class GenerationConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise InputError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, numbers.Integral):
+            raise InputError(f"max-new-tokens must be a positive integer, got {self.max_new_tokens!r}")
         if self.max_new_tokens < 1:
             raise InputError(f"max-new-tokens must be a positive integer, got {self.max_new_tokens}")
         self.sampling = SamplingParams(self.temperature, self.top_k, self.top_p)
@@ -354,6 +358,8 @@ def generate(
         raise InputError("the prompt is empty; give at least one token")
     if cfg.method != "ar" and drafter is None:
         raise InputError(f"method {cfg.method} needs a drafter (a model directory or 'ngram')")
+    # Refuse what cannot fit (tree width, context, memory) before allocating anything.
+    check_generation(target, prompt.shape[1], cfg, drafter)
     generator = None if cfg.sampling.greedy else torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else 0)
     tree_nodes = cfg.tree.num_nodes if cfg.tree is not None else 1
     max_len = prompt.shape[1] + cfg.max_new_tokens + tree_nodes + 1

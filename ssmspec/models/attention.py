@@ -11,6 +11,12 @@ from ..ops import dispatch
 from .cache import AttentionLayerCache
 from .config import AttentionConfig
 
+ATTENTION_SCORE_ELEMENTS = 1 << 24
+"""Most attention scores (B x H x queries x keys) one call holds; a longer full-sequence pass
+attends in chunks of queries, so a prompt's memory grows linearly with its length, not as T x T."""
+MIN_QUERY_CHUNK = 16
+"""Fewest queries per chunk (fewer calls); passes this short are never chunked."""
+
 
 def _project_rows(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """linear(x), through the decode kernels (GEMV / skinny GEMM, ops/gemv) at inference: at a
@@ -116,11 +122,51 @@ class Attention(nn.Module):
             seqlen = torch.zeros(batch, dtype=torch.long, device=h.device)
         positions = seqlen[:, None] + torch.arange(steps, device=h.device)[None, :]
         q, k, v = self._project(h, positions)
+        keys = steps + (0 if cache is None else cache.keys.shape[2])
+        # Inference only: under autograd each chunk's probabilities are kept for the backward
+        # anyway (and the GPU's fused kernels never hold the scores). A single step (what CUDA
+        # graphs capture) holds one row of scores: never chunked.
+        if (not torch.is_grad_enabled() and steps > MIN_QUERY_CHUNK
+                and batch * self.cfg.n_heads * steps * keys > ATTENTION_SCORE_ELEMENTS):
+            return self._attend_in_chunks(q, k, v, cache, seqlen)
         causal = torch.ones(steps, steps, dtype=torch.bool, device=h.device).tril()
         out = self._attend(q, k, v, cache, seqlen, causal)
         if cache is not None:
             self._write(cache, seqlen, k, v)
         return out
+
+    def _attend_in_chunks(self, q, k, v, cache, seqlen):
+        """Causal attention of q (B, H, T, D) in chunks of queries: the same function as `_attend`
+        with a causal mask, holding one chunk's scores at a time instead of all T x (cache + T).
+
+        With a cache, the new keys are written first; each query then sees the cache up to its
+        own position (the prefix and the new keys before it)."""
+        batch, _, steps, _ = q.shape
+        device = q.device
+        if cache is None:
+            keys, values = k, v
+            query_pos = torch.arange(steps, device=device)[None, :].expand(batch, steps)  # (B, T)
+            offset = 0
+        else:
+            self._write(cache, seqlen, k, v)
+            offset = int(seqlen.max())  # host read: never captured (graphs run T=1 steps and trees)
+            keys = cache.keys[:, :, :offset + steps].to(q.dtype)
+            values = cache.values[:, :, :offset + steps].to(q.dtype)
+            query_pos = seqlen[:, None] + torch.arange(steps, device=device)[None, :]
+        groups = self.cfg.n_heads // self.cfg.n_kv_heads
+        keys = keys.repeat_interleave(groups, dim=1)  # (B, H, L, D), once for all chunks
+        values = values.repeat_interleave(groups, dim=1)
+        key_pos = torch.arange(keys.shape[2], device=device)
+        chunk = max(MIN_QUERY_CHUNK, ATTENTION_SCORE_ELEMENTS // (batch * self.cfg.n_heads * keys.shape[2]))
+        out = []
+        for start in range(0, steps, chunk):
+            end = min(start + chunk, steps)
+            reach = offset + end  # no query of this chunk sees a key past it
+            mask = key_pos[None, None, :reach] <= query_pos[:, start:end, None]  # (B, c, reach)
+            out.append(F.scaled_dot_product_attention(q[:, :, start:end], keys[:, :, :reach], values[:, :, :reach],
+                                                      attn_mask=mask[:, None]))
+        out = torch.cat(out, dim=2)  # (B, H, T, D)
+        return _project_rows(self.o_proj, out.transpose(1, 2).flatten(-2))
 
     def step(self, h: torch.Tensor, cache: AttentionLayerCache, seqlen: torch.Tensor):
         return self.forward(h, cache, seqlen)
