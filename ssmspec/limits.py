@@ -235,13 +235,15 @@ def _gib(n: int) -> str:
 # -----------------------------------------------------------------------------------------------
 # the check `generate` runs first
 # -----------------------------------------------------------------------------------------------
-def check_generation(target, prompt_tokens: int, config, drafter=None, declared: int | None = None) -> None:
+def check_generation(target, prompt_tokens: int, config, drafter=None, declared: int | None = None,
+                     prefill_chunk: int | None = None) -> None:
     """Everything a generation can be refused for before it starts, cheapest first: the tree's
     width against the vocabulary, the length against the context, the memory against the device.
 
     Args:
         target: the LanguageModel; config: its GenerationConfig; drafter: a ModelDrafter,
-            NgramDrafter or None; declared: the context of the model's config.json, if known.
+            NgramDrafter or None; declared: the context of the model's config.json, if known;
+            prefill_chunk: tokens the prefill runs at once where it goes by chunks (None: all).
     """
     cfg = target.config
     tree = config.tree if config.method != "ar" else None
@@ -252,7 +254,7 @@ def check_generation(target, prompt_tokens: int, config, drafter=None, declared:
     # Attention caches on the graph path are allocated in buckets of 512 positions.
     max_len = math.ceil(max_len / 512) * 512 if "attention" in cfg.layers else max_len
     drafter_model = getattr(drafter, "model", None) if tree is not None else None
-    by_chunks = _prefill_chunk(target)
+    by_chunks = prefill_chunk
     estimate = estimate_generation(
         cfg, prompt_tokens, max_len, target.dtype.itemsize,
         drafter_cfg=None if drafter_model is None else drafter_model.config,
@@ -261,11 +263,3 @@ def check_generation(target, prompt_tokens: int, config, drafter=None, declared:
     )
     check_memory(estimate, target.device)
 
-
-def _prefill_chunk(target) -> int | None:
-    """Tokens the prefill runs at once: all of them, or PREFILL_CHUNK where it goes through the
-    tree kernels (decoding/generate.py `prefill`)."""
-    from .decoding import generate as gen
-    from .ops import dispatch
-
-    return gen.PREFILL_CHUNK if dispatch.uses_kernel("tree_scan", target.device) else None

@@ -43,7 +43,10 @@ def configure_threads(model=None, device=None) -> int:
     """
     global _chosen
     current = torch.get_num_threads()
-    wanted = os.environ.get(THREADS_ENV)
+    from .ops.settings import environment
+
+    settings = environment()
+    wanted = settings.threads
     if wanted is not None:
         try:
             count = int(wanted)
@@ -51,7 +54,7 @@ def configure_threads(model=None, device=None) -> int:
             count = 0
         if count < 1:
             raise InputError(f"{THREADS_ENV}={wanted!r} must be a positive integer (CPU threads)")
-    elif any(os.environ.get(name) for name in USER_THREAD_ENVS) or current not in (_STARTUP_THREADS, _chosen):
+    elif settings.user_thread_env or current not in (_STARTUP_THREADS, _chosen):
         return current
     else:
         device = torch.device(device) if device is not None else getattr(model, "device", torch.device("cpu"))

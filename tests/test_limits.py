@@ -237,10 +237,15 @@ def test_generate_text_honours_an_eos_id_of_zero(tmp_path):
 # -----------------------------------------------------------------------------------------------
 @pytest.fixture
 def threads_restored(monkeypatch):
+    from ssmspec.ops import settings
+
     before = torch.get_num_threads()
     for name in (runtime.THREADS_ENV, *runtime.USER_THREAD_ENVS):
         monkeypatch.delenv(name, raising=False)
+    settings.environment.cache_clear()  # read once a process: read the changed environment
     yield
+    monkeypatch.undo()
+    settings.environment.cache_clear()
     torch.set_num_threads(before)
 
 
@@ -252,16 +257,25 @@ def test_small_models_decode_on_one_thread(threads_restored, monkeypatch):
 
 
 def test_thread_count_set_by_the_user_is_kept(threads_restored, monkeypatch):
-    monkeypatch.setenv(runtime.THREADS_ENV, "2")
+    from ssmspec.ops import settings
+
+    def setenv(name, value):  # the environment is read once a process: read it again here
+        if value is None:
+            monkeypatch.delenv(name)
+        else:
+            monkeypatch.setenv(name, value)
+        settings.environment.cache_clear()
+
+    setenv(runtime.THREADS_ENV, "2")
     assert runtime.configure_threads(tiny_model()) == 2 == torch.get_num_threads()
-    monkeypatch.setenv(runtime.THREADS_ENV, "none")
+    setenv(runtime.THREADS_ENV, "none")
     with pytest.raises(InputError, match="SSMSPEC_THREADS"):
         runtime.configure_threads(tiny_model())
-    monkeypatch.delenv(runtime.THREADS_ENV)
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    setenv(runtime.THREADS_ENV, None)
+    setenv("OMP_NUM_THREADS", "3")
     torch.set_num_threads(3)
     assert runtime.configure_threads(tiny_model()) == 3
-    monkeypatch.delenv("OMP_NUM_THREADS")
+    setenv("OMP_NUM_THREADS", None)
     # A count the caller set with torch itself (neither torch's start-up count nor ours) is kept.
     monkeypatch.setattr(runtime, "_STARTUP_THREADS", 5)
     monkeypatch.setattr(runtime, "_chosen", None)
@@ -271,8 +285,10 @@ def test_thread_count_set_by_the_user_is_kept(threads_restored, monkeypatch):
 
 def test_generate_text_reports_the_thread_count(tmp_path, threads_restored, monkeypatch):
     from ssmspec.api import generate_text
+    from ssmspec.ops import settings
 
     monkeypatch.setenv(runtime.THREADS_ENV, "1")
+    settings.environment.cache_clear()
     loaded = LoadedModel(tiny_model(vocab_size=256), None, "ssmspec", tmp_path)
     result = generate_text(loaded, "hi", config=GenerationConfig(method="ar", max_new_tokens=3))
     assert result.stats["cpu_threads"] == 1

@@ -359,7 +359,8 @@ def generate(
     if cfg.method != "ar" and drafter is None:
         raise InputError(f"method {cfg.method} needs a drafter (a model directory or 'ngram')")
     # Refuse what cannot fit (tree width, context, memory) before allocating anything.
-    check_generation(target, prompt.shape[1], cfg, drafter)
+    by_chunks = PREFILL_CHUNK if dispatch.uses_kernel("tree_scan", target.device) else None
+    check_generation(target, prompt.shape[1], cfg, drafter, prefill_chunk=by_chunks)
     generator = None if cfg.sampling.greedy else torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else 0)
     tree_nodes = cfg.tree.num_nodes if cfg.tree is not None else 1
     max_len = prompt.shape[1] + cfg.max_new_tokens + tree_nodes + 1

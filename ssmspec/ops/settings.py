@@ -40,6 +40,10 @@ class Settings:
     """OMP_NUM_THREADS when the user set it to a positive integer (CPU thread count), else None."""
     rank: int = 0
     """RANK under torchrun / accelerate (0 for a single process)."""
+    threads: str | None = None
+    """SSMSPEC_THREADS as given (the CPU thread count for decoding; ssmspec/runtime.py checks it)."""
+    user_thread_env: bool = False
+    """OMP_NUM_THREADS or MKL_NUM_THREADS set: torch took its thread count from the user."""
 
 
 def read_settings(environ: Mapping[str, str]) -> Settings:
@@ -56,7 +60,8 @@ def read_settings(environ: Mapping[str, str]) -> Settings:
     rank = environ.get("RANK", "0").strip()
     return Settings(backend, STREAM_LAYERS_MODES[mode], environ.get("TRITON_INTERPRET") == "1",
                     int(threads) if threads.isdigit() and int(threads) > 0 else None,
-                    int(rank) if rank.isdigit() else 0)
+                    int(rank) if rank.isdigit() else 0, environ.get("SSMSPEC_THREADS"),
+                    any(environ.get(name) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")))
 
 
 @functools.cache
