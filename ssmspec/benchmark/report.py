@@ -97,7 +97,8 @@ def markdown(result: BenchResult) -> str:
     if result.interrupted:
         lines += ["**Interrupted**: the tables hold the prompts that finished.", ""]
     lines += ["## Configuration", ""]
-    lines += [f"- {k}: `{','.join(map(str, v)) if isinstance(v, tuple) else v}`" for k, v in cfg.to_dict().items()]
+    # lists joined with "; ": a tree spec holds commas itself
+    lines += [f"- {k}: `{'; '.join(map(str, v)) if isinstance(v, (tuple, list)) else v}`" for k, v in cfg.to_dict().items()]
     lines += ["", "## Environment", ""]
     lines += [f"- {k}: {v}" for k, v in env.items() if v is not None]
     summaries = summarize(result)
