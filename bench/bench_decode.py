@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import sys
 import time
 
@@ -29,7 +28,7 @@ import torch
 from ssmspec.decoding.generate import PENDING_MAX_NODES, PENDING_SLOTS, pending_slots_for
 from ssmspec.decoding.graphs import GreedyTreeGraph, StepGraph
 from ssmspec.models.presets import build_model
-from ssmspec.ops import dispatch, stream_layers, stream_proj
+from ssmspec.ops import paths, stream_layers, stream_proj
 from ssmspec.trees.tree import Tree
 
 RESULTS: dict = {}
@@ -220,7 +219,13 @@ def main() -> int:
                     help="print per-kernel device time of the graphs (after all timings: the profiler slows later replays)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    os.environ[stream_layers.cuda.ENV] = "0"  # the Triton rows; set to 1 around the one-launch rows
+    # The Triton rows run with the one-launch kernels off; their rows turn them on ("on": as the
+    # default mode, but a failed build raises instead of falling back).
+    with paths.use_backend("triton"), paths.use_stream_layers("off"):
+        return run(args)
+
+
+def run(args) -> int:
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
     print(dev, torch.__version__, gpu_state(), flush=True)
@@ -268,14 +273,13 @@ def main() -> int:
     ar_stream_ms = None  # the one-launch AR step (ops/stream_layers), when timed
     to_profile = []  # (fn, label) profiled once every row is timed
     if not args.skip_reference:
-        dispatch.set_backend("reference")
-        m = variants.get("unfolded", variants["folded"])
-        ms, graph = step_graph_ms(m)
-        record("AR step CUDA graph [reference ops]", ms)
-        cache = prefilled_cache(m, prompt, 256)
-        step_logits["reference"] = StepGraph(m, cache)(ids).clone()
-        del graph, cache
-    dispatch.set_backend("triton")
+        with paths.use_backend("reference"):
+            m = variants.get("unfolded", variants["folded"])
+            ms, graph = step_graph_ms(m)
+            record("AR step CUDA graph [reference ops]", ms)
+            cache = prefilled_cache(m, prompt, 256)
+            step_logits["reference"] = StepGraph(m, cache)(ids).clone()
+            del graph, cache
     ar_ms = None
     for name, m in variants.items():
         cache = prefilled_cache(m, prompt, 256)
@@ -294,16 +298,13 @@ def main() -> int:
             if args.skip_stream_layers or reason is not None:
                 print(f"  (one-launch layer stack not timed: {reason or '--skip-stream-layers'})")
             else:  # ops/stream_layers: every layer in one persistent launch (the default mode's step)
-                os.environ[stream_layers.cuda.ENV] = "1"  # as the default, but a failed build raises
-                try:
+                with paths.use_stream_layers("on"):
                     ar_stream_ms = step_graph_ms(m)[0]
                     record("AR step CUDA graph [folded, one-launch layer stack]", ar_stream_ms)
                     print(f"    {gpu_state()}", flush=True)
                     cache = prefilled_cache(m, prompt, 256)
                     a, b = step_logits[name].double(), StepGraph(m, cache)(ids).double()
                     del cache
-                finally:
-                    os.environ[stream_layers.cuda.ENV] = "0"
                 RESULTS["step_logits_rel_err_stream_layers"] = rel = ((a - b).norm() / a.norm()).item()
                 print(f"  step logits [one-launch layer stack] vs [folded]: rel err {rel:.2e}, same argmax "
                       f"{bool((a.argmax(-1) == b.argmax(-1)).all())}", flush=True)
@@ -338,11 +339,8 @@ def main() -> int:
                 stream_reason = stream_proj.unsupported_reason(m, tree.num_nodes, torch.device("cuda"))
                 if not args.skip_stream_layers and stream_reason is None:
                     # the default mode's verify: projections on the weight stream (ops/stream_proj)
-                    os.environ[stream_layers.cuda.ENV] = "1"
-                    try:
+                    with paths.use_stream_layers("on"):
                         info_s = time_tree_iteration(m, prompt, tree, vocab, pending)
-                    finally:
-                        os.environ[stream_layers.cuda.ENV] = "0"
                     record(f"  same, projections on the weight stream (default mode) "
                            f"[{tree.num_nodes} nodes, {name}]", info_s["ms"])
                     print(f"    {gpu_state()}", flush=True)

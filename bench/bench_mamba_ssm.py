@@ -26,8 +26,9 @@ carry [".baseline"]. About 2-4 minutes on an H100, most of it Triton compiling a
 Both models have the same random bf16 weights (ssmspec's preset, copied into mamba_ssm's
 MambaLMHeadModel before ssmspec folds its norm weights). Rows, all CUDA-event medians after
 warm-up:
-  - ssmspec's AR step as a CUDA graph (StepGraph, folded norms, fp32 SSM state): as the folded
-    AR row of bench_decode.py;
+  - ssmspec's AR step as a CUDA graph (StepGraph, folded norms, fp32 SSM state) in the mode the
+    environment sets: by default, on Hopper with nvcc, the one-launch kernel (bench_decode.py's
+    one-launch AR row); with SSMSPEC_STREAM_LAYERS=0 the Triton kernels (its folded AR row);
   - mamba_ssm's own single-step CUDA graph (utils.generation.capture_graph, the runner its
     generate(cg=True) replays per token: it also fills lengths_per_sample, copies the token and
     clones the logits), with an fp32 SSM state (comparable to ssmspec) and with the bf16 state
@@ -244,7 +245,7 @@ def main() -> int:
     from bench_decode import copy_bandwidth, param_bytes
 
     from ssmspec.models.presets import build_model
-    from ssmspec.ops import dispatch
+    from ssmspec.ops import dispatch, paths
 
     ms = import_mamba_ssm(args.baseline_dir.resolve())
     their_cfg = mamba_ssm_config(ms, args.preset)
@@ -253,7 +254,7 @@ def main() -> int:
     dev = torch.cuda.get_device_name()
     versions = {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__}
     RESULTS.update(device=dev, preset=args.preset, versions=versions, mamba_ssm_config=ms["config"],
-                   mamba_ssm_model=dataclasses.asdict(their_cfg))
+                   mamba_ssm_model=dataclasses.asdict(their_cfg), stream_layers_mode=paths.stream_layers_mode())
     print(dev, ", ".join(f"{k} {v}" for k, v in versions.items()), flush=True)
     print("mamba_ssm configuration: " + "; ".join(f"{k}: {v}" for k, v in ms["config"].items()), flush=True)
 
@@ -280,7 +281,8 @@ def main() -> int:
     max_len = args.prompt_len + 2 + max(args.new_tokens, args.nograph_tokens)
 
     ours_ms, our_logits = our_step_graph(ours, prompt, ids, args.iters)
-    rows = [{"what": "ssmspec AR step, CUDA graph (StepGraph, folded, fp32 state)", "ms": ours_ms}]
+    rows = [{"what": f"ssmspec AR step graph (folded, fp32 state; one-launch {paths.stream_layers_mode()})",
+             "ms": ours_ms}]
     print(f"  {rows[0]['what']:<64} {ours_ms:8.3f} ms", flush=True)
     del ours  # and its graph: only the logits are kept
     gc.collect()

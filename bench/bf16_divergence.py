@@ -15,25 +15,45 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 
 from ssmspec.decoding import GenerationConfig, ModelDrafter, generate
 from ssmspec.models.presets import build_model
-from ssmspec.ops import dispatch
+from ssmspec.ops import paths
 from ssmspec.trees import Tree
 
 
 def fp32_logits(reference, ids: list[int]) -> torch.Tensor:
     """The next-token logits after `ids`, fp32 weights and activations, reference ops."""
-    dispatch.set_backend("reference")
-    try:
-        with torch.no_grad():
-            return reference(torch.tensor([ids], device="cuda"), last_only=True)[0, -1].double()
-    finally:
-        dispatch.set_backend("auto")
+    with paths.use_backend("reference"), torch.no_grad():
+        return reference(torch.tensor([ids], device=reference.device), last_only=True)[0, -1].double()
+
+
+def divergences(target, reference, prompts, cases, new_tokens: int, mode: str) -> list[dict]:
+    """For each prompt and tree: where stree's ids first part from ar's, judged by the fp32 logits."""
+    rows = []
+    for p, prompt in enumerate(prompts):
+        ar = generate(target, prompt, config=GenerationConfig(method="ar", max_new_tokens=new_tokens)).token_ids
+        for name, tree in cases:
+            out = generate(target, prompt, drafter=ModelDrafter(target),
+                           config=GenerationConfig(method="stree", tree=tree, max_new_tokens=new_tokens))
+            ids = out.token_ids
+            k = next((i for i, (a, b) in enumerate(zip(ids, ar)) if a != b), None)
+            row = {"mode": mode, "prompt": p, "case": name, "same_for": len(ar) if k is None else k,
+                   "accepted_per_call": out.stats["mean_accepted"]}
+            if k is not None:
+                logits = fp32_logits(reference, prompt + ar[:k])
+                top = logits.topk(3)
+                a, s = ar[k], ids[k]
+                spacing = 2.0 ** (torch.floor(torch.log2(top.values[0].abs())).item() - 7)  # bf16 at the top logit
+                row.update(ar_token=a, stree_token=s, gap=float(logits[a] - logits[s]),
+                           both_top2=bool({a, s} <= set(top.indices[:2].tolist())),
+                           gap_to_third=float(top.values[1] - top.values[2]), bf16_spacing=spacing)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
 
 
 def main() -> int:
@@ -41,36 +61,24 @@ def main() -> int:
     ap.add_argument("--preset", default="mamba2-2.7b")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run at a tiny preset")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    target = build_model(args.preset, seed=1, dtype=torch.bfloat16, device="cuda")
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 50000, (64,), generator=gen).tolist() for _ in range(args.prompts)]
-    cases = [("stree 3,2,1, self-draft", Tree.from_config((3, 2, 1))), ("stree 2,1, self-draft", Tree.from_config((2, 1)))]
     # The same bf16 weights folded as generate folds them (the function the kernels compute), in fp32.
-    reference = build_model(args.preset, seed=1, dtype=torch.bfloat16, device="cuda").fold_norm_weights_().float()
+    reference = build_model(args.preset, seed=1, dtype=torch.bfloat16, device=args.device).fold_norm_weights_().float()
+    gen = torch.Generator().manual_seed(0)
+    vocab = min(50000, reference.config.vocab_size)
+    prompts = [torch.randint(0, vocab, (64,), generator=gen).tolist() for _ in range(args.prompts)]
+    cases = [("stree 3,2,1, self-draft", Tree.from_config((3, 2, 1))), ("stree 2,1, self-draft", Tree.from_config((2, 1)))]
     rows = []
     for mode in ("auto", "0"):
-        os.environ["SSMSPEC_STREAM_LAYERS"] = mode
-        for p, prompt in enumerate(prompts):
-            ar = generate(target, prompt, config=GenerationConfig(method="ar", max_new_tokens=args.new_tokens)).token_ids
-            for name, tree in cases:
-                out = generate(target, prompt, drafter=ModelDrafter(target),
-                               config=GenerationConfig(method="stree", tree=tree, max_new_tokens=args.new_tokens))
-                ids = out.token_ids
-                k = next((i for i, (a, b) in enumerate(zip(ids, ar)) if a != b), None)
-                row = {"mode": mode, "prompt": p, "case": name, "same_for": len(ar) if k is None else k,
-                       "accepted_per_call": out.stats["mean_accepted"]}
-                if k is not None:
-                    logits = fp32_logits(reference, prompt + ar[:k])
-                    top = logits.topk(3)
-                    a, s = ar[k], ids[k]
-                    spacing = 2.0 ** (torch.floor(torch.log2(top.values[0].abs())).item() - 7)  # bf16 at the top logit
-                    row.update(ar_token=a, stree_token=s, gap=float(logits[a] - logits[s]),
-                               both_top2=bool({a, s} <= set(top.indices[:2].tolist())),
-                               gap_to_third=float(top.values[1] - top.values[2]), bf16_spacing=spacing)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        # A fresh target per mode: generate keeps the CUDA graphs it captured with the model, and
+        # graphs captured in one mode would replay that mode's kernels in the other.
+        target = build_model(args.preset, seed=1, dtype=torch.bfloat16, device=args.device)
+        with paths.use_stream_layers(mode):
+            rows += divergences(target, reference, prompts, cases, args.new_tokens, mode)
+        del target
+        torch.cuda.empty_cache()
     print(f"\n{'mode':<5} {'prompt':>6} {'case':<24} {'same for':>8} {'fp32 gap a-s':>13} {'bf16 spacing':>13} "
           f"{'2nd-3rd gap':>12} {'both top 2':>10}")
     for r in rows:

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from ssmspec.models.presets import preset_config  # noqa: E402
-from ssmspec.ops.stream_layers import cuda as stream_layers  # noqa: E402
+from ssmspec.ops import paths  # noqa: E402
 
 
 def main() -> int:
@@ -28,17 +28,18 @@ def main() -> int:
     args = ap.parse_args()
     from ssmspec.models import LanguageModel
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # without CUDA: says why each is skipped
     models = []
     for name in filter(None, args.presets.split(",")):
         # one layer of the preset's shape: the extensions depend on the layer shape only
         cfg = dataclasses.replace(preset_config(name, vocab_size=256), layers=["mamba"])
-        models.append(LanguageModel(cfg).to("cuda", torch.bfloat16).fold_norm_weights_())
+        models.append(LanguageModel(cfg).to(device, torch.bfloat16).fold_norm_weights_())
     if args.test_shapes:
         from helpers import kernel_shaped_model
 
-        models.append(kernel_shaped_model(("mamba",), "cuda"))
+        models.append(kernel_shaped_model(("mamba",), device))
     start = time.time()
-    skipped = stream_layers.prebuild(models)
+    skipped = paths.prebuild(models)
     for why in skipped:
         print(f"skipped {why}")
     print(f"built or loaded in {time.time() - start:.0f} s", flush=True)

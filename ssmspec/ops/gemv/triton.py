@@ -214,11 +214,10 @@ class GemvConfig(tuple):
         return super().__new__(cls, (block_n, block_k, num_warps, split, persistent, unroll, preload))
 
 
-# (N, K) -> config. In the H100 sweeps (bench/results/gemv_sweep-h100.log, -out_proj-pdl-) no
-# per-shape tile beat the defaults by more than ~3%: under PDL one row per program with its whole
-# K range preloaded (when next_pow2(K) <= PRELOAD_MAX_K), else DEFAULT (2 rows x 1024). Inside
-# the AR step graph, timed with no profiler run before (runs 54-55), the 2.7b out_proj was
-# 1.2-1.5% faster on 4 warps than on the default 8.
+# (N, K) -> config. In the H100 sweeps (`bench/bench_kernels.py --gemv-sweep`) no per-shape tile
+# beat the defaults by more than ~3%: under PDL one row per program with its whole K range
+# preloaded (when next_pow2(K) <= PRELOAD_MAX_K), else DEFAULT (2 rows x 1024). Inside the AR step
+# graph the 2.7b out_proj was 1.2-1.5% faster on 4 warps than on the default 8.
 TUNED = types.MappingProxyType({(2560, 5120): GemvConfig(2, 0, 4, preload=True)})
 """Read-only: a benchmark times other configs through `linear(..., config=)`."""
 DEFAULT = GemvConfig()
@@ -361,10 +360,10 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS:
                    BLOCK_Q: tl.constexpr = 16, ysq_ptr=None, WRITE_SQ: tl.constexpr = False,
                    BALANCED: tl.constexpr = False, ACT: tl.constexpr = 0, w_desc=None, TMA: tl.constexpr = 0,
                    PRE: tl.constexpr = 0, flag_ptr=None, flag_unit=1, flag_count=1, FLAGS: tl.constexpr = 0):
-    # USE_PDL (a config's seventh entry): launched early, waiting at the start. In the pointer-load
-    # sweep of round 2 early-launched instances ran 1.4x slower back to back (13.7 -> 20.5 us at 8
-    # rows: they held their pipelines' shared memory while waiting); inside the tree iteration the
-    # 2.7b in_proj with TMA loads gains from it (tune_skinny_graph.py, run 51).
+    # USE_PDL (a config's seventh entry): launched early, waiting at the start. Timed back to back,
+    # early-launched pointer-load instances ran 1.4x slower (13.7 -> 20.5 us at 8 rows: they held
+    # their pipelines' shared memory while waiting); inside the tree iteration the 2.7b in_proj
+    # with TMA loads gains from it (SKINNY_TUNED).
     # HAS_RES: the output, rounded to y's dtype, is added to the residual (as in gemv_tile).
     # NORM_GROUPS > 0: x is normalised over that many groups of K (no weight: folded into w) from
     # the partial sums of squares at xsq_ptr, which x's producer wrote (no norm launch, no second
@@ -464,22 +463,21 @@ a sixth entry 1 or 2 reads the weight through a TMA descriptor (see `_skinny_spa
 entry 1 launches it with PDL: its programs start while the kernel before ends and wait at their
 start, before any load (they hold their shared memory meanwhile); 2 or 3 also load their first
 1 or 2 weight boxes before waiting (TMA 1 or 2, one norm group at most)."""
-# (N, K) -> config: the best at 16 rows of the H100 sweeps (bench/results/gemv_sweep-h100.log, then
-# `bench_kernels.py --skinny-sweep`, bench/results/round4/skinny_sweep*.log): mamba2-2.7b out_proj,
-# hybrid-8b Mamba in/out_proj, MLP up/down, attention q/o and k/v, LM head. Unlisted shapes use
-# SKINNY_DEFAULT (the best pointer-load tile at the 2.7b in_proj). The mamba2-2.7b in_proj and
-# out_proj read their weights by TMA, ranked inside the 16-node tree iteration
-# (bench/tune_skinny_graph.py, runs 46-47: 3.02-3.05 ms against 3.155 with the pointer-load entries),
-# the in_proj launched with PDL (run 51: 2.888 against 3.036 ms), the out_proj too with its first
-# weight box loaded before the wait (run 57: 2.833 against 2.893 ms). Round 9 (run 106,
-# tune_skinny_graph.py): the in_proj with its first two boxes loaded before the wait (TMA 2
-# preloads) 2.701 against 2.740 ms, and then the LM head launched with PDL and one box preloaded
-# 2.689 ms (in run 110 the LM head's variants, with or without PDL, were all 2.687-2.691 ms).
+# (N, K) -> config: the best at 16 rows of the H100 sweeps (`bench/bench_kernels.py
+# --skinny-sweep`): mamba2-2.7b out_proj, hybrid-8b Mamba in/out_proj, MLP up/down, attention q/o
+# and k/v, LM head. Unlisted shapes use SKINNY_DEFAULT (the best pointer-load tile at the 2.7b
+# in_proj). The mamba2-2.7b in_proj and out_proj read their weights by TMA, ranked by the whole
+# 16-node tree iteration rather than per kernel (3.02-3.05 ms against 3.155 with pointer-load
+# tiles); the in_proj is launched with PDL (2.888 against 3.036 ms), the out_proj too with its
+# first weight box loaded before the wait (2.833 against 2.893 ms); then the in_proj with its
+# first two boxes loaded before the wait (TMA 2 preloads) 2.701 against 2.740 ms, and the LM head
+# launched with PDL and one box preloaded 2.689 ms (its variants, with or without PDL, all within
+# 2.687-2.691 ms). Each pair was measured when that change was made.
 SKINNY_TUNED = types.MappingProxyType({
     (10576, 2560): (64, 128, 4, 4, 0, 2, 3),
     (2560, 5120): (32, 256, 2, 4, 0, 1, 2),  # pointer loads: (0, 128, 2, 5, 2) 13.12 us vs 13.90 tiled
-    (50288, 2560): (64, 128, 4, 4, 0, 2, 2),  # 2.7b LM head: 87.7 us vs 90.2 default (skinny_probe, run 48)
-    (18560, 4096): (0, 128, 4, 4, 3, 0, 1),  # 53.77 vs 55.20 default; PDL: 16-node 6.430 vs 6.509 ms (run 61)
+    (50288, 2560): (64, 128, 4, 4, 0, 2, 2),  # 2.7b LM head: 87.7 us vs 90.2 default
+    (18560, 4096): (0, 128, 4, 4, 3, 0, 1),  # 53.77 vs 55.20 default; PDL: 16-node 6.430 vs 6.509 ms
     (4096, 8192): (0, 128, 2, 5, 2),  # 26.53 vs 28.21
     (21504, 4096): (0, 128, 4, 4, 3),  # 61.96 vs 65.50
     (4096, 21504): (0, 128, 2, 5, 2),  # 63.75 vs 69.56
@@ -494,17 +492,16 @@ SKINNY_WIDE_MAX_ROWS = 64
 for the shapes of SKINNY_WIDE, where it matched cuBLAS; there it also takes its norm from the
 producer's partial sums and adds the residual in its epilogue, which the cuBLAS route pays for
 with a norm launch and an addmm copy."""
-# (N, K) -> config at 17..64 rows (entries as in SKINNY_DEFAULT's docstring). From
-# `bench/skinny_probe.py` (H100, 64 rows), the in_proj launched with PDL from run 51 (64-node
-# iteration 3.559 against 3.669 ms), the out_proj too (runs 51, 52, 57: 0.1-0.5% faster each time):
+# (N, K) -> config at 17..64 rows (entries as in SKINNY_DEFAULT's docstring): the best of an H100
+# sweep at 64 rows, the in_proj launched with PDL (64-node iteration 3.559 against 3.669 ms), the
+# out_proj too (0.1-0.5% faster in each of three measurements):
 SKINNY_WIDE = types.MappingProxyType({
     (10576, 2560): (128, 128, 4, 4, 0, 2, 1),  # mamba2-2.7b in_proj: 22.05 us vs cuBLAS 22.19
     (2560, 5120): (32, 256, 4, 4, 0, 1, 1),  # mamba2-2.7b out_proj: 12.57 us vs cuBLAS 12.97
-    (50288, 2560): (64, 128, 4, 6, 0, 2),  # mamba2-2.7b LM head: 92.5 us vs cuBLAS 97.8 (run 48)
+    (50288, 2560): (64, 128, 4, 6, 0, 2),  # mamba2-2.7b LM head: 92.5 us vs cuBLAS 97.8
     # mamba2-2.7b in_proj split in two (ops/overlap.py): [x B C dt], then z (tiles of two whole
-    # heads, 40 programs beside the scan's 80). Round 14, run 190 (split_inproj_probe.py, 64-node
-    # iteration): 3.357 ms with these against 3.439 with in_proj's 128-wide tiles for both, 3.72-3.76
-    # with 64-wide ones for z
+    # heads, 40 programs beside the scan's 80). The 64-node iteration took 3.357 ms with these
+    # against 3.439 with in_proj's 128-wide tiles for both halves and 3.72-3.76 with 64-wide ones for z.
     (5456, 2560): (64, 128, 4, 4, 0, 2, 1),
     (5120, 2560): (128, 128, 4, 4, 0, 2, 1),
 })
@@ -606,7 +603,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         # Without the producer's sums of squares, the norm kernel first, once, rather than inside
         # every program: on the H100 the norm inside (each program's tiles squared, or their Gram
         # matrix X X^T on the tensor cores) cost 3-16 us per call at 16 rows, more than the extra
-        # launch (BENCHMARKS.md, run 15).
+        # launch.
         rows = rms_norm(rows.reshape(-1, group_size), None, eps).reshape(m, k)
     y_sq = torch.empty(m, 1, grid, device=x.device, dtype=torch.float32) if return_sq else None
     w_desc = _weight_descriptor(weight, block_n, block_k) if tma else None

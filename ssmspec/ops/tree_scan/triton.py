@@ -375,14 +375,14 @@ def gated_programs(batch: int, heads: int, head_dim: int) -> int:
 
 
 SCAN_WARPS: int | None = None
-"""Warps per program; None: 4 up to 32 nodes, else 8 (benchmarks sweep this)."""
+"""Warps per program; None: 4 up to 32 nodes, else 8 (an override for tuning sweeps)."""
 SCAN_BLOCK_S: int | None = None
 """State columns per chunk of the C.B and C.h0 products; None: up to 128 up to 32 nodes, else up
-to 64 (benchmarks sweep this)."""
+to 64 (an override for tuning sweeps; the tests set it to cover several chunks)."""
 
 
 SCAN_BLOCK_P: int | None = None
-"""Channels per program; None: `_block_p`'s choice (benchmarks sweep this)."""
+"""Channels per program; None: `_block_p`'s choice (an override for tuning sweeps)."""
 
 
 def _block_p(head_dim: int) -> int:
