@@ -19,7 +19,7 @@ PROFILE_FILE = "profile.json"
 
 
 def parse_candidates(specs: Optional[List[str]]):
-    """--candidates 3,2,1 '4,2,1;2,2,1' -> Trees (configurations or parents: lists), refusing anything else."""
+    """--candidates 3,2,1 '4,2,1;2,2,1' -> Trees (configurations or parents: lists); InputError for anything else."""
     from ssmspec.trees import Tree, TreeSpecError, parse_tree_spec
 
     out: list[Tree] = []
@@ -27,13 +27,13 @@ def parse_candidates(specs: Optional[List[str]]):
         for part in spec.split(";"):
             part = part.strip()
             if not part:
-                raise InputError(f"--candidates {spec!r} holds an empty candidate (stray ';')")
+                raise InputError(f"{spec!r} holds an empty candidate (stray ';')")
             if part.startswith("bandit") or part.endswith(".json"):
-                raise InputError(f"--candidates takes tree configurations such as 3,2,1, got {part!r}")
+                raise InputError(f"give tree configurations such as 3,2,1, not {part!r}")
             try:
                 tree = parse_tree_spec(part)
             except TreeSpecError as e:
-                raise InputError(f"malformed --candidates {part!r}: {e}") from None
+                raise InputError(f"malformed candidate {part!r}: {e}") from None
             if tree.parents not in {t.parents for t in out}:
                 out.append(tree)
     return tuple(out)
@@ -44,7 +44,7 @@ def _check_candidates(value):
     try:
         parse_candidates(value)
     except InputError as e:
-        raise typer.BadParameter(str(e).replace("--candidates ", "")) from None
+        raise typer.BadParameter(str(e)) from None
     return value
 
 

@@ -108,7 +108,7 @@ def test_generate_with_a_bandit_spec_is_lossless(workdir, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--candidates", "3,,1"], "malformed"),
+    (["--candidates", "3,,1"], "malformed candidate"),
     (["--candidates", "bandit:3,1"], "tree configurations"),
     (["--candidates", "2,1;"], "empty candidate"),
     (["--candidates", "9,9"], "budget"),
