@@ -101,3 +101,53 @@ def merge_alias(new, old, default, new_name: str, old_name: str):
     if new != default:
         raise InputError(f"give {new_name} only ({old_name} is its old name)")
     return old
+
+
+def model_dir(default, *names: str, help: str, **kw):
+    """A model directory the command reads: it must exist (checked while parsing)."""
+    return typer.Option(default, *names, exists=True, file_okay=False, help=help, **kw)
+
+
+def input_file(default, *names: str, help: str, **kw):
+    """A file the command reads: it must exist (checked while parsing)."""
+    return typer.Option(default, *names, exists=True, dir_okay=False, help=help, **kw)
+
+
+def drafter_or_ngram(value):
+    """Callback for --drafter: an existing model directory, or 'ngram' for prompt lookup."""
+    from pathlib import Path
+
+    non_empty(value)
+    if value is not None and value != "ngram" and not Path(value).expanduser().is_dir():
+        raise typer.BadParameter(f"{value} is not a model directory; pass one, or 'ngram' for prompt lookup")
+    return value
+
+
+def tree_specs(value):
+    """Callback for --tree (one value or a repeated option): each must parse as a tree spec."""
+    from ssmspec.trees import TreeSpecError, parse_tree_spec
+
+    for spec in value if isinstance(value, (list, tuple)) else [value]:
+        if spec is None:
+            continue
+        try:
+            parse_tree_spec(spec)
+        except (TreeSpecError, ValueError, OSError) as e:
+            raise typer.BadParameter(" ".join(str(e).split())) from None
+    return value
+
+
+def comma_choices(choices: tuple[str, ...], what: str):
+    """Callback for a comma-separated list of names from `choices` (e.g. --methods ar,chain)."""
+    def check(value):
+        if value is None:
+            return value
+        names = [v.strip() for v in value.split(",")]
+        if not any(names) or not all(names):
+            raise typer.BadParameter(f"{value!r} names an empty {what}; give a comma-separated list of {', '.join(choices)}")
+        for name in names:
+            if name not in choices:
+                raise typer.BadParameter(f"unknown {what} {name!r}; choose from {', '.join(choices)}")
+        return value
+
+    return check

@@ -53,7 +53,8 @@ PRECISION = options.deprecated("--precision", use="--dtype", callback=DTYPE.call
 SEED = options.count(_OPT.seed, "--seed", help="Seed for initialisation and data order.")
 EVAL_PROMPTS = typer.Option(None, "--eval-prompts", exists=True, dir_okay=False,
                             help="Prompts file (.jsonl or .txt) for measuring acceptance (default: held-out text).")
-EVAL_EVERY = options.count(_EVAL.eval_every, "--eval-every", help="Steps between evaluations (0 = only at the end).")
+EVAL_EVERY = options.count(_EVAL.eval_every, "--eval-every", help="Steps between evaluations (0 = none during training).")
+FINAL_EVAL = options.flag(_EVAL.final_eval, "--final-eval/--no-final-eval", help="Evaluate once more after the last step.")
 EVAL_N = options.count(_EVAL.num_prompts, "--eval-num-prompts", min=1, help="Prompts used to measure acceptance.")
 EVAL_NEW = options.count(_EVAL.max_new_tokens, "--eval-max-new-tokens", min=1, max=options.MAX_NEW_TOKENS,
                          help="Tokens generated per prompt when measuring acceptance.")
@@ -67,8 +68,10 @@ LORA = options.flag(_LORA.enabled, "--lora/--no-lora", help="Train LoRA adapters
 LORA_RANK = options.count(_LORA.rank, "--lora-rank", min=1, help="LoRA rank.")
 LORA_ALPHA = options.real(_LORA.alpha, "--lora-alpha", above=True, help="LoRA alpha.")
 LORA_TARGETS = typer.Option(",".join(_LORA.targets), "--lora-targets", help="Linear layers given adapters, where present.")
-SCAN = options.choice(_RUN.scan, "--scan", choices=SCAN_BACKENDS,
-                      help="Training scan (auto: mamba_ssm when importable on a GPU).")
+SCAN = typer.Option(_RUN.scan, "--scan", metavar="NAME", callback=options.one_of(SCAN_BACKENDS),
+                    help="Training scan, one of: auto (fla, then mamba_ssm, when importable on a GPU), fla, mamba_ssm, ssmspec.")
+LOSS_CHUNK = options.count(_LOSS.chunk_positions, "--loss-chunk", max=1 << 24,
+                           help="Positions whose logits the loss turns into fp32 at once (0 = as many as fit 32M values).")
 MODEL_DIR = dict(exists=True, file_okay=False)
 
 
@@ -86,8 +89,8 @@ def build_config(mode: str, **kw) -> RunConfig:
                           weight_decay=kw["weight_decay"], max_grad_norm=kw["max_grad_norm"],
                           precision=kw["dtype"], seed=kw["seed"]),
         loss=LossConfig(loss=kw.get("loss", _LOSS.loss), temperature=kw.get("distill_temperature", _LOSS.temperature),
-                        ce_weight=kw.get("ce_weight", _LOSS.ce_weight)),
-        eval=EvalConfig(eval_every=kw["eval_every"], eval_prompts=_s(kw.get("eval_prompts")), num_prompts=kw["eval_num_prompts"],
+                        ce_weight=kw.get("ce_weight", _LOSS.ce_weight), chunk_positions=kw["loss_chunk"]),
+        eval=EvalConfig(eval_every=kw["eval_every"], final_eval=kw["final_eval"], eval_prompts=_s(kw.get("eval_prompts")), num_prompts=kw["eval_num_prompts"],
                         max_new_tokens=kw["eval_max_new_tokens"], draft_len=kw["eval_draft_len"]),
         lora=LoraSettings(enabled=kw["lora"], rank=kw["lora_rank"], alpha=kw["lora_alpha"],
                           targets=[t.strip() for t in kw["lora_targets"].split(",") if t.strip()]),
@@ -102,7 +105,7 @@ def _s(x) -> Optional[str]:
 
 
 class RichProgress:
-    """TrainCallbacks drawing a rich progress bar (loss, tokens/s, ETA) and printing evaluations."""
+    """TrainCallbacks drawing rich progress bars (training: loss, tokens/s, MFU, ETA; each evaluation) and printing evaluations."""
 
     def __init__(self):
         from rich.console import Console
@@ -111,14 +114,15 @@ class RichProgress:
         self.console = Console(stderr=True)
         self.progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"), TimeRemainingColumn(),
+            TextColumn("{task.fields[stats]}"), TimeRemainingColumn(),
             console=self.console, transient=False,
         )
         self.task = None
+        self.eval_task = None
 
     def on_start(self, info: dict) -> None:
         self.progress.start()
-        self.task = self.progress.add_task(info["mode"], total=info["total_steps"], completed=info["start_step"], loss="-", tps="-")
+        self.task = self.progress.add_task(info["mode"], total=info["total_steps"], completed=info["start_step"], stats="")
         line = (f"{info['mode']}: {info['trainable_params']:,} trainable of {info['student_params']:,} parameters, "
                 f"{info['train_blocks'] if info['train_blocks'] is not None else 'streamed'} training / {info['held_out_blocks']} held-out "
                 f"sequences, {info['world_size']} process(es) on {info['device']}, precision {info['precision']}")
@@ -127,9 +131,17 @@ class RichProgress:
             self.console.print(f"resumed from step {info['resumed_from_step']}")
 
     def on_step(self, m: dict) -> None:
-        self.progress.update(self.task, completed=m["step"], loss=f"{m['loss']:.4f}", tps=f"{m['tokens_per_s']:,.0f}")
+        self.progress.update(self.task, completed=m["step"], stats=step_stats(m))
+
+    def on_eval_progress(self, done: int, total: int, step: int) -> None:
+        if self.eval_task is None:
+            self.eval_task = self.progress.add_task(f"eval @ step {step}", total=total, stats="held-out loss, acceptance")
+        self.progress.update(self.eval_task, completed=done, total=total)
 
     def on_eval(self, m: dict) -> None:
+        if self.eval_task is not None:
+            self.progress.remove_task(self.eval_task)
+            self.eval_task = None
         parts = [f"step {m['step']}"]
         for key, label in (("held_out_loss", "held-out loss"), ("held_out_ce", "ce"), ("held_out_kl", "kl"),
                            ("agreement", "top-1 agreement"), ("mean_accepted", "accepted/call")):
@@ -152,6 +164,14 @@ class RichProgress:
         self.progress.stop()
 
 
+def step_stats(m: dict) -> str:
+    """The training bar's text for one logged step: loss, tokens/s and, where the peak FLOP/s is known, MFU."""
+    text = f"loss {m['loss']:.4f}, {m['tokens_per_s']:,.0f} tok/s"
+    if m.get("mfu") is not None:
+        text += f", MFU {100 * m['mfu']:.1f}%"
+    return text
+
+
 def _run(mode: str, kw: dict, inputs: dict) -> None:
     """Check --out, build the config, train with a progress bar; after Ctrl-C say how to resume and exit 130."""
     from ssmspec.training.loop import TrainCallbacks, latest_checkpoint, train
@@ -165,7 +185,7 @@ def _run(mode: str, kw: dict, inputs: dict) -> None:
     outputs.claim(out, mode, inputs={**inputs, **data_paths}, overwrite=cfg.overwrite, resume=cfg.resume)
     ui = RichProgress()
     cb = type("CLIProgress", (TrainCallbacks,), {})()
-    for name in ("on_start", "on_step", "on_eval", "on_message", "on_end"):
+    for name in ("on_start", "on_step", "on_eval", "on_eval_progress", "on_message", "on_end"):
         setattr(cb, name, getattr(ui, name))
     try:
         train(cfg, cb)
@@ -214,11 +234,12 @@ def distill_command(
     distill_temperature: float = options.real(_LOSS.temperature, "--distill-temperature", above=True,
                                               help="Softmax temperature of both distributions in the loss."),
     ce_weight: float = options.real(_LOSS.ce_weight, "--ce-weight", help="Weight of cross-entropy on the data in kl+ce."),
-    eval_prompts: Optional[Path] = EVAL_PROMPTS, eval_every: int = EVAL_EVERY, eval_num_prompts: int = EVAL_N,
+    eval_prompts: Optional[Path] = EVAL_PROMPTS, eval_every: int = EVAL_EVERY, final_eval: bool = FINAL_EVAL,
+    eval_num_prompts: int = EVAL_N,
     eval_max_new_tokens: int = EVAL_NEW, eval_draft_len: int = EVAL_K, save_every: int = SAVE_EVERY,
     keep_checkpoints: int = KEEP, log_every: int = LOG_EVERY, resume: bool = RESUME, overwrite: bool = OVERWRITE,
     lora: bool = LORA, lora_rank: int = LORA_RANK, lora_alpha: float = LORA_ALPHA, lora_targets: str = LORA_TARGETS,
-    scan: str = SCAN,
+    scan: str = SCAN, loss_chunk: int = LOSS_CHUNK,
 ):
     """Distil a Mamba-2 drafter from a frozen target's next-token distribution.
 
@@ -244,11 +265,12 @@ def sft_command(
     on_bad_record: str = ON_BAD, steps: int = STEPS, batch_size: int = BATCH, grad_accum: int = ACCUM, lr: float = LR,
     min_lr_ratio: float = MIN_LR, warmup_steps: int = WARMUP, schedule: str = SCHEDULE, weight_decay: float = WD,
     max_grad_norm: float = CLIP, dtype: str = DTYPE, precision: Optional[str] = PRECISION, seed: int = SEED,
-    eval_prompts: Optional[Path] = EVAL_PROMPTS, eval_every: int = EVAL_EVERY, eval_num_prompts: int = EVAL_N,
+    eval_prompts: Optional[Path] = EVAL_PROMPTS, eval_every: int = EVAL_EVERY, final_eval: bool = FINAL_EVAL,
+    eval_num_prompts: int = EVAL_N,
     eval_max_new_tokens: int = EVAL_NEW, eval_draft_len: int = EVAL_K, save_every: int = SAVE_EVERY,
     keep_checkpoints: int = KEEP, log_every: int = LOG_EVERY, resume: bool = RESUME, overwrite: bool = OVERWRITE,
     lora: bool = LORA, lora_rank: int = LORA_RANK, lora_alpha: float = LORA_ALPHA, lora_targets: str = LORA_TARGETS,
-    scan: str = SCAN,
+    scan: str = SCAN, loss_chunk: int = LOSS_CHUNK,
 ):
     """Next-token fine-tuning (chat: loss on assistant turns only) or pretraining on raw text.
 

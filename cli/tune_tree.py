@@ -1,22 +1,25 @@
 """`ssmspec tune-tree`: choose a draft tree (or a bandit's arm set) from measured acceptance and profile.json."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
 from ssmspec.errors import InputError
-
-from . import options
-
+from ssmspec.tuning.treefile import MODES
 from ssmspec.tuning.tune import TuneSettings
 
+from . import options, outputs
+
 _D = TuneSettings()
+STATES = ("keep", "request")
+PROFILE_FILE = "profile.json"
 
 
 def parse_candidates(specs: Optional[List[str]]):
-    """--candidates 3,2,1 '4,2,1;2,2,1' -> Trees (configurations or parents: lists), refusing anything else."""
+    """--candidates 3,2,1 '4,2,1;2,2,1' -> Trees (configurations or parents: lists); InputError for anything else."""
     from ssmspec.trees import Tree, TreeSpecError, parse_tree_spec
 
     out: list[Tree] = []
@@ -24,16 +27,25 @@ def parse_candidates(specs: Optional[List[str]]):
         for part in spec.split(";"):
             part = part.strip()
             if not part:
-                raise InputError(f"malformed --candidates {spec!r}: an empty candidate (stray ';')")
+                raise InputError(f"{spec!r} holds an empty candidate (stray ';')")
             if part.startswith("bandit") or part.endswith(".json"):
-                raise InputError(f"--candidates takes tree configurations such as 3,2,1, got {part!r}")
+                raise InputError(f"give tree configurations such as 3,2,1, not {part!r}")
             try:
                 tree = parse_tree_spec(part)
             except TreeSpecError as e:
-                raise InputError(f"malformed --candidates {part!r}: {e}") from None
+                raise InputError(f"malformed candidate {part!r}: {e}") from None
             if tree.parents not in {t.parents for t in out}:
                 out.append(tree)
     return tuple(out)
+
+
+def _check_candidates(value):
+    # While parsing, so a malformed candidate is a usage error before any model loads.
+    try:
+        parse_candidates(value)
+    except InputError as e:
+        raise typer.BadParameter(str(e)) from None
+    return value
 
 
 def check_models_match_profile(profile, target, drafter, force: bool) -> list[str]:
@@ -57,34 +69,40 @@ def check_models_match_profile(profile, target, drafter, force: bool) -> list[st
 
 
 def tune_tree_command(
-    target: Path = typer.Option(..., "--target", help="Target model directory."),
-    drafter: Path = typer.Option(..., "--drafter", help="Drafter model directory (sharing the target's tokenizer)."),
-    prompts: Path = typer.Option(..., "--prompts", help="Prompts: .txt (one per line) or .jsonl[.gz] (field prompt/text)."),
-    profile: Path = typer.Option(..., "--profile", help="profile.json of this target and drafter (`ssmspec profile`)."),
-    mode: str = typer.Option(_D.mode, "--mode", help="static, bandit, or both (write whichever decoded faster)."),
-    budget: int = typer.Option(_D.budget, "--budget", help="Most tree nodes, root included."),
-    max_depth: int = typer.Option(_D.max_depth, "--max-depth", help="Deepest draft level."),
-    width: int = typer.Option(_D.width, "--width", help="Most children per node (sibling ranks measured)."),
-    candidates: Optional[List[str]] = typer.Option(None, "--candidates", help="Trees to rank and bandit arms, e.g. 3,2,1 or '4,2,1;3,2,2,1,1' (repeatable; default: every configuration under the budget)."),
-    temperature: float = typer.Option(_D.temperature, "--temperature", help="Sampling temperature to tune for (0 = greedy)."),
-    max_new_tokens: int = typer.Option(_D.max_new_tokens, "--max-new-tokens", help="Tokens per prompt for statistics and each measured decode."),
-    verify_top: int = typer.Option(_D.verify_top, "--verify-top", help="Best predicted trees verified by decoding."),
-    arms: int = typer.Option(_D.arms, "--arms", help="Bandit arms without --candidates: the best predicted tree of each depth, best first."),
-    lambda_ucb: float = typer.Option(_D.lambda_ucb, "--lambda-ucb", help="UCB exploration weight."),
-    lambda_gamma: Optional[float] = typer.Option(None, "--lambda-gamma", help="Draft cost per level over a target call (default: the profile's T_draft/T_target)."),
-    state: str = typer.Option(_D.state, "--state", help="Written bandit: keep (learn across requests) or request (reset per request)."),
+    target: Path = options.model_dir(..., "--target", help="Target model directory."),
+    drafter: Path = options.model_dir(..., "--drafter", help="Drafter model directory (sharing the target's tokenizer)."),
+    prompts: Path = options.input_file(..., "--prompts", help="Prompts: .txt (one per line) or .jsonl[.gz] (field prompt/text)."),
+    profile: Path = typer.Option(..., "--profile", exists=True,
+                                 help="The --out directory of `ssmspec profile` for this target and drafter, or its profile.json."),
+    mode: str = options.choice(_D.mode, "--mode", choices=MODES, help="static, bandit, or both (write whichever decoded faster)."),
+    budget: int = options.count(_D.budget, "--budget", min=2, max=1024, help="Most tree nodes, root included."),
+    max_depth: int = options.count(_D.max_depth, "--max-depth", min=1, max=64, help="Deepest draft level."),
+    width: int = options.count(_D.width, "--width", min=1, max=64, help="Most children per node (sibling ranks measured)."),
+    candidates: Optional[List[str]] = typer.Option(None, "--candidates", callback=_check_candidates,
+                                                   help="Trees to rank and bandit arms, e.g. 3,2,1 or '4,2,1;3,2,2,1,1' (repeatable; default: every configuration under the budget)."),
+    temperature: float = options.real(_D.temperature, "--temperature", help="Sampling temperature to tune for (0 = greedy)."),
+    max_new_tokens: int = options.count(_D.max_new_tokens, "--max-new-tokens", min=1, max=options.MAX_NEW_TOKENS,
+                                        help="Tokens per prompt for statistics and each measured decode."),
+    verify_top: int = options.count(_D.verify_top, "--verify-top", max=64, help="Best predicted trees verified by decoding (0 = trust the prediction)."),
+    arms: int = options.count(_D.arms, "--arms", min=1, max=64, help="Bandit arms without --candidates: the best predicted tree of each depth, best first."),
+    lambda_ucb: float = options.real(_D.lambda_ucb, "--lambda-ucb", help="UCB exploration weight."),
+    lambda_gamma: Optional[float] = options.real(_D.lambda_gamma, "--lambda-gamma", help="Draft cost per level over a target call (default: the profile's T_draft/T_target)."),
+    state: str = options.choice(_D.state, "--state", choices=STATES, help="Written bandit: keep (learn across requests) or request (reset per request)."),
     out: Path = typer.Option(Path("tune-tree"), "--out", help="Output directory for tree.json (and bandit.png)."),
-    plot: bool = typer.Option(False, "--plot", help="Draw the bandit's pulls and rewards over time (bandit.png)."),
-    force: bool = typer.Option(False, "--force", help="Use a profile of other models or dtype anyway (with a warning)."),
-    seed: int = typer.Option(_D.seed, "--seed", help="Seed of sampled decoding."),
+    overwrite: bool = options.flag(False, "--overwrite", help="Replace an earlier `ssmspec tune-tree` output in --out."),
+    plot: bool = options.flag(False, "--plot", help="Draw the bandit's pulls and rewards over time (bandit.png)."),
+    force: bool = options.flag(False, "--force", help="Use a profile of other models or dtype anyway (with a warning)."),
+    seed: int = options.count(_D.seed, "--seed", help="Seed of sampled decoding."),
     dtype: Optional[str] = options.DTYPE,
     device: str = options.DEVICE,
     backend: str = options.BACKEND,
 ) -> None:
     """Measure acceptance per depth and rank, rank trees by predicted tokens/s, verify the best, run the UCB bandit.
 
+    Ctrl-C stops the tuning without writing anything; the exit status is 130.
+
     Examples:
-        ssmspec tune-tree --target runs/target --drafter runs/drafter --prompts prompts.txt --profile profile.json --out runs/tune
+        ssmspec tune-tree --target runs/target --drafter runs/drafter --prompts prompts.txt --profile runs/profile --out runs/tune
         ssmspec generate --target runs/target --drafter runs/drafter --tree runs/tune/tree.json --prompt "def fib(n):"
     """
     from rich.console import Console
@@ -104,14 +122,12 @@ def tune_tree_command(
                             max_new_tokens=max_new_tokens, verify_top=verify_top, arms=arms, lambda_ucb=lambda_ucb,
                             lambda_gamma=lambda_gamma, state=state, seed=seed, candidates=parse_candidates(candidates))
     settings.validate()
-    if state not in ("keep", "request"):
-        raise InputError(f"--state must be keep or request, got {state!r}")
+    outputs.claim(out, "tune-tree", inputs={"--target": target, "--drafter": drafter, "--prompts": prompts,
+                                            "--profile": profile}, overwrite=overwrite)
     texts = read_prompts(prompts)
-    prof = profiling.load_profile(profile)
-    try:
-        dispatch.set_backend(backend)
-    except ValueError as e:
-        raise InputError(str(e)) from None
+    profile_file = profile / PROFILE_FILE if profile.is_dir() else profile
+    prof = profiling.load_profile(profile_file)
+    dispatch.set_backend(backend)
     loaded = load_target(target, dtype=dtype, device=device)
     drafter_loaded = load_model(drafter, dtype=loaded.model.dtype, device=loaded.model.device)
     check_same_vocab(loaded, drafter_loaded, "target", "drafter")
@@ -121,21 +137,26 @@ def tune_tree_command(
     tokenizer = tokenizer_for(loaded)
     ids = [encode_prompt(tokenizer, t) for t in texts]
 
-    with console.status("tuning") as status:
-        def progress(label: str, done: int, total: int) -> None:
-            status.update(f"{label} ({done}/{total})")
+    try:
+        with console.status("tuning") as status:
+            def progress(label: str, done: int, total: int) -> None:
+                status.update(f"{label} ({done}/{total})")
 
-        result = tune(loaded.model.eval(), drafter_loaded.model.eval(), ids, cost, settings, progress=progress)
+            result = tune(loaded.model.eval(), drafter_loaded.model.eval(), ids, cost, settings, progress=progress)
+    except KeyboardInterrupt:
+        print("tune-tree interrupted; nothing written", file=sys.stderr)
+        raise typer.Exit(130) from None
 
     meta = {"target": {"fingerprint": profiling.model_fingerprint(loaded.model), "source": str(target)},
             "drafter": {"fingerprint": profiling.model_fingerprint(drafter_loaded.model), "source": str(drafter)},
-            "profile": {"path": str(profile), "device": prof.device_name, "dtype": prof.dtype}}
+            "profile": {"path": str(profile_file), "device": prof.device_name, "dtype": prof.dtype}}
     path = write_tree_file(result.to_json(settings, meta), out / "tree.json")
     render(result, settings, Console())
     if plot and result.policy is not None:
         from ssmspec.tuning.plot import plot_bandit
 
         console.print(f"wrote {plot_bandit(result.policy, out / 'bandit.png')}")
+    outputs.mark(out, "tune-tree")
     console.print(f"wrote {path}; use it with `ssmspec generate --tree {path}`")
 
 

@@ -183,7 +183,7 @@ def test_check_lossless_measures_the_targets_logit_gap(models):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--dataset", "gsm8k"], "unknown dataset"),
+    (["--dataset", "gsm8k"], "--dataset"),
     (["--prompts", "{empty_jsonl}"], "no usable prompt"),
     (["--prompts", "{blank_txt}"], "no usable prompt"),
     (["--prompts", "{csv}"], ".jsonl or .txt"),
@@ -203,6 +203,22 @@ def test_refusals_are_one_line_and_non_zero(models, tmp_path, monkeypatch, capsy
     assert code == 2
     lines = [line for line in err.strip().splitlines() if line]
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
+
+
+def test_out_is_replaced_only_with_overwrite_and_only_bench_output(models, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    args = bench_args(models, out, "--prompts", str(models / "prompts.txt"), "--methods", "ar", "--limit", "1",
+                      "--max-new-tokens", "2", "--warmup", "0")
+    assert run_cli(args, monkeypatch, capsys)[0] == 0
+    assert (out / ".ssmspec-output").is_file() and (out / "summary.json").is_file()
+    code, _, err = run_cli(args, monkeypatch, capsys)
+    assert code == 2 and "--overwrite" in err and err.count("\n") == 1, err
+    assert run_cli([*args, "--overwrite"], monkeypatch, capsys)[0] == 0
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    code, _, err = run_cli(bench_args(models, foreign, "--methods", "ar", "--overwrite"), monkeypatch, capsys)
+    assert code == 2 and ".ssmspec-output" in err and (foreign / "notes.txt").read_text() == "keep me"
 
 
 def test_long_prompts_are_reported_and_skipped(models):

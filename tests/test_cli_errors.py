@@ -88,7 +88,7 @@ def _bad_values(flag, kind, info):
     return [(["bogus-name"], flag)]  # a choice
 
 
-GOOD = {"--prompt": "hi", "--data": "{data}", "--preset": "tiny"}
+GOOD = {"--prompt": "hi", "--data": "{data}", "--preset": "tiny", "--prompts": "{data}"}
 # Options a command needs beyond its required ones, so that only the value under test is wrong.
 BASE = {"distill": ["--student-preset", "tiny"], "sft": ["--student-preset", "tiny"]}
 
@@ -99,11 +99,12 @@ def _base_args(name, callback):
     for flag, kind, info in _options(callback):
         if info.default is not ...:
             continue
-        if kind is Path:
+        if flag in GOOD:
+            args += [flag, GOOD[flag]]
+        elif kind is Path:
             args += [flag, "{target}" if info.exists else "{fresh}"]
         else:
-            assert flag in GOOD, f"give the required option {flag} a valid value in GOOD"
-            args += [flag, GOOD[flag]]
+            raise AssertionError(f"give the required option {flag} a valid value in GOOD")
     return args
 
 
@@ -231,7 +232,10 @@ def test_other_commands_never_write_into_an_input_model(files, monkeypatch, caps
     model = files / "target"
     before = _tree(model)
     for args in (["new-model", "--preset", "tiny", "--vocab-from", model, "--out", model, "--overwrite"],
-                 ["profile", "--target", model, "--out", model / "profile", "--overwrite"]):
+                 ["profile", "--target", model, "--out", model / "profile", "--overwrite"],
+                 ["bench", "--target", model, "--out", model / "bench", "--overwrite"],
+                 ["tune-tree", "--target", model, "--drafter", model, "--prompts", files / "data.txt", "--profile", model,
+                  "--out", model.parent, "--overwrite"]):
         code, _, err = run_cli(args, monkeypatch, capsys)
         assert_one_line_error(code, err, mentions=str(model))
         assert "--overwrite" not in err

@@ -49,7 +49,7 @@ def workdir(tmp_path_factory):
     cli("new-model", "--preset", "tiny-hybrid", "--seed", "1", "--out", str(root / "other"))
     cli("profile", "--target", str(root / "target"), "--drafter", str(root / "target"), "--device", "cpu",
         "--sizes", "1,2,4,8,16", "--methods", "stree", "--repeats", "2", "--warmup", "1", "--prompt-len", "16",
-        "--configs", "2,1", "--no-plot", "--out", str(root / "profile.json"))
+        "--configs", "2,1", "--no-plot", "--out", str(root / "profile"))
     (root / "prompts.txt").write_text("abcabcabc\nhello hello\n")
     mp.undo()
     return root
@@ -57,7 +57,7 @@ def workdir(tmp_path_factory):
 
 def _tune(workdir, out, *extra):
     return ["tune-tree", "--target", str(workdir / "target"), "--drafter", str(workdir / "target"),
-            "--prompts", str(workdir / "prompts.txt"), "--profile", str(workdir / "profile.json"),
+            "--prompts", str(workdir / "prompts.txt"), "--profile", str(workdir / "profile"),
             "--budget", "10", "--max-depth", "4", "--width", "3", "--max-new-tokens", "12", "--verify-top", "2",
             "--out", str(out), *extra]
 
@@ -108,7 +108,7 @@ def test_generate_with_a_bandit_spec_is_lossless(workdir, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--candidates", "3,,1"], "malformed --candidates"),
+    (["--candidates", "3,,1"], "malformed candidate"),
     (["--candidates", "bandit:3,1"], "tree configurations"),
     (["--candidates", "2,1;"], "empty candidate"),
     (["--candidates", "9,9"], "budget"),

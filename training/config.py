@@ -143,9 +143,9 @@ class RunConfig:
     target: str | None = None
     """Target model directory (distill; optional for sft, where it is only used to measure acceptance)."""
     student: str | None = None
-    """Existing student (sft: model) checkpoint directory."""
+    """Existing student checkpoint directory (--student)."""
     student_preset: str | None = None
-    """Preset name of a fresh student (sft: --init-preset)."""
+    """Preset name of a fresh student (--student-preset)."""
     tokenizer: str | None = None
     """Tokenizer directory, when neither model directory holds one."""
     resume: bool = False
@@ -198,13 +198,12 @@ class RunConfig:
         if self.mode == "distill" and not self.target:
             bad("distill needs --target: the frozen model the student learns from")
         if bool(self.student) == bool(self.student_preset):
-            what = "--student DIR or --student-preset NAME" if self.mode == "distill" else "--model DIR or --init-preset NAME"
-            bad(f"give exactly one of {what}")
+            bad("give exactly one of --student DIR or --student-preset NAME")
         if not self.data.spec:
             bad("--data is required: a file, folder, or datasets-library name")
         checks = [
             (self.data.format, DATA_FORMATS, "--format"), (self.data.on_bad_record, BAD_RECORD_POLICIES, "--on-bad-record"),
-            (self.optim.schedule, SCHEDULES, "--schedule"), (self.optim.precision, PRECISIONS, "--precision"),
+            (self.optim.schedule, SCHEDULES, "--schedule"), (self.optim.precision, PRECISIONS, "--dtype"),
             (self.loss.loss, LOSSES, "--loss"), (self.scan, SCAN_BACKENDS, "--scan"),
         ]
         for value, allowed, flag in checks:
@@ -221,11 +220,11 @@ class RunConfig:
         if not self.optim.lr > 0:
             bad(f"--lr must be positive, got {self.optim.lr}")
         if not self.loss.temperature > 0:
-            bad(f"--temperature must be positive, got {self.loss.temperature}")
+            bad(f"--distill-temperature must be positive, got {self.loss.temperature}")
         if not 0 <= self.data.held_out_fraction < 1:
             bad(f"--held-out must be in [0, 1), got {self.data.held_out_fraction}")
         if self.loss.chunk_positions < 0:
-            bad(f"loss.chunk_positions must be 0 (automatic) or positive, got {self.loss.chunk_positions}")
+            bad(f"--loss-chunk must be 0 (automatic) or positive, got {self.loss.chunk_positions}")
         if self.eval.eval_every < 0 or self.checkpoint.save_every < 0:
             bad("--eval-every and --save-every must be 0 (off) or positive")
         if self.lora.enabled and self.lora.rank < 1:

@@ -211,7 +211,7 @@ def load_profile(path: str | Path) -> Profile:
     """Read and validate profile.json; raises InputError with what to do when it is unusable."""
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"profile file {path} does not exist; write one with `ssmspec profile --out {path}`")
+        raise InputError(f"profile file {path} does not exist; write one with `ssmspec profile --out DIR` (it writes DIR/profile.json)")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
