@@ -296,13 +296,26 @@ def test_run_profile_warns_when_repeated_timings_disagree(monkeypatch, caplog):
 
 # -- CPU threads -----------------------------------------------------------------------------------
 def test_default_cpu_threads_is_one_unless_the_user_set_omp(monkeypatch):
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert default_cpu_threads() == 1
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert default_cpu_threads() == 3
-    for junk in ("", "0", "two"):
-        monkeypatch.setenv("OMP_NUM_THREADS", junk)
+    from ssmspec.ops import settings
+
+    def setenv(value):  # the environment is read once a process (ops/settings.py): read it again
+        if value is None:
+            monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        else:
+            monkeypatch.setenv("OMP_NUM_THREADS", value)
+        settings.environment.cache_clear()
+
+    try:
+        setenv(None)
         assert default_cpu_threads() == 1
+        setenv("3")
+        assert default_cpu_threads() == 3
+        for junk in ("", "0", "two"):
+            setenv(junk)
+            assert default_cpu_threads() == 1
+    finally:
+        monkeypatch.undo()
+        settings.environment.cache_clear()
 
 
 def test_run_profile_uses_and_reports_its_thread_count_and_restores_it(monkeypatch):

@@ -103,8 +103,11 @@ def test_scoped_settings_nest_and_restore():
     with paths.use_backend("reference"):
         assert paths.get_backend() == "reference"
         with paths.use_stream_layers("0"), paths.use_backend("triton"):
-            assert paths.settings() == paths.Settings("triton", "off", outer.interpret)
-        assert paths.settings() == paths.Settings("reference", outer.stream_layers, outer.interpret)
+            inner = paths.settings()
+            assert (inner.backend, inner.stream_layers, inner.interpret) == ("triton", "off", outer.interpret)
+        middle = paths.settings()
+        assert (middle.backend, middle.stream_layers, middle.interpret) == ("reference", outer.stream_layers,
+                                                                             outer.interpret)
     assert paths.settings() == outer
     with pytest.raises(RuntimeError), paths.use_backend("reference"):
         raise RuntimeError("boom")
