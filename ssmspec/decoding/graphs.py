@@ -41,6 +41,17 @@ def _warm_up_and_capture(fn, cache: ModelCache, warmup: int = 2, also=()) -> tor
     return graph
 
 
+def _run(graph, fn, cache: ModelCache) -> None:
+    """Replay `graph`, or run `fn` eagerly where none was captured (the CPU, debugging)."""
+    if graph is None:
+        with torch.inference_mode():
+            fn()
+        return
+    graph.replay()
+    # the captured replay may have left pending inputs (models/cache.py): a later step must flush them first
+    cache.pending_dirty = cache.pending_count is not None
+
+
 class StepGraph:
     """`model.step` captured for one batch size and one cache.
 
@@ -118,14 +129,7 @@ class GreedyTreeGraph:
     def __call__(self, tree_tokens: torch.Tensor):
         """tree_tokens (B, N) -> (tokens (B, D+1), n (B,)) static buffers; see the class docstring."""
         self.tokens_in.copy_(tree_tokens)
-        if self.graph is None:
-            with torch.inference_mode():
-                self._iteration()
-        else:
-            self.graph.replay()
-            # the captured replay may have left pending inputs (models/cache.py): a later step
-            # must flush them first
-            self.cache.pending_dirty = self.cache.pending_count is not None
+        _run(self.graph, self._iteration, self.cache)
         return self.out_tokens, self.out_len
 
 
@@ -187,12 +191,7 @@ class ChainPrefill:
         for n in self.sizes(prompt.shape[1]):
             ids, graph, run, out = self._chain(n)
             ids.copy_(prompt[:, start:start + n])
-            if graph is None:
-                with torch.inference_mode():
-                    run()
-            else:
-                graph.replay()
-                self.cache.pending_dirty = self.cache.pending_count is not None
+            _run(graph, run, self.cache)
             logits = out["logits"]
             start += n
         return logits
@@ -229,10 +228,5 @@ class SpeculativeIterationGraph:
 
     def __call__(self):
         """-> (tokens (1, D+1), n (1,), last (1,)) static buffers (see GreedyTreeGraph)."""
-        if self.graph is None:
-            with torch.inference_mode():
-                self._iteration()
-        else:
-            self.graph.replay()
-            self.cache.pending_dirty = self.cache.pending_count is not None
+        _run(self.graph, self._iteration, self.cache)
         return self.verify.out_tokens, self.verify.out_len, self.verify.out_last
