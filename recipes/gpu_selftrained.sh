@@ -22,7 +22,7 @@
 set -euo pipefail
 
 work="${1:-runs/gpu-selftrained}"
-python="${PYTHON:-python}"
+python="${PYTHON:-python3}"
 corpus_mb="${CORPUS_MB:-8}"
 vocab="${VOCAB:-8192}"
 sft_steps="${SFT_STEPS:-300}"
