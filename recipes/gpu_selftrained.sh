@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Self-trained pairs on one GPU, nothing downloaded: a corpus from this machine's Python standard
+# library, a BPE tokenizer trained on it, two targets pretrained with `ssmspec sft` (a pure Mamba-2
+# at the mamba2-130m shape, and a hybrid Mamba-2 + attention + MLP), a drafter distilled from each,
+# then profile, tune-tree and bench on HumanEval at temperature 0 and 1.
+# Purpose: the whole product on trained weights, reproducible on any machine with a GPU.
+# Hardware: one CUDA GPU (sized for an H100 80GB; any GPU with 16 GB should do, slower).
+# Expected time: ESTIMATE, not yet measured: 20-30 minutes on one H100 (8 MB corpus, 300 sft and
+# 300 distill steps per pair, 20 prompts x 128 tokens per bench). Replace with the measured time.
+# Resumable: a rerun skips every stage that finished (a stamp in WORKDIR/.stages and its output),
+# so a run cut off (Ctrl-C, a time limit) continues where it stopped; once a stage runs, every
+# later stage runs again. Remove WORKDIR to start over.
+# The hybrid target is the tiny-hybrid preset (d_model 64): the only hybrid preset small enough to
+# pretrain here (hybrid-8b is 8B parameters), so that pair shows the hybrid path end to end, not a
+# speedup.
+# Usage: bash recipes/gpu_selftrained.sh [WORKDIR]   (default: runs/gpu-selftrained; run from the
+#   repository root). Sizes can be changed through the environment, e.g. SFT_STEPS=1000 or
+#   DEVICE=cpu DTYPE=fp32 MAMBA_PRESET=tiny DRAFTER_PRESET=tiny (a quick check without a GPU).
+# Outputs, all in WORKDIR: corpus/, prompts.jsonl (tuning prompts from stdlib files outside the
+# corpus), tokenizer/, and per pair (mamba2/, hybrid/): target/, drafter/, profile/, tune/tree.json,
+# bench-t0/ and bench-t1/ (report.md, summary.json, results.jsonl).
+set -euo pipefail
+
+work="${1:-runs/gpu-selftrained}"
+python="${PYTHON:-python3}"
+corpus_mb="${CORPUS_MB:-8}"
+vocab="${VOCAB:-8192}"
+sft_steps="${SFT_STEPS:-300}"
+distill_steps="${DISTILL_STEPS:-300}"
+seq_len="${SEQ_LEN:-512}"
+limit="${LIMIT:-20}"
+new_tokens="${NEW_TOKENS:-128}"
+device="${DEVICE:-cuda}"
+dtype="${DTYPE:-bf16}"
+mamba_preset="${MAMBA_PRESET:-mamba2-130m}"
+hybrid_preset="${HYBRID_PRESET:-tiny-hybrid}"
+drafter_preset="${DRAFTER_PRESET:-drafter-2l}"
+hybrid_drafter_preset="${HYBRID_DRAFTER_PRESET:-tiny}"
+mkdir -p "$work/.stages"
+rerun=0
+
+# stage NAME OUTPUT COMMAND...: run COMMAND unless NAME finished earlier (its stamp and OUTPUT exist,
+# and no earlier stage ran again in this invocation).
+stage() {
+  local name="$1" output="$2"
+  shift 2
+  if [ "$rerun" = 0 ] && [ -e "$work/.stages/$name" ] && [ -e "$output" ]; then
+    echo "   skip: $name finished earlier ($output)"
+    return
+  fi
+  "$@"
+  touch "$work/.stages/$name"
+  rerun=1
+}
+
+echo "== corpus: ${corpus_mb} MB of the standard library's Python sources, and tuning prompts from files outside it"
+stage corpus "$work/prompts.jsonl" \
+  "$python" -m recipes.tools.make_corpus corpus "$work/corpus" --megabytes "$corpus_mb" \
+  --prompts "$work/prompts.jsonl" --num-prompts 32
+
+echo "== tokenizer: a byte-level BPE of $vocab tokens trained on the corpus"
+stage tokenizer "$work/tokenizer/tokenizer.json" \
+  "$python" -m recipes.tools.make_corpus tokenizer "$work/corpus" "$work/tokenizer" --vocab "$vocab"
+
+# One pair: pretrain the target, distil its drafter, profile, tune the tree, bench at T=0 and T=1.
+pair() {
+  local name="$1" target_preset="$2" student_preset="$3" dir="$work/$1"
+  mkdir -p "$dir"
+
+  echo "== $name sft: pretrain a $target_preset target on the corpus ($sft_steps steps)"
+  stage "$name-sft" "$dir/target/config.json" \
+    ssmspec sft --student-preset "$target_preset" --tokenizer "$work/tokenizer" --data "$work/corpus" \
+    --out "$dir/target" --overwrite --steps "$sft_steps" --seq-len "$seq_len" --batch-size 16 --lr 1.5e-3 \
+    --eval-every 0 --save-every 0
+
+  echo "== $name distill: a $student_preset drafter from the target ($distill_steps steps)"
+  stage "$name-distill" "$dir/drafter/config.json" \
+    ssmspec distill --target "$dir/target" --student-preset "$student_preset" --data "$work/corpus" \
+    --out "$dir/drafter" --overwrite --steps "$distill_steps" --seq-len "$seq_len" --batch-size 32 --lr 3e-3 \
+    --eval-every 0 --save-every 0
+
+  echo "== $name profile: call times of target and drafter against input size"
+  stage "$name-profile" "$dir/profile/profile.json" \
+    ssmspec profile --target "$dir/target" --drafter "$dir/drafter" --dtype "$dtype" --device "$device" \
+    --out "$dir/profile" --overwrite
+
+  echo "== $name tune-tree: acceptance on the tuning prompts, trees ranked by predicted tokens/s, the best verified"
+  stage "$name-tune" "$dir/tune/tree.json" \
+    ssmspec tune-tree --target "$dir/target" --drafter "$dir/drafter" --prompts "$work/prompts.jsonl" \
+    --profile "$dir/profile/profile.json" --budget 32 --dtype "$dtype" --device "$device" --out "$dir/tune"
+
+  for t in 0 1; do
+    echo "== $name bench T=$t: ar, chain 4, the tuned tree and 3,2,1 on $limit HumanEval prompts"
+    stage "$name-bench-t$t" "$dir/bench-t$t/summary.json" \
+      ssmspec bench --target "$dir/target" --drafter "$dir/drafter" --dataset humaneval --methods ar,chain,stree \
+      --tree "$dir/tune/tree.json" --tree 3,2,1 --limit "$limit" --max-new-tokens "$new_tokens" \
+      --temperature "$t" --dtype "$dtype" --device "$device" --out "$dir/bench-t$t"
+  done
+}
+
+pair mamba2 "$mamba_preset" "$drafter_preset"
+pair hybrid "$hybrid_preset" "$hybrid_drafter_preset"
+
+echo "== results"
+for name in mamba2 hybrid; do
+  for t in 0 1; do
+    echo "-- $name, T=$t ($work/$name/bench-t$t/report.md)"
+    sed -n '/^## Results/,/^## Losslessness/{/^## Losslessness/d;p}' "$work/$name/bench-t$t/report.md"
+  done
+done
+echo "== done: tuned trees in $work/{mamba2,hybrid}/tune/tree.json, benchmarks in $work/{mamba2,hybrid}/bench-t{0,1}/,"
+echo "   models in $work/{mamba2,hybrid}/{target,drafter}, corpus and tokenizer in $work"
