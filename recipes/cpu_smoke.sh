@@ -31,7 +31,7 @@ echo "== 4/6 tune-tree: measure acceptance on a few prompts, rank trees under a 
 printf '%s\n' "$prompt" 'def is_prime(n):' 'class Stack:' 'def quicksort(xs):' > "$work/prompts.txt"
 ssmspec tune-tree --target "$work/target" --drafter "$work/drafter" --prompts "$work/prompts.txt" \
   --profile "$work/profile/profile.json" --mode static --budget 8 --max-depth 3 --width 3 \
-  --max-new-tokens 24 --verify-top 2 --device cpu --out "$work/tune"
+  --max-new-tokens 24 --verify-top 2 --device cpu --out "$work/tune" --overwrite
 
 echo "== 5/6 generate: autoregressive, then with the tuned tree: exactly the same tokens"
 ssmspec generate --target "$work/target" --prompt "$prompt" --max-new-tokens 32 --device cpu --json > "$work/ar.json"
@@ -40,7 +40,7 @@ ssmspec generate --target "$work/target" --prompt "$prompt" --max-new-tokens 32 
 
 echo "== 6/6 bench: ar, chain and the tuned tree on 3 HumanEval prompts (exits 1 on any losslessness failure)"
 ssmspec bench --target "$work/target" --drafter "$work/drafter" --dataset humaneval --methods ar,chain,stree \
-  --tree "$work/tune/tree.json" --limit 3 --max-new-tokens 32 --warmup 1 --device cpu --out "$work/bench"
+  --tree "$work/tune/tree.json" --limit 3 --max-new-tokens 32 --warmup 1 --device cpu --out "$work/bench" --overwrite
 
 echo "== done: tuned tree in $work/tune/tree.json, generations in $work/{ar,tuned}.json,"
 echo "   benchmark in $work/bench/report.md (summary.json, results.jsonl); models and profile in $work"

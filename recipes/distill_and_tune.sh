@@ -78,10 +78,10 @@ echo "== 3/4 tune-tree: acceptance on $prompts, trees ranked by predicted tokens
 if finished tune "$work/tune/tree.json"; then
   echo "   skip: tune-tree finished earlier ($work/tune/tree.json)"
 else
-  rm -rf "$work/tune"  # a stale or partial tune of this recipe (tune-tree has no --overwrite yet)
+  # --overwrite replaces only a stale or partial tune of this recipe (tune-tree's own output)
   # shellcheck disable=SC2086
   ssmspec tune-tree --target "$target" --drafter "$work/drafter" --prompts "$prompts" \
-    --profile "$work/profile/profile.json" --out "$work/tune" ${TUNE_ARGS:-}
+    --profile "$work/profile/profile.json" --out "$work/tune" --overwrite ${TUNE_ARGS:-}
   ran tune
 fi
 
@@ -89,10 +89,10 @@ echo "== 4/4 bench: ar, chain and the tuned tree on HumanEval (exits 1 on any lo
 if finished bench "$work/bench/summary.json"; then
   echo "   skip: bench finished earlier ($work/bench/summary.json)"
 else
-  rm -rf "$work/bench"  # a stale or partial bench of this recipe (bench has no --overwrite yet)
+  # --overwrite replaces only a stale or partial bench of this recipe (bench's own output)
   # shellcheck disable=SC2086
   ssmspec bench --target "$target" --drafter "$work/drafter" --dataset humaneval --methods ar,chain,stree \
-    --tree "$work/tune/tree.json" --out "$work/bench" ${BENCH_ARGS:-}
+    --tree "$work/tune/tree.json" --out "$work/bench" --overwrite ${BENCH_ARGS:-}
   ran bench
 fi
 

@@ -87,14 +87,14 @@ pair() {
   echo "== $name tune-tree: acceptance on the tuning prompts, trees ranked by predicted tokens/s, the best verified"
   stage "$name-tune" "$dir/tune/tree.json" \
     ssmspec tune-tree --target "$dir/target" --drafter "$dir/drafter" --prompts "$work/prompts.jsonl" \
-    --profile "$dir/profile/profile.json" --budget 32 --dtype "$dtype" --device "$device" --out "$dir/tune"
+    --profile "$dir/profile/profile.json" --budget 32 --dtype "$dtype" --device "$device" --out "$dir/tune" --overwrite
 
   for t in 0 1; do
     echo "== $name bench T=$t: ar, chain 4, the tuned tree and 3,2,1 on $limit HumanEval prompts"
     stage "$name-bench-t$t" "$dir/bench-t$t/summary.json" \
       ssmspec bench --target "$dir/target" --drafter "$dir/drafter" --dataset humaneval --methods ar,chain,stree \
       --tree "$dir/tune/tree.json" --tree 3,2,1 --limit "$limit" --max-new-tokens "$new_tokens" \
-      --temperature "$t" --dtype "$dtype" --device "$device" --out "$dir/bench-t$t"
+      --temperature "$t" --dtype "$dtype" --device "$device" --out "$dir/bench-t$t" --overwrite
   done
 }
 
