@@ -174,3 +174,31 @@ def test_load_model_reads_a_transformers_directory(tmp_path, family):
     got = generate(loaded.model, ids, drafter=NgramDrafter(),
                    config=GenerationConfig(method="stree", tree=Tree.from_config((2, 1)), max_new_tokens=NEW_TOKENS))
     assert got.token_ids == _transformers_greedy(hf, ids)
+
+
+@pytest.fixture(scope="module")
+def sampling_pair():
+    from test_generate import SAMPLE_VOCAB
+
+    target = TransformersTarget(hf_model("llama", vocab=SAMPLE_VOCAB, seed=3, std=0.6))
+    drafter = tiny_model(("mamba",), vocab_size=SAMPLE_VOCAB, seed=4, std=0.6)
+    return target, drafter, [1, 3, 0, 2, 1]
+
+
+@pytest.mark.parametrize("method, tree", [("chain", Tree.chain(2)), ("stree", Tree.from_config((2, 2)))])
+def test_sampling_matches_the_target_distribution(sampling_pair, method, tree):
+    # The chi-square check of tests/test_generate.py, with a Llama target at a 4-token vocabulary.
+    from test_generate import RUNS, chi_square_pvalue, empirical, exact_joint
+
+    target, drafter, prompt = sampling_pair
+    counts = empirical(target, prompt, lambda: ModelDrafter(drafter), method, tree, RUNS)
+    assert chi_square_pvalue(counts, exact_joint(target, prompt), RUNS) > 1e-3
+
+
+def test_sampling_check_has_power(sampling_pair):
+    # The same test tells the drafter's own samples apart from this target's.
+    from test_generate import RUNS, chi_square_pvalue, empirical, exact_joint
+
+    target, drafter, prompt = sampling_pair
+    counts = empirical(drafter, prompt, None, "ar", None, RUNS)
+    assert chi_square_pvalue(counts, exact_joint(target, prompt), RUNS) < 1e-3
