@@ -17,7 +17,39 @@ import torch.nn as nn
 
 from .attention import AttentionTreeActivations
 from .cache import AttentionLayerCache, ModelCache
+from .config import AttentionConfig, MLPConfig, ModelConfig
 from .lm import TreeActivations
+
+
+def _one_id(value):
+    """A config's token id, the first where it lists several (ModelConfig keeps one)."""
+    if isinstance(value, (list, tuple)):
+        return int(value[0]) if value else None
+    return value
+
+
+def shape_config(text) -> ModelConfig:
+    """A ModelConfig with the shape of a transformers decoder config (`text`): one attention and
+    one MLP sublayer per layer, its heads, widths and special ids. A description for profiling,
+    fingerprints and vocabulary checks; transformers runs the model itself (details such as
+    Gemma's scaled embeddings are not in it)."""
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    rope = getattr(text, "rope_parameters", None) or {}
+    return ModelConfig(
+        vocab_size=text.vocab_size, d_model=text.hidden_size, layers=["attention", "mlp"] * text.num_hidden_layers,
+        attention=AttentionConfig(
+            n_heads=heads, n_kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim,
+            rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 1.0)),
+            rope_theta=float(rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))),
+            qkv_bias=bool(getattr(text, "attention_bias", False)) or text.model_type == "qwen2"),
+        mlp=MLPConfig(d_intermediate=text.intermediate_size, activation=getattr(text, "hidden_act", "silu")),
+        norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
+        bos_token_id=_one_id(getattr(text, "bos_token_id", None)),
+        eos_token_id=_one_id(getattr(text, "eos_token_id", None)),
+        pad_token_id=_one_id(getattr(text, "pad_token_id", None)),
+    )
 
 
 class TransformersTarget(nn.Module):
@@ -26,10 +58,11 @@ class TransformersTarget(nn.Module):
     def __init__(self, hf_model: nn.Module, tokenizer=None):
         super().__init__()
         self.hf = hf_model
-        self.config = hf_model.config
-        """transformers' config: vocab_size and eos_token_id are what the decode loop reads."""
         self.tokenizer = tokenizer
-        text = self.config.get_text_config(decoder=True)
+        text = hf_model.config.get_text_config(decoder=True)
+        self.config = shape_config(text)
+        """The stack's shape as a ModelConfig (attention + MLP sublayers): what the decode loop,
+        vocabulary checks, fingerprints and profile.json read. transformers' own is `hf.config`."""
         self.num_layers = text.num_hidden_layers
         self.n_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
