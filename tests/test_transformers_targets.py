@@ -126,8 +126,8 @@ def _prompts():
 
 
 @torch.no_grad()
-def _transformers_greedy(hf, ids):
-    out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+def _transformers_greedy(hf, ids, n=NEW_TOKENS):
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                       eos_token_id=None, pad_token_id=0)
     return out[0, len(ids):].tolist()
 
@@ -202,3 +202,40 @@ def test_sampling_check_has_power(sampling_pair):
     target, drafter, prompt = sampling_pair
     counts = empirical(drafter, prompt, None, "ar", None, RUNS)
     assert chi_square_pvalue(counts, exact_joint(target, prompt), RUNS) < 1e-3
+
+
+# -- real weights (slow) ----------------------------------------------------------------------
+
+REAL_NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def qwen_coder():
+    """Qwen2.5-Coder-0.5B-Instruct, written by `python scripts/fetch_gguf.py qwen2.5-coder-0.5b --out DIR`
+    with DIR in SSMSPEC_QWEN_CODER_DIR (skipped where it is not set)."""
+    import os
+
+    path = os.environ.get("SSMSPEC_QWEN_CODER_DIR")
+    if not path:
+        pytest.skip("set SSMSPEC_QWEN_CODER_DIR to a directory written by scripts/fetch_gguf.py qwen2.5-coder-0.5b")
+    return load_model(path, dtype="fp32")
+
+
+@pytest.mark.slow
+def test_qwen_coder_greedy_equals_transformers_generate_on_humaneval(qwen_coder):
+    from ssmspec.benchmark.prompts import encode, load_prompts
+
+    target, tokenizer = qwen_coder.model, qwen_coder.tokenizer
+    assert qwen_coder.source_format == "transformers" and target.hf.config.model_type == "qwen2"
+    untrained = tiny_model(("mamba",), vocab_size=target.config.vocab_size, seed=7)
+    _, prompts = load_prompts("humaneval")
+    for prompt in prompts[:3]:
+        ids = encode(tokenizer, prompt)
+        expected = _transformers_greedy(target.hf, ids, REAL_NEW_TOKENS)
+        for method, tree, drafter in [("stree", Tree.from_config((3, 2, 1)), ModelDrafter(untrained)),
+                                      ("chain", Tree.chain(4), NgramDrafter()),
+                                      ("stree", Tree.from_config((2, 2, 1, 1)), NgramDrafter())]:
+            got = generate(target, ids, drafter=drafter,
+                           config=GenerationConfig(method=method, tree=tree, max_new_tokens=REAL_NEW_TOKENS))
+            assert got.token_ids == expected, f"{prompt.id}: {method} {tree.spec()} with {type(drafter).__name__}"
+
