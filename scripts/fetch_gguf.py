@@ -82,9 +82,17 @@ def write_model_directory(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from safetensors.torch import save_model
+
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model.save_pretrained(out)
+    # save_pretrained refuses a model loaded from GGUF; its tensors are plain fp32 by now, so the
+    # config (without the GGUF quantization record) and the tensors are written directly.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out)
+    save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})  # tied tensors stored once
     tokenizer.save_pretrained(out)
 
 

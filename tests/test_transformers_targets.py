@@ -176,6 +176,17 @@ def test_load_model_reads_a_transformers_directory(tmp_path, family):
     assert got.token_ids == _transformers_greedy(hf, ids)
 
 
+def test_a_cache_past_the_sliding_window_is_refused():
+    from ssmspec.errors import InputError
+
+    hf = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=16))
+    target = TransformersTarget(hf.eval())
+    target.new_cache(1, 16)
+    with pytest.raises(InputError, match="sliding window of 16"):
+        target.new_cache(1, 17)
+
 @pytest.fixture(scope="module")
 def sampling_pair():
     from test_generate import SAMPLE_VOCAB

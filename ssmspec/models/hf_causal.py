@@ -15,6 +15,7 @@ import inspect
 import torch
 import torch.nn as nn
 
+from ..errors import InputError
 from .attention import AttentionTreeActivations
 from .cache import AttentionLayerCache, ModelCache
 from .config import AttentionConfig, MLPConfig, ModelConfig
@@ -63,9 +64,6 @@ class TransformersTarget(nn.Module):
         self.config = shape_config(text)
         """The stack's shape as a ModelConfig (attention + MLP sublayers): what the decode loop,
         vocabulary checks, fingerprints and profile.json read. transformers' own is `hf.config`."""
-        self.num_layers = text.num_hidden_layers
-        self.n_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.sliding_window = getattr(text, "sliding_window", None) if getattr(text, "use_sliding_window", True) else None
         # transformers 5 renamed past_key_values to cache; accept either.
         params = inspect.signature(hf_model.forward).parameters
@@ -82,16 +80,18 @@ class TransformersTarget(nn.Module):
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None, pending: int = 0) -> ModelCache:
         """An empty cache for `batch` rows of up to max_len positions (`pending` is for SSM layers: ignored).
 
-        Raises ValueError where max_len passes the model's sliding window: the paths here attend
+        Raises InputError where max_len passes the model's sliding window: the paths here attend
         to the whole prefix, which equals the model only inside its window."""
         if self.sliding_window is not None and max_len > self.sliding_window:
-            raise ValueError(f"a cache of {max_len} positions passes this model's sliding window "
-                             f"({self.sliding_window}); ssmspec's transformers target attends to the whole prefix")
+            raise InputError(f"{max_len} positions (prompt, new tokens and tree) pass this model's sliding window of "
+                             f"{self.sliding_window}; ask for fewer new tokens or a shorter prompt")
         device = device or self.device
         dtype = dtype or self.dtype
-        shape = (batch, self.n_kv_heads, max_len, self.head_dim)
+        a = self.config.attention
+        shape = (batch, a.n_kv_heads, max_len, a.head_dim)
         layers = [AttentionLayerCache(torch.zeros(shape, device=device, dtype=dtype),
-                                      torch.zeros(shape, device=device, dtype=dtype)) for _ in range(self.num_layers)]
+                                      torch.zeros(shape, device=device, dtype=dtype))
+                  for _ in range(self.config.layers.count("attention"))]
         return ModelCache(layers, torch.zeros(batch, dtype=torch.long, device=device))
 
     def settle(self, cache: ModelCache) -> None:
