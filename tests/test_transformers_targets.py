@@ -170,6 +170,12 @@ def test_load_model_reads_a_transformers_directory(tmp_path, family):
     hf.save_pretrained(tmp_path)
     loaded = load_model(tmp_path)
     assert loaded.source_format == "transformers" and isinstance(loaded.model, TransformersTarget)
+    # profile.json and vocabulary checks read the shape: attention layers, so the quadratic cost model
+    from ssmspec.models.loading import model_fingerprint
+    from ssmspec.profiling.schema import architecture_of, config_summary
+
+    assert architecture_of(loaded.model) == "hybrid" and len(model_fingerprint(loaded.model)) == 16
+    assert config_summary(loaded.model)["attention"] == {"n_heads": 4, "n_kv_heads": 2, "head_dim": 16}
     ids = _prompts()[0]
     got = generate(loaded.model, ids, drafter=NgramDrafter(),
                    config=GenerationConfig(method="stree", tree=Tree.from_config((2, 1)), max_new_tokens=NEW_TOKENS))
