@@ -167,8 +167,8 @@ def test_error_malformed_json(tmp_path):
 
 
 def test_error_unknown_model_type(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    _expect_error(tmp_path, "'llama' is not supported", "mamba2")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))  # llama loads: models/hf_causal.py
+    _expect_error(tmp_path, "'t5' is not supported", "mamba2")
 
 
 def test_error_no_weights(tmp_path):

@@ -296,6 +296,8 @@ def replay_state(target: LanguageModel, cache, acts, path: list[int]) -> None:
 
 
 def _fast_path(target: LanguageModel, cfg: GenerationConfig, max_len: int) -> _FastPath | None:
+    if not isinstance(target, LanguageModel):
+        return None  # graphs are for ssmspec's own models; other targets (models/hf_causal.py) run eagerly
     on_cuda = target.device.type == "cuda"
     wanted = cfg.graphs if cfg.graphs is not None else on_cuda
     if not wanted or not cfg.sampling.greedy:

@@ -11,6 +11,7 @@ from ..lm import LanguageModel
 from .allocate import check_fits, empty_model
 from .common import LoadedModel, Renamer, resolve_dtype
 from .formats import parse_config
+from .hf_causal_lm import is_transformers_causal_lm, load_transformers_target
 from .tokenizer import load_tokenizer
 
 # Weight files in the order we look for them (transformers' own preference: safetensors first).
@@ -30,7 +31,10 @@ def load_model(path, *, dtype=None, device="cpu") -> LoadedModel:
         ModelLoadError with a sentence saying what to fix.
     """
     path = Path(path)
-    cfg, fmt, rename = parse_config(_read_config(path))
+    raw = _read_config(path)
+    if is_transformers_causal_lm(raw):  # Llama, Qwen2, ...: run by transformers (models/hf_causal.py)
+        return load_transformers_target(path, dtype=dtype, device=device)
+    cfg, fmt, rename = parse_config(raw)
     source, _ = _read_weights(path)
     state = _map_state(source, rename)
     dtype = resolve_dtype(dtype)
