@@ -82,3 +82,21 @@ def run_interpreted(test_file: str) -> None:
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative Frobenius error of a against b, in float64."""
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def run_cli(args, monkeypatch, capsys, stdin: str = ""):
+    """Run the CLI in-process through `main()`; returns (exit code, stdout, stderr)."""
+    import io
+    import sys
+
+    from ssmspec.cli.app import main
+
+    monkeypatch.setattr(sys, "argv", ["ssmspec", *args])
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -1,7 +1,6 @@
 """`ssmspec bench` end to end on `new-model` tiny models: outputs, the losslessness check, refusals."""
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
@@ -16,19 +15,7 @@ from ssmspec.benchmark.lossless import check_lossless, classify_gap, default_tie
 SHORT_PROMPTS = "def add(a, b):\nThe quick brown fox\nimport os\n\n  \nclass Stack:\n"
 
 
-def run_cli(args, monkeypatch, capsys):
-    """Run the CLI in-process through `main()`; returns (exit code, stdout, stderr)."""
-    from ssmspec.cli.app import main
-
-    monkeypatch.setattr(sys, "argv", ["ssmspec", *args])
-    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
+from helpers import run_cli  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from dataclasses import fields
 
+import helpers
 import pytest
 
 from ssmspec.decoding.generate import GenerationConfig
@@ -14,17 +15,7 @@ from ssmspec.decoding.generate import GenerationConfig
 
 def run_cli(args, stdin: str = "", monkeypatch=None, capsys=None):
     """Run the CLI in-process through `main()`; returns (exit code, stdout, stderr)."""
-    from ssmspec.cli.app import main
-
-    monkeypatch.setattr(sys, "argv", ["ssmspec", *args])
-    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
+    return helpers.run_cli(args, monkeypatch, capsys, stdin)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """`ssmspec tune-tree` end to end on tiny models, its tree.json driving `generate`, the bandit hook, refusals."""
 from __future__ import annotations
 
-import io
 import json
 import sys
 
@@ -12,19 +11,7 @@ from ssmspec.tuning.treefile import read_tree_file
 
 
 
-def run_cli(args, monkeypatch, capsys):
-    """Run the CLI in-process through `main()`; returns (exit code, stdout, stderr)."""
-    from ssmspec.cli.app import main
-
-    monkeypatch.setattr(sys, "argv", ["ssmspec", *args])
-    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
+from helpers import run_cli  # noqa: E402
 
 
 @pytest.fixture(scope="module")
