@@ -21,6 +21,7 @@ from ..models.lm import LanguageModel
 from ..ops import dispatch
 from .acceptance import accept_deterministic, accept_greedy, accept_sampled
 from .drafters import Draft, ModelDrafter
+from .graphs import ChainPrefill, GreedyTreeGraph, SpeculativeIterationGraph, StepGraph
 from .sampling import SamplingParams, probabilities, sample
 
 METHODS = ("ar", "chain", "stree")
@@ -188,24 +189,18 @@ class _FastPath:
         ids = torch.tensor([[token]], device=self.target.device)
         if not self.capture:
             return self.target.step(ids, self.cache)[0, -1]
-        from .graphs import StepGraph
-
         if self.step_graph is None:
             self.step_graph = StepGraph(self.target, self.cache)
         return self.step_graph(ids)[0, -1]
 
     def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
         """The prompt (1, T) into the cache as a few replayed chain graphs; last logits (V,)."""
-        from .graphs import ChainPrefill
-
         if self.chain_prefill is None:
             self.chain_prefill = ChainPrefill(self.target, self.cache, capture=self.capture)
         return self.chain_prefill(prompt)
 
     def speculation(self, draft) -> "SpeculativeIterationGraph":
         """The whole greedy iteration with a device-side draft (drafters.FusedGreedyDraft)."""
-        from .graphs import SpeculativeIterationGraph
-
         key = ("fused", draft.shape.parents)
         kept = self.tree_graphs.get(key)
         if kept is None or kept.draft is not draft:  # a new draft object: its buffers moved
@@ -214,8 +209,6 @@ class _FastPath:
 
     def iterate(self, draft: Draft) -> tuple[list[int], list[int], int]:
         """verify + greedy accept + replay in one call; returns (path, accepted tokens, bonus)."""
-        from .graphs import GreedyTreeGraph
-
         tree = draft.tree
         if tree.parents not in self.tree_graphs:
             self.tree_graphs[tree.parents] = GreedyTreeGraph(self.target, self.cache, tree, capture=self.capture)
@@ -227,16 +220,14 @@ class _FastPath:
         return tree.path(last), produced[:count - 1], produced[count - 1]
 
 
-PREFILL_CHUNK = 64
-
-
 def prefill(target: LanguageModel, prompt: torch.Tensor, max_len: int, fast: _FastPath | None = None,
             by_chunks: bool | None = None):
     """Run the prompt (1, T) into a fresh cache; returns (cache, last position's logits (V,)).
 
     With the tree kernels available (a GPU), the prompt goes through `verify` + `replay` as
-    chains of PREFILL_CHUNK tokens: the same kernels as decoding, instead of the plain-torch
-    chunked scan. Both give the state of stepping the prompt token by token.
+    chains of at most ChainPrefill.CHUNK tokens (graphs/ChainPrefill; replayed graphs on the fast
+    path): the same kernels as decoding, instead of the plain-torch chunked scan. Both give the
+    state of stepping the prompt token by token.
     """
     cache = fast.cache if fast is not None else target.new_cache(1, max_len)
     if by_chunks is None:
@@ -245,23 +236,7 @@ def prefill(target: LanguageModel, prompt: torch.Tensor, max_len: int, fast: _Fa
         return cache, target(prompt, cache, last_only=True)[0, -1]
     if fast is not None:
         return cache, fast.prefill(prompt)
-    for start in range(0, prompt.shape[1], PREFILL_CHUNK):
-        chunk = prompt[:, start:start + PREFILL_CHUNK]
-        n = chunk.shape[1]
-        logits, acts = target.verify(chunk, _chain(n), cache)
-        path = torch.arange(n, device=target.device)[None]
-        target.replay(cache, acts, path, torch.full((1,), n, device=target.device))
-    return cache, logits[0, -1]
-
-
-_CHAINS: dict[int, Tree] = {}
-
-
-def _chain(nodes: int) -> Tree:
-    """A chain tree of `nodes` nodes, kept so its device tensors are built once."""
-    if nodes not in _CHAINS:
-        _CHAINS[nodes] = Tree.chain(nodes - 1)
-    return _CHAINS[nodes]
+    return cache, ChainPrefill(target, cache, capture=False)(prompt)
 
 
 def next_token(logits: torch.Tensor, cfg: GenerationConfig, generator) -> int:
@@ -361,7 +336,7 @@ def generate(
     if cfg.method != "ar" and drafter is None:
         raise InputError(f"method {cfg.method} needs a drafter (a model directory or 'ngram')")
     # Refuse what cannot fit (tree width, context, memory) before allocating anything.
-    by_chunks = PREFILL_CHUNK if dispatch.uses_kernel("tree_scan", target.device) else None
+    by_chunks = ChainPrefill.CHUNK if dispatch.uses_kernel("tree_scan", target.device) else None
     check_generation(target, prompt.shape[1], cfg, drafter, prefill_chunk=by_chunks)
     generator = None if cfg.sampling.greedy else torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else 0)
     tree_nodes = cfg.tree.num_nodes if cfg.tree is not None else 1
@@ -476,8 +451,6 @@ def warm_up(target, *, drafter=None, config: GenerationConfig | None = None, tok
     that timed or latency-sensitive calls pay none of it: one generation from a prompt of
     2 * ChainPrefill.CHUNK - 1 tokens, which takes every prefill chain size once."""
     import dataclasses
-
-    from .graphs import ChainPrefill
 
     cfg = config or GenerationConfig()
     for tree in _trees(cfg) if cfg.method != "ar" else (None,):  # every arm of a bandit
