@@ -308,15 +308,22 @@ TREE_FILE_SCHEMA = "ssmspec.tree"
 """The `schema` of tree.json files written by `ssmspec tune-tree` (a bare tree needs none)."""
 
 
+def read_json_file(path: str | Path, what: str, error: type[Exception] = TreeSpecError, missing_hint: str = ""):
+    """The parsed JSON of a file the user named, or `error` with one sentence: the file is missing
+    (then `missing_hint` is appended) or not valid JSON. `what` names the file ("tree file")."""
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"{what} {path} does not exist{missing_hint}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise error(f"{what} {path} is not valid JSON: {e}") from None
+
+
 def load_tree_file(path: str | Path) -> "Tree | TreeArms":
     """A tree.json: a bare tree ({config} or {parents}), or tune-tree's file holding a 'tree' or a 'bandit'."""
     path = Path(path)
-    if not path.is_file():
-        raise TreeSpecError(f"tree file {path} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise TreeSpecError(f"tree file {path} is not valid JSON: {e}") from None
+    data = read_json_file(path, "tree file")
     if isinstance(data, dict) and "schema" in data:
         if data["schema"] != TREE_FILE_SCHEMA:
             raise TreeSpecError(f"tree file {path} has schema {data['schema']!r}, not {TREE_FILE_SCHEMA!r}")

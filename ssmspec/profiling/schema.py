@@ -61,6 +61,8 @@ from typing import Sequence
 
 import torch
 
+from ssmspec.trees.tree import read_json_file
+
 from ..errors import InputError, ProfileMismatchError
 from ..models.loading import model_fingerprint
 from .fits import Fit
@@ -209,13 +211,8 @@ def validate_profile(d: dict) -> None:
 
 def load_profile(path: str | Path) -> Profile:
     """Read and validate profile.json; raises InputError with what to do when it is unusable."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"profile file {path} does not exist; write one with `ssmspec profile --out DIR` (it writes DIR/profile.json)")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise InputError(f"profile file {path} is not valid JSON: {e}") from None
+    data = read_json_file(path, "profile file", InputError,
+                          "; write one with `ssmspec profile --out DIR` (it writes DIR/profile.json)")
     validate_profile(data)
     return Profile(data)
 

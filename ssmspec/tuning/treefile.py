@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ssmspec.errors import InputError
 from ssmspec.trees import TREE_FILE_SCHEMA, Tree, TreeArms, TreeSpecError
-from ssmspec.trees.tree import TREE_FILE_VERSION
+from ssmspec.trees.tree import TREE_FILE_VERSION, read_json_file
 
 MODES = ("static", "bandit", "both")
 _REQUIRED = ("schema", "version", "created", "mode", "target", "drafter", "profile", "settings", "statistics",
@@ -70,12 +70,6 @@ def write_tree_file(d: dict, path: str | Path) -> Path:
 
 def read_tree_file(path: str | Path) -> dict:
     """Read and validate a tune-tree tree.json (all of it, statistics included)."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"tree file {path} does not exist")
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise InputError(f"tree file {path} is not valid JSON: {e}") from None
+    d = read_json_file(path, "tree file", InputError)
     validate_tree_file(d, str(path))
     return d
