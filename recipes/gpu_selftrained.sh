@@ -48,8 +48,10 @@ stage() {
     echo "   skip: $name finished earlier ($output)"
     return
   fi
+  local started=$SECONDS
   "$@"
   touch "$work/.stages/$name"
+  echo "   done: $name in $((SECONDS - started)) s"
   rerun=1
 }
 
