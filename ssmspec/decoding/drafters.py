@@ -194,8 +194,7 @@ class ModelDrafter:
         for d, level in enumerate(plan.levels):
             if deterministic:
                 scores = logits if params.greedy else probabilities(logits, params)
-                best = torch.topk(scores, level.max_children, dim=-1).indices  # (W_prev, k)
-                chosen = best[level.parent_rows, level.ranks]
+                chosen = dispatch.ranked_tokens(scores, level.parent_rows, level.ranks)
             else:
                 probs = probabilities(logits, params)[level.parent_rows]  # (W, V): i.i.d. per child
                 chosen = torch.multinomial(probs.cpu(), 1, generator=generator)[:, 0].to(tokens.device)
@@ -301,6 +300,8 @@ class FusedGreedyDraft:
         self.root = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.commit_row = torch.zeros(1, dtype=torch.long, device=device)
         self.tokens = torch.zeros(shape.num_nodes, dtype=torch.long, device=device)
+        # Each level's tokens as a view of `tokens` (its nodes are contiguous): the child picks write there.
+        self.level_tokens = [self.tokens[start:start + len(level.nodes)] for start, level in zip(starts, self.levels)]
         self.cache = drafter.cache  # the committed state this draft continues (captured by pointer)
 
     @staticmethod
@@ -329,10 +330,9 @@ class FusedGreedyDraft:
         logits = model.step(self.root, self.cache)[:, -1]
         self.node_cache.rows(0, 1).copy_(self.cache)
         self.tokens[:1].copy_(self.root[0])
-        for level, rows, above, parents in zip(self.levels, self.level_rows, self.above_rows, self.parent_nodes):
-            best = torch.topk(logits, level.max_children, dim=-1).indices  # (W_prev, k)
-            chosen = best[level.parent_rows, level.ranks]
-            self.tokens[level.nodes] = chosen
+        for level, chosen, rows, above, parents in zip(self.levels, self.level_tokens, self.level_rows, self.above_rows,
+                                                       self.parent_nodes):
+            dispatch.ranked_tokens(logits, level.parent_rows, level.ranks, out=chosen)  # one launch, into `tokens`
             rows.gather_(above, parents)  # each node's row starts as its parent's state
             logits = model.step(chosen[:, None], rows)[:, -1]
 

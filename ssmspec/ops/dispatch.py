@@ -9,6 +9,7 @@ from . import paths
 from .chunk_scan.naive import naive_chunk_scan
 from .gemv.naive import naive_linear, naive_norm_linear
 from .greedy_accept.naive import naive_greedy_accept
+from .ranked_tokens.naive import naive_ranked_tokens
 from .state_replay.naive import (
     naive_advance_positions,
     naive_replay_states,
@@ -47,6 +48,7 @@ _REFERENCE = {
     "linear": naive_linear,
     "norm_linear": naive_norm_linear,
     "greedy_accept": naive_greedy_accept,
+    "ranked_tokens": naive_ranked_tokens,
 }
 
 
@@ -160,6 +162,11 @@ def norm_linear(x, weight, bias=None, norm_groups=1, eps=1e-5, residual=None, x_
     return resolve("norm_linear", x.device)(x, weight, bias, norm_groups, eps, residual, x_sq=x_sq,
                                             return_sq=return_sq, reuse_residual=reuse_residual, activation=activation,
                                             **extra)
+
+
+def ranked_tokens(logits, rows, ranks, out=None):
+    """The drafter's children: out[i] = the ranks[i]-th best token of logits[rows[i]] (ties: lower id)."""
+    return resolve("ranked_tokens", logits.device)(logits, rows, ranks, out)
 
 
 def greedy_accept(logits, tokens, parents, depth, mask, paths):

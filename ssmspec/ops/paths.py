@@ -66,6 +66,7 @@ TRITON_KERNELS = {
     "linear": ("ssmspec.ops.gemv.triton", "linear"),
     "norm_linear": ("ssmspec.ops.gemv.triton", "norm_linear"),
     "greedy_accept": ("ssmspec.ops.greedy_accept.triton", "greedy_accept"),
+    "ranked_tokens": ("ssmspec.ops.ranked_tokens.triton", "ranked_tokens"),
 }
 """op -> (module, function) of its Triton kernel; the ops not listed (chunk_scan) have none."""
 

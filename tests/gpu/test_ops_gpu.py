@@ -307,3 +307,19 @@ def test_norm_linear_gpu(rows, n, k, norm_groups):
         assert _rel(got - res, want - res) < 1e-2
         assert _rel(got_sq.sum(-1).flatten(), got.float().pow(2).sum(-1).flatten()) < 1e-4
 
+
+
+@pytest.mark.parametrize("vocab", [8192, 50288, 131072])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ranked_tokens_gpu(vocab, dtype):
+    """The drafter's child picks at real vocabularies, ties included, against the reference."""
+    from ssmspec.ops.ranked_tokens.naive import naive_ranked_tokens
+    from ssmspec.ops.ranked_tokens.triton import ranked_tokens
+
+    x = torch.randn(6, vocab, device=DEV).to(dtype)
+    x[:, vocab // 2] = x[:, 7] = x.float().max(-1).values.to(dtype)  # a tie at the top of every row
+    rows = torch.tensor([0, 0, 0, 1, 2, 3, 4, 5, 5], device=DEV)
+    ranks = torch.tensor([0, 1, 2, 0, 3, 7, 0, 1, 15], device=DEV)
+    got = ranked_tokens(x, rows, ranks)
+    assert torch.equal(got, naive_ranked_tokens(x, rows, ranks))
+    assert (got[rows == 0][:2] == torch.tensor([7, vocab // 2], device=DEV)).all()
