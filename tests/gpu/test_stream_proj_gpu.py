@@ -120,21 +120,37 @@ def test_stream_proj_refuses_what_it_cannot_run(triton_backend, monkeypatch):
     assert model.one_launch.kept("verify", model.device) is None and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("preset", ["mamba2-130m", "mamba2-370m", "mamba2-780m", "mamba2-1.3b"])
-def test_both_kernels_at_the_smaller_mamba2_preset_shapes(preset, triton_backend):
-    """Two layers of each smaller mamba2 preset's shape (d_model 768 to 2048): a 16-node verify and
-    a decode step on the one-launch kernels against the Triton ones (the default mode takes them
-    at every width their limits allow: this test proves those widths)."""
+SMALLER_PRESETS = ["mamba2-130m", "mamba2-370m", "mamba2-780m", "mamba2-1.3b"]
+
+
+def _two_layers_of(preset):
     import dataclasses
 
     from ssmspec.models import LanguageModel
     from ssmspec.models.init import init_weights
     from ssmspec.models.presets import preset_config
-    from ssmspec.ops import stream_layers
 
     cfg = dataclasses.replace(preset_config(preset, vocab_size=1024), layers=["mamba"] * 2)
     model = init_weights(LanguageModel(cfg), seed=0, std=0.02).eval().to(DEV, torch.bfloat16)
     model.fold_norm_weights_()
+    return model
+
+
+@pytest.fixture(scope="module")
+def extensions_of_the_smaller_presets():
+    """Both extensions of every smaller preset's shape built at once (nvcc in parallel: about a
+    minute in all, instead of a minute per shape and kernel on a fresh machine)."""
+    paths.prebuild([_two_layers_of(p) for p in SMALLER_PRESETS])
+
+
+@pytest.mark.parametrize("preset", SMALLER_PRESETS)
+def test_both_kernels_at_the_smaller_mamba2_preset_shapes(preset, triton_backend, extensions_of_the_smaller_presets):
+    """Two layers of each smaller mamba2 preset's shape (d_model 768 to 2048): a 16-node verify and
+    a decode step on the one-launch kernels against the Triton ones (the default mode takes them
+    at every width their limits allow: this test proves those widths)."""
+    from ssmspec.ops import stream_layers
+
+    model = _two_layers_of(preset)
     dev = torch.device(DEV)
     assert stream_layers.unsupported_reason(model, 1, dev) is None and unsupported_reason(model, 16, dev) is None
     tree = Tree.from_config((3, 2, 1))
