@@ -344,6 +344,22 @@ def test_fast_path_sampling_is_reproducible_with_a_seed(sampling_pair, method):
     assert len({tuple(ids(seed)) for seed in range(4)}) > 1
 
 
+def test_fast_path_keeps_the_graphs_of_greedy_and_the_latest_temperature_only():
+    # Graphs are built per sampling setting; a caller changing the temperature per request must
+    # not pile them up (on a GPU each captured graph holds its own memory pool).
+    from ssmspec.decoding.sampling import SamplingParams
+
+    target = tiny_model(TARGETS["mamba2"], seed=1)
+    drafter = ModelDrafter(tiny_model(("mamba",), seed=99), graphs=True)
+    for method in ("stree", "ar"):
+        for temperature in (0.0, 1.0, 0.5):
+            generate(target, prompts(1, 6, 64)[0], drafter=drafter, config=GenerationConfig(
+                method=method, max_new_tokens=4, temperature=temperature, graphs=True))
+        fast = fast_path_of(target)
+        kept = set(fast.step_graphs) | {key[-1] for key in fast.tree_graphs}
+        assert kept == {SamplingParams(), SamplingParams(temperature=0.5)}
+
+
 @pytest.mark.parametrize("drafter_layers", [("mamba",), ("mamba", "attention")])
 def test_drafter_state_follows_the_produced_text(drafter_layers):
     # The drafter keeps the state of the deepest accepted node instead of re-reading the text;

@@ -173,8 +173,9 @@ class _FastPath:
         # of writing every layer's state back each iteration (ReplaySSM; models/cache.py).
         self.cache = target.new_cache(1, max_len, pending=pending)
         self.step_graphs: dict = {}  # SamplingParams -> StepGraph
-        self.tree_graphs: dict = {}
+        self.tree_graphs: dict = {}  # keys end with the SamplingParams the graph samples with
         self.chain_prefill = None
+        self.sampling = None  # the sampling setting (temperature > 0) whose graphs are kept
 
     @classmethod
     def for_target(cls, target: LanguageModel, needed_len: int, capture: bool, pending: int = 0) -> "_FastPath":
@@ -188,14 +189,22 @@ class _FastPath:
         fast.cache.reset_()
         return fast
 
+    def sample_with(self, params: SamplingParams) -> None:
+        """Keep the graphs of greedy decoding and of `params` only: a captured graph holds its
+        own memory pool, so a caller that changes the temperature per request must not pile
+        them up (a new setting captures its graphs again, once)."""
+        if params.greedy or params == self.sampling:
+            return
+        self.sampling = params
+        self.step_graphs = {key: g for key, g in self.step_graphs.items() if key.greedy}
+        self.tree_graphs = {key: g for key, g in self.tree_graphs.items() if key[-1].greedy}
+
     def step(self, token: int, params: SamplingParams, generator: torch.Generator | None) -> int:
         """One target step on `token`; returns the next token (argmax, or a draw when sampling)."""
         ids = torch.tensor([[token]], device=self.target.device)
-        if not self.capture:
-            return fast_next_token(self.target.step(ids, self.cache)[0, -1], params, generator)
         graph = self.step_graphs.get(params)
         if graph is None:
-            graph = self.step_graphs[params] = StepGraph(self.target, self.cache, params)
+            graph = self.step_graphs[params] = StepGraph(self.target, self.cache, params, capture=self.capture)
         logits = graph(ids, generator)
         # sampling: the step graph drew the token on the device (its race); one read-back either way
         return int(logits[0, -1].argmax()) if params.greedy else int(graph.drawn[0, 0])
@@ -299,7 +308,10 @@ def _fast_path(target: LanguageModel, cfg: GenerationConfig, max_len: int) -> _F
         return None
     if cfg.method != "ar" and on_cuda and dispatch.get_backend() == "reference":
         return None  # the reference tree ops build masks on the host: they cannot be captured
-    return _FastPath.for_target(target, max_len, capture=on_cuda, pending=pending_slots_for(None if cfg.method == "ar" else cfg.tree, target))
+    fast = _FastPath.for_target(target, max_len, capture=on_cuda,
+                                pending=pending_slots_for(None if cfg.method == "ar" else cfg.tree, target))
+    fast.sample_with(cfg.sampling)
+    return fast
 
 
 def _trees(cfg: GenerationConfig) -> tuple:

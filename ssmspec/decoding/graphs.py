@@ -69,7 +69,8 @@ class StepGraph:
     then `g.drawn` (B, 1) holds a draw from the processed distribution of the new logits.
     """
 
-    def __init__(self, model: LanguageModel, cache: ModelCache, params: SamplingParams = GREEDY):
+    def __init__(self, model: LanguageModel, cache: ModelCache, params: SamplingParams = GREEDY,
+                 capture: bool = True):
         self.model = model
         self.cache = cache
         device = cache.seqlen.device
@@ -83,8 +84,11 @@ class StepGraph:
             if self.noise is not None:
                 self.drawn = race_scores(self.logits, params, self.noise).argmax(-1)  # (B, 1)
 
-        with torch.inference_mode():
-            self.graph = _warm_up_and_capture(step, cache)
+        self._step = step
+        self.graph = None
+        if capture:  # capture=False runs the same step eagerly (CPU, debugging)
+            with torch.inference_mode():
+                self.graph = _warm_up_and_capture(step, cache)
 
     def __call__(self, ids: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """ids (B, 1) -> logits (B, 1, V) (a static buffer); `generator` feeds the draw when sampling."""
@@ -92,7 +96,11 @@ class StepGraph:
         self.ids.copy_(ids)
         if self.noise is not None:
             race_noise_(self.noise, generator)
-        self.graph.replay()
+        if self.graph is None:
+            with torch.inference_mode():
+                self._step()
+        else:  # not _run: a step leaves no pending inputs, so the cache stays clean after it
+            self.graph.replay()
         return self.logits
 
 
