@@ -100,11 +100,11 @@ NEW = 3
 
 
 @torch.no_grad()
-def exact_joint(target, prompt, temperature=1.0, top_p=1.0):
+def exact_joint(target, prompt, temperature=1.0, top_p=1.0, top_k=0):
     """P(t1, t2, t3) of the target's own sampling, by enumerating all continuations."""
     from ssmspec.decoding.sampling import SamplingParams, probabilities
 
-    params = SamplingParams(temperature=temperature, top_p=top_p)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     dist = {}
     for seq in itertools.product(range(SAMPLE_VOCAB), repeat=NEW):
         ids = torch.tensor([prompt + list(seq)])
@@ -113,10 +113,11 @@ def exact_joint(target, prompt, temperature=1.0, top_p=1.0):
     return dist
 
 
-def empirical(target, prompt, drafter_factory, method, tree, runs, temperature=1.0, top_p=1.0):
+def empirical(target, prompt, drafter_factory, method, tree, runs, temperature=1.0, top_p=1.0, **config):
     counts = {}
     for seed in range(runs):
-        cfg = GenerationConfig(method=method, tree=tree, max_new_tokens=NEW, temperature=temperature, top_p=top_p, seed=seed)
+        cfg = GenerationConfig(method=method, tree=tree, max_new_tokens=NEW, temperature=temperature, top_p=top_p, seed=seed,
+                               **config)
         out = generate(target, prompt, drafter=drafter_factory() if drafter_factory else None, config=cfg)
         key = tuple(out.token_ids)
         counts[key] = counts.get(key, 0) + 1
@@ -175,6 +176,188 @@ def test_sampling_is_reproducible_with_a_seed(sampling_pair):
     a = generate(target, prompt, drafter=ModelDrafter(drafter), config=cfg).token_ids
     b = generate(target, prompt, drafter=ModelDrafter(drafter), config=cfg).token_ids
     assert a == b
+
+
+# -- exact sampling on the fast path (graphs=True: the CUDA-graph code, run eagerly on the CPU) --
+
+FAST_RUNS = 600
+
+
+def fast_path_of(target):
+    return next(iter(target._ssmspec_fast_paths.values()))
+
+
+@pytest.mark.parametrize("tree, params", [(Tree.from_config((2, 2)), dict(temperature=1.0)),
+                                          (Tree.from_config((3, 1)), dict(temperature=0.8, top_k=3, top_p=0.9))],
+                         ids=["T1", "topk-topp"])
+def test_fused_fast_path_sampling_matches_the_target_distribution(sampling_pair, tree, params):
+    # Top-k drafts on the device, acceptance by exponential races: the whole iteration as one
+    # (here eager) graph must still sample the target exactly.
+    from ssmspec.decoding.sampling import SamplingParams
+
+    target, drafter_model, prompt = sampling_pair
+    drafter = ModelDrafter(drafter_model, graphs=True)  # kept across runs, as a server would
+    counts = empirical(target, prompt, lambda: drafter, "stree", tree, FAST_RUNS, graphs=True, **params)
+    assert ("fused", tree.parents, SamplingParams(**params)) in fast_path_of(target).tree_graphs
+    assert chi_square_pvalue(counts, exact_joint(target, prompt, **params), FAST_RUNS) > 1e-3
+
+
+def test_fast_path_per_call_iteration_sampling_matches_the_target_distribution(sampling_pair):
+    # A deterministic draft handed to the fast path (fast.iterate: verify + race acceptance +
+    # replay); a draft with sampled children (draft.q) must stay on the host's SpecInfer rule.
+    from ssmspec.decoding.sampling import SamplingParams
+
+    target, drafter_model, prompt = sampling_pair
+    tree, params = Tree.from_config((2, 1)), SamplingParams(temperature=1.0)
+    drafter = ModelDrafter(drafter_model, sample_children=False, graphs=True)
+    drafter.fused_draft = lambda shape: None  # as for a tree the device-side draft cannot take
+    counts = empirical(target, prompt, lambda: drafter, "stree", tree, FAST_RUNS // 2, graphs=True)
+    assert (tree.parents, params) in fast_path_of(target).tree_graphs
+    assert chi_square_pvalue(counts, exact_joint(target, prompt), FAST_RUNS // 2) > 1e-3
+
+    sampled = ModelDrafter(drafter_model, graphs=True)  # sample_children: drafts carry q
+    sampled.fused_draft = lambda shape: None
+    generate(target, prompt, drafter=sampled, config=GenerationConfig(
+        method="stree", tree=Tree.from_config((2, 2, 1)), max_new_tokens=8, temperature=1.0, graphs=True))
+    assert (Tree.from_config((2, 2, 1)).parents, params) not in fast_path_of(target).tree_graphs
+
+
+def test_autoregressive_fast_path_sampling_matches_the_target_distribution(sampling_pair):
+    target, _, prompt = sampling_pair
+    counts = empirical(target, prompt, None, "ar", None, FAST_RUNS // 2, graphs=True)
+    assert chi_square_pvalue(counts, exact_joint(target, prompt), FAST_RUNS // 2) > 1e-3
+
+
+def test_fast_path_sampling_check_has_power(sampling_pair, monkeypatch):
+    # The same end-to-end check rejects a fast path that takes the argmax where it should race.
+    from ssmspec.decoding import graphs
+
+    target, drafter_model, prompt = sampling_pair
+    monkeypatch.setattr(graphs, "race_scores", lambda logits, params, noise: logits.float())
+    counts = empirical(target, prompt, lambda: ModelDrafter(drafter_model, graphs=True), "stree",
+                       Tree.from_config((2, 2)), 200, graphs=True)
+    assert chi_square_pvalue(counts, exact_joint(target, prompt), 200) < 1e-3
+
+
+@torch.no_grad()
+def iteration_outcomes(target, prompt, tree, tokens, params):
+    """The exact law of the tokens that one iteration on a fixed draft produces under the
+    deterministic-draft rule: walk down while the target's draw at a node is a child's token."""
+    from ssmspec.decoding.sampling import probabilities
+
+    children = tree.child_lists()
+    dist = {}
+
+    def walk(node, produced, prob):
+        ids = prompt + [tokens[i] for i in tree.path(node)]  # teacher-forced through the plain forward
+        p = probabilities(target(torch.tensor([ids]))[0, -1], params)
+        for v in range(SAMPLE_VOCAB):
+            child = next((c for c in children[node] if tokens[c] == v), None)
+            if child is None:
+                dist[produced + (v,)] = prob * float(p[v])
+            else:
+                walk(child, produced + (v,), prob * float(p[v]))
+
+    walk(0, (), 1.0)
+    return dist
+
+
+@torch.no_grad()
+def batched_iteration(target, prompt, tree, tokens, params, rows):
+    """One GreedyTreeGraph iteration (eager) on `rows` copies of the same prefix and draft, each
+    row with its own noise: {produced tokens: count}."""
+    from ssmspec.decoding.graphs import GreedyTreeGraph
+
+    cache = target.new_cache(rows, len(prompt) + tree.num_nodes + 1)
+    target(torch.tensor([prompt]).expand(rows, -1), cache, last_only=True)
+    graph = GreedyTreeGraph(target, cache, tree, capture=False, params=params)
+    out, n = graph(torch.tensor([tokens]).expand(rows, -1), torch.Generator().manual_seed(0))
+    counts = {}
+    for row, length in zip(out.tolist(), n.tolist()):
+        counts[tuple(row[:length])] = counts.get(tuple(row[:length]), 0) + 1
+    return counts
+
+
+ROWS = 6000
+
+
+def _fixed_draft(tree):
+    """Distinct tokens among siblings, so the rule has a choice at every node."""
+    tokens = [1]
+    for node in range(1, tree.num_nodes):
+        parent = tree.parents[node]
+        rank = tree.parents[1:node].count(parent)
+        tokens.append((tokens[parent] + 1 + rank) % SAMPLE_VOCAB)
+    return tokens
+
+
+RULES = [(Tree.from_config((2, 2)), dict(temperature=1.0)),
+         (Tree.from_config((3, 2, 1)), dict(temperature=0.7, top_k=3, top_p=0.9))]
+
+
+@pytest.mark.parametrize("tree, params", RULES, ids=["T1", "topk-topp"])
+def test_race_acceptance_is_the_deterministic_draft_rule(sampling_pair, tree, params):
+    # Many rows at once: the device-side acceptance with per-node races must produce each token
+    # sequence (accepted drafts, then the bonus) with exactly the rule's probability.
+    from ssmspec.decoding.sampling import SamplingParams
+
+    target, _, prompt = sampling_pair
+    params = SamplingParams(**params)
+    tokens = _fixed_draft(tree)
+    dist = iteration_outcomes(target, prompt, tree, tokens, params)
+    assert abs(sum(dist.values()) - 1) < 1e-5 and max(len(k) for k in dist) == tree.max_depth + 1
+    counts = batched_iteration(target, prompt, tree, tokens, params, ROWS)
+    assert chi_square_pvalue(counts, dist, ROWS) > 1e-3
+
+
+@pytest.mark.parametrize("wrong", ["argmax", "one-noise-per-row"])
+def test_race_acceptance_check_has_power(sampling_pair, monkeypatch, wrong):
+    # Plain argmax, or one noise vector shared by all nodes of a row (draws no longer
+    # independent across depths), must be rejected by the same check.
+    from ssmspec.decoding import graphs
+    from ssmspec.decoding.sampling import SamplingParams
+
+    if wrong == "argmax":
+        monkeypatch.setattr(graphs, "race_scores", lambda logits, params, noise: logits.float())
+    else:
+        def shared(noise, generator):
+            return noise.copy_(torch.empty_like(noise[:, :1]).exponential_(generator=generator).expand_as(noise))
+        monkeypatch.setattr(graphs, "race_noise_", shared)
+    target, _, prompt = sampling_pair
+    tree, params = RULES[0][0], SamplingParams(**RULES[0][1])
+    tokens = _fixed_draft(tree)
+    counts = batched_iteration(target, prompt, tree, tokens, params, ROWS)
+    assert chi_square_pvalue(counts, iteration_outcomes(target, prompt, tree, tokens, params), ROWS) < 1e-3
+
+
+@pytest.mark.parametrize("method", ["ar", "stree"])
+def test_fast_path_sampling_is_reproducible_with_a_seed(sampling_pair, method):
+    target, drafter_model, prompt = sampling_pair
+    drafter = ModelDrafter(drafter_model, graphs=True) if method == "stree" else None
+
+    def ids(seed):
+        cfg = GenerationConfig(method=method, tree=Tree.from_config((2, 2)) if method == "stree" else None,
+                               max_new_tokens=12, temperature=1.0, seed=seed, graphs=True)
+        return generate(target, prompt, drafter=drafter, config=cfg).token_ids
+
+    assert ids(7) == ids(7)
+    assert len({tuple(ids(seed)) for seed in range(4)}) > 1
+
+
+def test_fast_path_keeps_the_graphs_of_greedy_and_the_latest_temperature_only():
+    # Graphs are built per sampling setting; a caller changing the temperature per request must
+    # not pile them up (on a GPU each captured graph holds its own memory pool).
+    from ssmspec.decoding.sampling import SamplingParams
+
+    target = tiny_model(TARGETS["mamba2"], seed=1)
+    drafter = ModelDrafter(tiny_model(("mamba",), seed=99), graphs=True)
+    for method in ("stree", "ar"):
+        for temperature in (0.0, 1.0, 0.5):
+            generate(target, prompts(1, 6, 64)[0], drafter=drafter, config=GenerationConfig(
+                method=method, max_new_tokens=4, temperature=temperature, graphs=True))
+        fast = fast_path_of(target)
+        kept = set(fast.step_graphs) | {key[-1] for key in fast.tree_graphs}
+        assert kept == {SamplingParams(), SamplingParams(temperature=0.5)}
 
 
 @pytest.mark.parametrize("drafter_layers", [("mamba",), ("mamba", "attention")])

@@ -89,7 +89,9 @@ class ModelDrafter:
         self.model = model
         self.sample_children = sample_children
         """At temperature > 0, draw children i.i.d. from the drafter (exact via multi-step
-        speculative sampling); if False, take the top-k (exact via the naive rule)."""
+        speculative sampling); if False, take the top-k (exact via the naive rule). Where the
+        target has a fast path and the tree a device-side draft (FusedGreedyDraft), children are
+        the top-k at any temperature: drawing them would need the host."""
         self.graphs = graphs
         """Capture greedy drafts as CUDA graphs; None = when the model is on CUDA."""
         self.cache = None

@@ -22,7 +22,7 @@ from ..ops import dispatch
 from .acceptance import accept_deterministic, accept_greedy, accept_sampled
 from .drafters import Draft, ModelDrafter
 from .graphs import ChainPrefill, GreedyTreeGraph, SpeculativeIterationGraph, StepGraph
-from .sampling import SamplingParams, probabilities, sample
+from .sampling import SamplingParams, probabilities, race_noise_, race_scores, sample
 
 METHODS = ("ar", "chain", "stree")
 DEFAULT_STREE = (3, 2, 1, 1)
@@ -45,9 +45,12 @@ class GenerationConfig:
     eos_token_id: int | Sequence[int] | None = None
     stop_strings: Sequence[str] = ()
     graphs: bool | None = None
-    """Run the target's decode calls as replayed CUDA graphs, greedy acceptance on the device.
-    None = when the target is on CUDA and decoding is greedy. On the CPU, True runs the same
-    device-side iteration eagerly (it is how the graph path is tested without a GPU)."""
+    """Run the target's decode calls as replayed CUDA graphs, acceptance on the device.
+    None = when the target is on CUDA. On the CPU, True runs the same device-side iteration
+    eagerly (it is how the graph path is tested without a GPU). When sampling, this path draws
+    from a device generator seeded with `seed` (exponential races, sampling.race_scores): the
+    same seed gives the same ids, but not the ids of graphs=False, whose draws come from a CPU
+    generator; both are exact samples of the target."""
     timing: bool = False
     """Synchronize around the phases and report their wall times in stats["time_split"]
     (prefill_s, draft_s, verify_s, host_s). Costs a device sync per phase: for attribution, not
@@ -169,9 +172,10 @@ class _FastPath:
         # With pending slots the tree iterations keep their accepted tokens' SSM inputs instead
         # of writing every layer's state back each iteration (ReplaySSM; models/cache.py).
         self.cache = target.new_cache(1, max_len, pending=pending)
-        self.step_graph = None
-        self.tree_graphs: dict = {}
+        self.step_graphs: dict = {}  # SamplingParams -> StepGraph
+        self.tree_graphs: dict = {}  # keys end with the SamplingParams the graph samples with
         self.chain_prefill = None
+        self.sampling = None  # the sampling setting (temperature > 0) whose graphs are kept
 
     @classmethod
     def for_target(cls, target: LanguageModel, needed_len: int, capture: bool, pending: int = 0) -> "_FastPath":
@@ -185,13 +189,25 @@ class _FastPath:
         fast.cache.reset_()
         return fast
 
-    def step(self, token: int) -> torch.Tensor:
+    def sample_with(self, params: SamplingParams) -> None:
+        """Keep the graphs of greedy decoding and of `params` only: a captured graph holds its
+        own memory pool, so a caller that changes the temperature per request must not pile
+        them up (a new setting captures its graphs again, once)."""
+        if params.greedy or params == self.sampling:
+            return
+        self.sampling = params
+        self.step_graphs = {key: g for key, g in self.step_graphs.items() if key.greedy}
+        self.tree_graphs = {key: g for key, g in self.tree_graphs.items() if key[-1].greedy}
+
+    def step(self, token: int, params: SamplingParams, generator: torch.Generator | None) -> int:
+        """One target step on `token`; returns the next token (argmax, or a draw when sampling)."""
         ids = torch.tensor([[token]], device=self.target.device)
-        if not self.capture:
-            return self.target.step(ids, self.cache)[0, -1]
-        if self.step_graph is None:
-            self.step_graph = StepGraph(self.target, self.cache)
-        return self.step_graph(ids)[0, -1]
+        graph = self.step_graphs.get(params)
+        if graph is None:
+            graph = self.step_graphs[params] = StepGraph(self.target, self.cache, params, capture=self.capture)
+        logits = graph(ids, generator)
+        # sampling: the step graph drew the token on the device (its race); one read-back either way
+        return int(logits[0, -1].argmax()) if params.greedy else int(graph.drawn[0, 0])
 
     def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
         """The prompt (1, T) into the cache as a few replayed chain graphs; last logits (V,)."""
@@ -199,21 +215,25 @@ class _FastPath:
             self.chain_prefill = ChainPrefill(self.target, self.cache, capture=self.capture)
         return self.chain_prefill(prompt)
 
-    def speculation(self, draft) -> "SpeculativeIterationGraph":
-        """The whole greedy iteration with a device-side draft (drafters.FusedGreedyDraft)."""
-        key = ("fused", draft.shape.parents)
+    def speculation(self, draft, params: SamplingParams) -> "SpeculativeIterationGraph":
+        """The whole iteration with a device-side draft (drafters.FusedGreedyDraft)."""
+        key = ("fused", draft.shape.parents, params)
         kept = self.tree_graphs.get(key)
         if kept is None or kept.draft is not draft:  # a new draft object: its buffers moved
-            self.tree_graphs[key] = SpeculativeIterationGraph(self.target, self.cache, draft, capture=self.capture)
+            self.tree_graphs[key] = SpeculativeIterationGraph(self.target, self.cache, draft, capture=self.capture,
+                                                              params=params)
         return self.tree_graphs[key]
 
-    def iterate(self, draft: Draft) -> tuple[list[int], list[int], int]:
-        """verify + greedy accept + replay in one call; returns (path, accepted tokens, bonus)."""
+    def iterate(self, draft: Draft, params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[list[int], list[int], int]:
+        """verify + accept + replay in one call; returns (path, accepted tokens, bonus).
+        Sampling is exact only for deterministic drafts (draft.q is None; see GreedyTreeGraph)."""
         tree = draft.tree
-        if tree.parents not in self.tree_graphs:
-            self.tree_graphs[tree.parents] = GreedyTreeGraph(self.target, self.cache, tree, capture=self.capture)
-        graph = self.tree_graphs[tree.parents]
-        tokens, n = graph(draft.tokens.to(self.target.device)[None])
+        key = (tree.parents, params)
+        if key not in self.tree_graphs:
+            self.tree_graphs[key] = GreedyTreeGraph(self.target, self.cache, tree, capture=self.capture, params=params)
+        graph = self.tree_graphs[key]
+        tokens, n = graph(draft.tokens.to(self.target.device)[None], generator)
         # One read-back per iteration: accepted length, deepest node, produced tokens.
         packed = torch.cat([n, graph.out_last, tokens[0]]).tolist()
         count, last, produced = packed[0], packed[1], packed[2:]
@@ -246,6 +266,15 @@ def next_token(logits: torch.Tensor, cfg: GenerationConfig, generator) -> int:
     return sample(probabilities(logits, cfg.sampling), generator)
 
 
+def fast_next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """`next_token` as the fast path draws it: an exponential race on the logits' device from
+    the fast path's device generator (the same draws as its graphs), not multinomial on the host."""
+    if params.greedy:
+        return int(logits.argmax())
+    noise = race_noise_(torch.empty(logits.shape, device=logits.device), generator)
+    return int(race_scores(logits, params, noise).argmax())
+
+
 def draft_tree(drafter, root: int, cfg: GenerationConfig, generator, tree: Tree | None = None) -> Draft:
     return drafter.draft(root, tree or cfg.tree, cfg.sampling, generator)
 
@@ -275,11 +304,14 @@ def _fast_path(target: LanguageModel, cfg: GenerationConfig, max_len: int) -> _F
         return None  # graphs are for ssmspec's own models; other targets (models/hf_causal.py) run eagerly
     on_cuda = target.device.type == "cuda"
     wanted = cfg.graphs if cfg.graphs is not None else on_cuda
-    if not wanted or not cfg.sampling.greedy:
+    if not wanted:
         return None
     if cfg.method != "ar" and on_cuda and dispatch.get_backend() == "reference":
         return None  # the reference tree ops build masks on the host: they cannot be captured
-    return _FastPath.for_target(target, max_len, capture=on_cuda, pending=pending_slots_for(None if cfg.method == "ar" else cfg.tree, target))
+    fast = _FastPath.for_target(target, max_len, capture=on_cuda,
+                                pending=pending_slots_for(None if cfg.method == "ar" else cfg.tree, target))
+    fast.sample_with(cfg.sampling)
+    return fast
 
 
 def _trees(cfg: GenerationConfig) -> tuple:
@@ -349,8 +381,16 @@ def generate(
     # them (models/fold.py): the same function, fewer launches per layer; done once, in place.
     fold_for_kernels(target, getattr(drafter, "model", None))
     fast = _fast_path(target, cfg, max_len)
+    # The fast path draws on the device (exponential races over static noise buffers, refilled
+    # from this generator before each replay), the eager path on the host from `generator`.
+    fast_generator = None
+    if fast is not None and not cfg.sampling.greedy:
+        fast_generator = torch.Generator(device=target.device).manual_seed(cfg.seed if cfg.seed is not None else 0)
     cache, logits = prefill(target, prompt, max_len, fast)
-    root = next_token(logits, cfg, generator)  # reading it back also waits for the prefill
+    if fast is not None:  # reading the token back also waits for the prefill
+        root = fast_next_token(logits, cfg.sampling, fast_generator)
+    else:
+        root = next_token(logits, cfg, generator)
     if cfg.method != "ar":
         drafter.begin(prompt, max_len)
     prefill_s = time.perf_counter() - start
@@ -361,10 +401,10 @@ def generate(
     if cfg.method == "ar":
         while not out.done:
             if fast is not None:
-                logits = fast.step(root)
+                root = fast.step(root, cfg.sampling, fast_generator)
             else:
                 logits = target.step(torch.tensor([[root]], device=target.device), cache)[0, -1]
-            root = next_token(logits, cfg, generator)
+                root = next_token(logits, cfg, generator)
             clock.mark("verify_s")
             out.emit([root])
             accepted_per_call.append(1)
@@ -372,6 +412,8 @@ def generate(
     elif fast is not None and isinstance(drafter, ModelDrafter) and all(
             drafter.fused_draft(tree) is not None for tree in _trees(cfg)):
         # Draft, verify, accept, replay and the drafter's commit as one graph: one read-back a call.
+        # The drafts are top-k children at any temperature (a ModelDrafter's sample_children is
+        # not used here): exact for sampling under the deterministic-draft rule (graphs.GreedyTreeGraph).
         policy = cfg.tree_policy
         if policy is not None:
             policy.begin_request()
@@ -379,13 +421,13 @@ def generate(
         while not out.done:
             tree = policy.choose() if policy is not None else cfg.tree
             draft = drafter.fused_draft(tree)
-            iteration = fast.speculation(draft)
+            iteration = fast.speculation(draft, cfg.sampling)
             if current is None:
                 draft.start(root)
             elif current is not draft:  # the bandit switched trees: the state moves to the new buffers
                 current.hand_over(draft)
             current = draft
-            tokens, n, _ = iteration()
+            tokens, n, _ = iteration(fast_generator)
             packed = torch.cat([n, tokens[0]]).tolist()
             count, produced = packed[0], packed[1:1 + packed[0]]
             clock.mark("verify_s")
@@ -403,8 +445,9 @@ def generate(
             tree = policy.choose() if policy is not None else cfg.tree
             draft = draft_tree(drafter, root, cfg, generator, tree)
             clock.mark("draft_s")
-            if fast is not None and draft.tree == tree:
-                path, accepted, bonus = fast.iterate(draft)  # verify + accept + replay, one graph
+            # Drafts with q (children sampled i.i.d.) need the SpecInfer rule on the host.
+            if fast is not None and draft.tree == tree and draft.q is None:
+                path, accepted, bonus = fast.iterate(draft, cfg.sampling, fast_generator)  # verify + accept + replay, one graph
             else:
                 logits, acts = verify_tree(target, draft, cache)
                 path, bonus = accept_path(draft, logits[0], cfg, generator)

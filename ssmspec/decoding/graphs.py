@@ -1,4 +1,4 @@
-"""CUDA-graph capture of the decode step and of one greedy tree iteration (verify + accept + replay).
+"""CUDA-graph capture of the decode step and of one tree iteration (verify + accept + replay).
 
 At batch 1 a decode step is a few hundred small launches; replaying them as one captured graph
 removes the host from the loop. Everything that changes between iterations (the input tokens,
@@ -9,6 +9,11 @@ produced tokens.
 Capture needs every op of the captured region to avoid host syncs: use the Triton backend
 (the plain-torch tree references build their masks on the host). Attention layers must have
 their KV capacity allocated before capture (`new_cache(batch, max_len)` with max_len large enough).
+
+Sampling (temperature > 0) takes the same graphs: every argmax the captured work takes (the
+step's next token, greedy acceptance) is taken over `sampling.race_scores`, whose argmax is a
+draw from the processed distribution. The Exp(1) noise it reads is a static buffer refilled
+eagerly before each replay from the caller's generator: no RNG runs inside a captured graph.
 """
 from __future__ import annotations
 
@@ -17,6 +22,9 @@ import torch
 from ..models.cache import ModelCache
 from ..models.lm import LanguageModel
 from ..ops import dispatch, graph_tables
+from .sampling import SamplingParams, race_noise_, race_scores
+
+GREEDY = SamplingParams()
 
 
 def _warm_up_and_capture(fn, cache: ModelCache, warmup: int = 2, also=()) -> torch.cuda.CUDAGraph:
@@ -56,31 +64,48 @@ class StepGraph:
     """`model.step` captured for one batch size and one cache.
 
     Usage: `g = StepGraph(model, cache)`; `logits = g(ids)` advances `cache` by one token and
-    returns a static (B, 1, V) buffer that the next call overwrites.
+    returns a static (B, 1, V) buffer that the next call overwrites. With sampling `params`
+    (temperature > 0) the graph also draws the next token on the device: `g(ids, generator)`,
+    then `g.drawn` (B, 1) holds a draw from the processed distribution of the new logits.
     """
 
-    def __init__(self, model: LanguageModel, cache: ModelCache):
+    def __init__(self, model: LanguageModel, cache: ModelCache, params: SamplingParams = GREEDY,
+                 capture: bool = True):
         self.model = model
         self.cache = cache
-        self.ids = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.seqlen.device)
-        self.logits = None
+        device = cache.seqlen.device
+        self.ids = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=device)
+        self.logits = self.drawn = None
+        # greedy: the captured work is the step alone (the caller takes the argmax of the logits)
+        self.noise = None if params.greedy else torch.ones(cache.batch_size, 1, model.config.vocab_size, device=device)
 
         def step():
             self.logits = model.step(self.ids, cache)
+            if self.noise is not None:
+                self.drawn = race_scores(self.logits, params, self.noise).argmax(-1)  # (B, 1)
 
-        with torch.inference_mode():
-            self.graph = _warm_up_and_capture(step, cache)
+        self._step = step
+        self.graph = None
+        if capture:  # capture=False runs the same step eagerly (CPU, debugging)
+            with torch.inference_mode():
+                self.graph = _warm_up_and_capture(step, cache)
 
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids (B, 1) -> logits (B, 1, V) (a static buffer)."""
+    def __call__(self, ids: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """ids (B, 1) -> logits (B, 1, V) (a static buffer); `generator` feeds the draw when sampling."""
         self.model.settle(self.cache)  # pending inputs of tree iterations into the states (not captured)
         self.ids.copy_(ids)
-        self.graph.replay()
+        if self.noise is not None:
+            race_noise_(self.noise, generator)
+        if self.graph is None:
+            with torch.inference_mode():
+                self._step()
+        else:  # not _run: a step leaves no pending inputs, so the cache stays clean after it
+            self.graph.replay()
         return self.logits
 
 
 class GreedyTreeGraph:
-    """One greedy speculative iteration on a fixed tree, captured: verify, accept, replay.
+    """One speculative iteration on a fixed tree with greedy acceptance, captured: verify, accept, replay.
 
     Greedy acceptance on the device: node i > 0 is accepted when its token equals the target's
     argmax at its parent; a node survives when every node on its path is accepted; the deepest
@@ -89,13 +114,21 @@ class GreedyTreeGraph:
     Triton launches under the kernel backend). The path and its length go to `model.replay` as
     device tensors.
 
+    Sampling (`params` with temperature > 0) keeps the walk and replaces the argmax at every node
+    by an independent draw from the processed target distribution there (`race_scores`). That is
+    the deterministic-draft rule (acceptance.accept_deterministic): at node u draw x ~ p_u, descend
+    to the child carrying x, else x is the bonus. Drawing x at every node up front instead of along
+    the walk changes nothing, since only the draws on the walked path are ever used. Exact for
+    drafts that are a function of the context (top-k children, n-grams), not for sampled children.
+
     Usage: `g = GreedyTreeGraph(model, cache, tree)`; `tokens, n = g(tree_tokens)` with
     tree_tokens (B, N) advances the cache over root + accepted nodes and returns the static
     buffers `tokens` (B, D+1) (accepted drafted tokens, the bonus, then 0s) and
     `n` (B,) = accepted drafted tokens + 1.
     """
 
-    def __init__(self, model: LanguageModel, cache: ModelCache, tree, capture: bool = True):
+    def __init__(self, model: LanguageModel, cache: ModelCache, tree, capture: bool = True,
+                 params: SamplingParams = GREEDY):
         device = cache.seqlen.device
         self.model, self.cache, self.tree = model, cache, tree
         batch, n_nodes = cache.batch_size, tree.num_nodes
@@ -111,11 +144,15 @@ class GreedyTreeGraph:
             paths[i, : len(p)] = torch.tensor(p)
         self.paths = paths.to(device)
         self.out_tokens = self.out_len = self.out_last = None  # out_last: (B,) deepest accepted node
+        # greedy: the captured work is verify's raw logits into the acceptance, nothing more
+        self.noise = None if params.greedy else torch.ones(batch, n_nodes, model.config.vocab_size, device=device)
 
         def iteration():
-            # only argmaxes are taken: the logits may stay bf16 (no cast launch; the same argmax)
+            # only argmaxes are taken: the logits may stay bf16 (no cast launch; the same argmax;
+            # `probabilities` casts to fp32 when sampling)
             logits, acts = model.verify(self.tokens_in, tree, cache, float_logits=False)
-            path, path_len, out, last = dispatch.greedy_accept(logits, self.tokens_in, self.parents, self.depth,
+            scores = logits if self.noise is None else race_scores(logits, params, self.noise)
+            path, path_len, out, last = dispatch.greedy_accept(scores, self.tokens_in, self.parents, self.depth,
                                                                self.mask, self.paths)
             model.replay(cache, acts, path, path_len)
             self.out_tokens, self.out_len, self.out_last = out, path_len, last
@@ -126,9 +163,16 @@ class GreedyTreeGraph:
             with torch.inference_mode():
                 self.graph = _warm_up_and_capture(iteration, cache)
 
-    def __call__(self, tree_tokens: torch.Tensor):
-        """tree_tokens (B, N) -> (tokens (B, D+1), n (B,)) static buffers; see the class docstring."""
+    def draw_noise(self, generator: torch.Generator | None) -> None:
+        """Fresh Exp(1) noise for the next iteration's draws (eager; nothing to do when greedy)."""
+        if self.noise is not None:
+            race_noise_(self.noise, generator)
+
+    def __call__(self, tree_tokens: torch.Tensor, generator: torch.Generator | None = None):
+        """tree_tokens (B, N) -> (tokens (B, D+1), n (B,)) static buffers; see the class docstring.
+        `generator` feeds the draws when sampling."""
         self.tokens_in.copy_(tree_tokens)
+        self.draw_noise(generator)
         _run(self.graph, self._iteration, self.cache)
         return self.out_tokens, self.out_len
 
@@ -198,18 +242,21 @@ class ChainPrefill:
 
 
 class SpeculativeIterationGraph:
-    """One whole greedy speculative iteration, captured: the drafter's commit and draft
+    """One whole speculative iteration, captured: the drafter's commit and greedy (top-k) draft
     (decoding/drafters.py FusedGreedyDraft), then the target's verify, acceptance and replay
     (GreedyTreeGraph), then the next root and commit row handed back to the drafter, all on
     the device. The host replays it and reads back the produced tokens once per iteration.
+    The drafts are top-k children whatever the temperature, so sampling (`params`, temperature
+    > 0) only changes the acceptance's scores (see GreedyTreeGraph): still exact.
 
     Usage: `g = SpeculativeIterationGraph(target, cache, draft)`; `draft.start(root)` after the
     prefills; then each `tokens, n, last = g()` advances both models over the accepted path.
     """
 
-    def __init__(self, model: LanguageModel, cache: ModelCache, draft, capture: bool = True):
+    def __init__(self, model: LanguageModel, cache: ModelCache, draft, capture: bool = True,
+                 params: SamplingParams = GREEDY):
         self.draft, self.cache = draft, cache
-        self.verify = GreedyTreeGraph(model, cache, draft.shape, capture=False)
+        self.verify = GreedyTreeGraph(model, cache, draft.shape, capture=False, params=params)
         verify = self.verify
 
         def iteration():
@@ -226,7 +273,9 @@ class SpeculativeIterationGraph:
                 self.graph = _warm_up_and_capture(
                     iteration, cache, also=(draft.cache, draft.node_cache, draft.root, draft.commit_row))
 
-    def __call__(self):
-        """-> (tokens (1, D+1), n (1,), last (1,)) static buffers (see GreedyTreeGraph)."""
+    def __call__(self, generator: torch.Generator | None = None):
+        """-> (tokens (1, D+1), n (1,), last (1,)) static buffers (see GreedyTreeGraph);
+        `generator` feeds the acceptance's draws when sampling."""
+        self.verify.draw_noise(generator)
         _run(self.graph, self._iteration, self.cache)
         return self.verify.out_tokens, self.verify.out_len, self.verify.out_last

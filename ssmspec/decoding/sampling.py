@@ -63,3 +63,30 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     if generator is None:
         return int(probs.argmax())
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def race_noise_(noise: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Refill `noise` in place with i.i.d. Exp(1) draws for `race_scores`; returns it.
+
+    Run eagerly before a graph replay: the captured work only reads the buffer, so no RNG state
+    lives inside a CUDA graph and a seeded generator reproduces the draws. A draw of exactly 0
+    is lifted to the smallest normal float so that a zero probability never scores 0 / 0.
+    """
+    return noise.exponential_(generator=generator).clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def race_scores(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor) -> torch.Tensor:
+    """Scores whose argmax over the last dim is a draw from the processed distribution.
+
+    The exponential race: with E_v i.i.d. Exp(1), E_v / p_v is Exp(p_v), and the smallest of
+    independent exponentials is index v with probability p_v / sum(p). So argmax_v p_v / E_v is
+    distributed exactly as p (ties have probability 0; a token with p_v = 0 scores 0 and never
+    wins). It turns every argmax on the device (greedy acceptance, the step's next token) into
+    sampling, with no host round trip and no RNG in the captured work.
+
+    Args:
+        logits: (..., V) raw logits. noise: (..., V) fp32 Exp(1) draws (`race_noise_`), fresh per use.
+    Returns:
+        (..., V) fp32 scores.
+    """
+    return probabilities(logits, params) / noise
