@@ -178,24 +178,30 @@ def render(result, settings, console) -> None:
 
     t = Table(title=f"predicted (T={settings.temperature:g}, budget {settings.budget}, depth <= {settings.max_depth})"
                     + (f"; AR step {result.ar_tokens_per_s:.1f} tok/s" if result.ar_tokens_per_s else ""))
-    for col in ("#", "tree", "nodes", "depth", "exp. tokens/step", "target ms", "draft ms", "pred tok/s"):
+    for col in ("#", "tree", "nodes", "depth", "exp. tokens/step", "target ms", "draft ms", "overhead ms", "step ms",
+                "pred tok/s"):
         t.add_column(col, justify="right")
     for i, p in enumerate(result.predictions[:15], 1):
         t.add_row(str(i), p.tree.spec(), str(p.tree.num_nodes) + ("*" if p.extrapolated else ""), str(p.tree.max_depth),
-                  f"{p.expected_tokens:.3f}", f"{p.target_ms:.3f}", f"{p.draft_ms:.3f}", f"{p.tokens_per_s:.1f}")
+                  f"{p.expected_tokens:.3f}", f"{p.target_ms:.3f}", f"{p.draft_ms:.3f}", f"{p.overhead_ms:.3f}",
+                  f"{p.step_ms:.3f}", f"{p.tokens_per_s:.1f}")
     console.print(t)
     if any(p.extrapolated for p in result.predictions[:15]):
         console.print("[dim]* more nodes than the profile measured: its fit is extrapolated[/]")
 
     if result.measured:
         m = Table(title="verified by decoding (decode tokens/s)")
-        for col in ("tree", "pred tok/s", "measured tok/s", "error", "pred tokens/step", "measured tokens/step"):
+        for col in ("tree", "pred tok/s", "measured tok/s", "error", "pred tokens/step", "measured tokens/step",
+                    "pred step ms (target+draft+overhead)", "measured step ms"):
             m.add_column(col, justify="right")
         for x in result.measured:
             j = x.to_json()
+            parts = j["predicted_parts_ms"]
             m.add_row(j["tree"], f"{j['predicted_tokens_per_s']:.1f}", f"{j['measured_tokens_per_s']:.1f}",
                       "" if j["error"] is None else f"{100 * j['error']:+.1f}%", f"{j['predicted_tokens']:.3f}",
-                      f"{j['measured_tokens']:.3f}")
+                      f"{j['measured_tokens']:.3f}",
+                      f"{j['predicted_step_ms']:.3f} ({parts['target']:.3f}+{parts['draft']:.3f}+{parts['overhead']:.3f})",
+                      "" if j["measured_step_ms"] is None else f"{j['measured_step_ms']:.3f}")
         console.print(m)
     if result.policy is not None:
         s = result.policy.summary()

@@ -381,10 +381,21 @@ def test_run_profile_records_everything(hybrid_profile):
     assert prof["timings"]["chain"][2]["tree"]["depth"] == 3
     assert prof["fits"]["stree"]["primary"] == "quadratic"
     d = prof["drafter_timings"]
-    assert [s["width"] for s in d["steps"]] == [1, 2]
+    assert "FusedGreedyDraft" in d["impl"] and d["root"]["median"] > 0
+    # powers of two up to the largest size (4), and the configs' level widths (2, 2, 4)
+    assert [r["width"] for r in d["levels"]] == [1, 2, 4]
+    assert all(len(r["samples"]) == 2 and r["median"] > 0 for r in d["levels"])
     assert [c["config"] for c in d["configs"]] == [[2, 1], [2, 2]]
-    assert d["configs"][0]["widths"] == [1, 2] and d["configs"][1]["nodes"] == 7
-    assert d["lambda_gamma"] == pytest.approx(d["steps"][0]["median"] / d["target_step_ms"])
+    assert d["configs"][0]["widths"] == [2, 2] and d["configs"][1]["widths"] == [2, 4]
+    assert d["configs"][1]["nodes"] == 7
+    level = {r["width"]: r["median"] for r in d["levels"]}
+    c = d["configs"][1]  # 2,2: root + a level of 2 + a level of 4, the deepest level included
+    assert c["composed_ms"] == pytest.approx(d["root"]["median"] + level[2] + level[4])
+    assert c["predicted_step_ms"] == pytest.approx(c["predicted_verify_ms"] + c["composed_ms"] + d["iteration_overhead_ms"])
+    it = d["iteration"]
+    assert it["tree"] == [1] and len(it["loop"]["samples"]) == 2 and it["bare"]["median"] > 0
+    assert d["iteration_overhead_ms"] == it["overhead_ms"] == pytest.approx(max(it["loop"]["median"] - it["bare"]["median"], 0))
+    assert d["lambda_gamma"] == pytest.approx(level[1] / d["target_step_ms"])
     assert d["target_step_ms"] == prof["timings"]["stree"][0]["median"]
     assert seen[-1][0] == "done" and seen[-1][1] == seen[-1][2] == profiling.count_items(_SMALL, True)
 
@@ -414,6 +425,8 @@ def test_profile_json_round_trip(tmp_path, hybrid_profile):
 
 @pytest.mark.parametrize("breakage, message", [
     (lambda d: d.update(version=99), "version 99"),
+    (lambda d: d.update(version=1), "version 1, which timed bare drafter steps.*re-run `ssmspec profile`"),
+    (lambda d: d["drafter_timings"].pop("iteration_overhead_ms"), "iteration_overhead_ms"),
     (lambda d: d.update(schema="other"), "not an ssmspec profile"),
     (lambda d: d.pop("fits"), "fits"),
     (lambda d: d.update(dtype="int8"), "dtype"),
