@@ -178,8 +178,8 @@ def render(result, settings, console) -> None:
 
     t = Table(title=f"predicted (T={settings.temperature:g}, budget {settings.budget}, depth <= {settings.max_depth})"
                     + (f"; AR step {result.ar_tokens_per_s:.1f} tok/s" if result.ar_tokens_per_s else ""))
-    for col in ("#", "tree", "nodes", "depth", "exp. tokens/step", "target ms", "draft ms", "overhead ms", "step ms",
-                "pred tok/s"):
+    t.caption = "step ms = target (stree fit) + draft (fused: root + levels) + overhead (the loop's, per iteration)"
+    for col in ("#", "tree", "nodes", "depth", "exp. tok/step", "target", "draft", "overhead", "step ms", "pred tok/s"):
         t.add_column(col, justify="right")
     for i, p in enumerate(result.predictions[:15], 1):
         t.add_row(str(i), p.tree.spec(), str(p.tree.num_nodes) + ("*" if p.extrapolated else ""), str(p.tree.max_depth),
@@ -191,16 +191,15 @@ def render(result, settings, console) -> None:
 
     if result.measured:
         m = Table(title="verified by decoding (decode tokens/s)")
-        for col in ("tree", "pred tok/s", "measured tok/s", "error", "pred tokens/step", "measured tokens/step",
-                    "pred step ms (target+draft+overhead)", "measured step ms"):
+        for col in ("tree", "pred tok/s", "meas. tok/s", "error", "pred tok/step", "meas. tok/step", "pred step ms",
+                    "meas. step ms"):
             m.add_column(col, justify="right")
         for x in result.measured:
             j = x.to_json()
-            parts = j["predicted_parts_ms"]
             m.add_row(j["tree"], f"{j['predicted_tokens_per_s']:.1f}", f"{j['measured_tokens_per_s']:.1f}",
                       "" if j["error"] is None else f"{100 * j['error']:+.1f}%", f"{j['predicted_tokens']:.3f}",
                       f"{j['measured_tokens']:.3f}",
-                      f"{j['predicted_step_ms']:.3f} ({parts['target']:.3f}+{parts['draft']:.3f}+{parts['overhead']:.3f})",
+                      f"{j['predicted_step_ms']:.3f}",
                       "" if j["measured_step_ms"] is None else f"{j['measured_step_ms']:.3f}")
         console.print(m)
     if result.policy is not None:
