@@ -12,6 +12,7 @@ import torch
 from helpers import tiny_model
 from ssmspec import profiling
 from ssmspec.errors import InputError, ProfileMismatchError
+from ssmspec.trees import Tree
 from ssmspec.profiling import (
     Fit, ProfileSettings, Timing, balanced_tree, check_profile_matches, compute_break_even, compute_fits,
     default_cpu_threads, fit_cost_model, fit_warnings, load_profile, r_squared, run_profile, samples_disagree,
@@ -421,6 +422,15 @@ def test_profile_json_round_trip(tmp_path, hybrid_profile):
     assert loaded.target_ms(2) == pytest.approx(loaded.fit("stree")(2))
     assert loaded.ar_step_ms == prof["timings"]["stree"][0]["median"]
     assert loaded.lambda_gamma == prof["drafter_timings"]["lambda_gamma"]
+    from ssmspec.tuning.static import CostModel
+
+    cost = CostModel.from_profile(loaded)  # tune-tree's reading: the bandit's default uses the same draft cost
+    assert cost.lambda_gamma == pytest.approx(loaded.lambda_gamma)
+    d = prof["drafter_timings"]
+    for c in d["configs"]:
+        tree = Tree.from_config(c["config"])
+        assert cost.draft_ms_of(tree) == pytest.approx(c["composed_ms"])
+        assert cost.step_ms(tree) == pytest.approx(c["predicted_step_ms"])
 
 
 @pytest.mark.parametrize("breakage, message", [
@@ -593,3 +603,33 @@ def test_profiling_modules_import_no_private_names():
     from tests.test_loading import private_imports
 
     assert private_imports("ssmspec.profiling") == []
+
+
+def test_by_width_interpolates_through_the_measured_points():
+    from ssmspec.profiling.fits import by_width
+
+    widths, ms = [1, 2, 4], [0.06, 0.05, 0.08]  # a noisy dip at width 2 is kept, not clamped
+    assert [by_width(widths, ms, w) for w in widths] == ms
+    assert by_width(widths, ms, 3) == pytest.approx(0.065)
+    assert by_width(widths, ms, 8) == pytest.approx(0.08 + 4 * 0.015)  # along the last segment
+    assert by_width([1, 2, 4], [0.06, 0.09, 0.08], 8) == pytest.approx(0.08)  # never below the last point
+    assert by_width(widths, ms, 0.5) == 0.06 and by_width([2], [0.1], 4) == pytest.approx(0.2)
+    with pytest.raises(InputError):
+        by_width([], [], 1)
+
+
+@pytest.mark.requires_cuda
+def test_run_profile_on_cuda_captures_the_fused_draft_and_times_the_loop():
+    from ssmspec.tuning.static import CostModel
+
+    target = tiny_model(layers=("mamba", "mamba")).cuda()
+    drafter = tiny_model(layers=("mamba",), seed=1).cuda()
+    s = ProfileSettings(sizes=(1, 2, 4, 8), methods=("stree",), repeats=5, warmup=2, prompt_len=16, configs=((2, 1),))
+    prof = run_profile(target, settings=s, drafter=drafter)
+    d = prof["drafter_timings"]
+    assert d["root"]["mode"] == "cuda_graph" and all(r["mode"] == "cuda_graph" for r in d["levels"])
+    assert d["configs"][0]["draft"]["mode"] == "cuda_graph"
+    it = d["iteration"]
+    assert it["loop"]["median"] > 0 and it["bare"]["median"] > 0 and d["iteration_overhead_ms"] >= 0
+    cost = CostModel.from_profile(profiling.Profile(prof))
+    assert cost.step_ms(Tree.from_config((2, 1))) == pytest.approx(d["configs"][0]["predicted_step_ms"])

@@ -32,7 +32,8 @@ overhead: a real greedy `generate` per iteration minus the same iteration replay
 read-back). A decoding step is then predicted as target fit(N) + root + levels + overhead
 (tuning/static.py CostModel). On the CPU, `generate` runs this fused loop only with graphs on
 (its default there is the eager ModelDrafter loop, one drafter level fewer): CPU predictions
-describe the fused loop.
+describe the fused loop. The drafter and the loop are timed for one sequence, as the decoder runs
+them, whatever ``batch`` is.
 
 On the CPU the calls run on `ProfileSettings.threads` threads (default 1, or OMP_NUM_THREADS when
 set: see `timing.default_cpu_threads`), and the count used is recorded. Measurements whose repeated
@@ -352,8 +353,8 @@ def _measure_drafter(drafter, target, target_step_ms: float, settings: ProfileSe
     levels = []
     for w in level_widths(s):
         probe = fused(Tree.from_config((w, 1)))
-        probe.run()  # every row holds a state, as the parents of a level do in decoding
-        logits = torch.randn(w, drafter.config.vocab_size, device=device, dtype=drafter.dtype)  # (W_prev, V)
+        # The first level's (W, V) logits and states: the parents of the timed level, as in decoding.
+        logits = probe.draft_level(0, probe.step_root())
         t = timed(f"drafter level width {w}", lambda probe=probe, logits=logits: probe.draft_level(1, logits))
         levels.append({"width": w, "parent_width": w, "children": 1, **t.to_dict()})
     widths, level_ms = [r["width"] for r in levels], [r["median"] for r in levels]
@@ -378,7 +379,7 @@ def _measure_drafter(drafter, target, target_step_ms: float, settings: ProfileSe
     for c in configs:
         c["predicted_step_ms"] = (None if c["predicted_verify_ms"] is None
                                   else c["predicted_verify_ms"] + c["composed_ms"] + loop["overhead_ms"])
-    return {"impl": "FusedGreedyDraft (the greedy decode loop's device-side draft)", "target_step_ms": target_step_ms,
+    return {"impl": "FusedGreedyDraft: the greedy decode loop's device-side draft", "target_step_ms": target_step_ms,
             "root": root.to_dict(), "levels": levels, "configs": configs, "iteration": loop,
             "iteration_overhead_ms": loop["overhead_ms"], "lambda_gamma": level_ms[0] / target_step_ms}
 

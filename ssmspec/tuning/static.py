@@ -53,7 +53,8 @@ class CostModel:
         levels = sorted((int(r["width"]), float(r["median"])) for r in d["levels"])
         method = "stree" if "stree" in data["fits"] else next(iter(data["fits"]))
         return cls(profile.fit(method), float(d["root"]["median"]), tuple(w for w, _ in levels),
-                   tuple(m for _, m in levels), float(d["iteration_overhead_ms"]), profile.ar_step_ms,
+                   tuple(m for _, m in levels), float(d["iteration_overhead_ms"]),
+                   profile.ar_step_ms or d.get("target_step_ms"),
                    max(data["settings"]["sizes"], default=None))
 
     def target_ms(self, nodes: int) -> float:
