@@ -86,7 +86,7 @@ def tune_tree_command(
     verify_top: int = options.count(_D.verify_top, "--verify-top", max=64, help="Best predicted trees verified by decoding (0 = trust the prediction)."),
     arms: int = options.count(_D.arms, "--arms", min=1, max=64, help="Bandit arms without --candidates: the best predicted tree of each depth, best first."),
     lambda_ucb: float = options.real(_D.lambda_ucb, "--lambda-ucb", help="UCB exploration weight."),
-    lambda_gamma: Optional[float] = options.real(_D.lambda_gamma, "--lambda-gamma", help="Draft cost per level over a target call (default: the profile's T_draft/T_target)."),
+    lambda_gamma: Optional[float] = options.real(_D.lambda_gamma, "--lambda-gamma", help="Draft cost per level over a target call (default: the profile's fused draft level at width 1 over its AR step)."),
     state: str = options.choice(_D.state, "--state", choices=STATES, help="Written bandit: keep (learn across requests) or request (reset per request)."),
     out: Path = typer.Option(Path("tune-tree"), "--out", help="Output directory for tree.json (and bandit.png)."),
     overwrite: bool = options.flag(False, "--overwrite", help="Replace an earlier `ssmspec tune-tree` output in --out."),
