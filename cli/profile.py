@@ -181,13 +181,28 @@ def render_profile(prof: dict, console) -> None:
 
     d = prof.get("drafter_timings")
     if d:
-        s = Table(title=f"drafter ({d['impl']}); lambda_gamma = T_draft/T_target = {d['lambda_gamma']:.4f}")
-        for col in ("config", "nodes", "widths", "draft ms", "predicted verify ms", "lambda_gamma"):
+        levels = ", ".join(f"{x['width']}: {x['median']:.3f}" for x in d["levels"])
+        console.print(f"fused draft ({d['impl']}): root (commit + step) {d['root']['median']:.3f} ms; "
+                      f"one level by width (top-k + gather + step), ms: {levels}")
+        it = d["iteration"]
+        tree = ",".join(map(str, it["tree"]))
+        if it["loop"] is None:
+            console.print(f"decode loop overhead {it.get('note') or 'not measured'}")
+        else:
+            console.print(f"decode loop on tree {tree}: {it['loop']['median']:.3f} ms per iteration, the same iteration "
+                          f"replayed back to back {it['bare']['median']:.3f} ms"
+                          + ("" if it.get("predicted_bare_ms") is None else
+                             f" (predicted: stree fit + fused draft = {it['predicted_bare_ms']:.3f} ms)")
+                          + f"; overhead per iteration = {d['iteration_overhead_ms']:.3f} ms")
+        s = Table(title=f"fused draft per config; step = verify + draft + overhead {d['iteration_overhead_ms']:.3f} ms; "
+                        f"lambda_gamma = T_level(1)/T_target = {d['lambda_gamma']:.4f}")
+        for col in ("config", "nodes", "level widths", "draft ms measured", "draft ms predicted (root+levels)",
+                    "predicted verify ms", "predicted step ms", "lambda_gamma"):
             s.add_column(col, justify="right")
         for c in d["configs"]:
-            s.add_row(",".join(map(str, c["config"])), str(c["nodes"]), ",".join(map(str, c["widths"])),
-                      f"{c['draft']['median']:.3f}",
+            s.add_row(",".join(map(str, c["config"])), str(c["nodes"]) + ("*" if c["extrapolated"] else ""),
+                      ",".join(map(str, c["widths"])), f"{c['draft']['median']:.3f}", f"{c['composed_ms']:.3f}",
                       "" if c["predicted_verify_ms"] is None else f"{c['predicted_verify_ms']:.3f}",
+                      "" if c["predicted_step_ms"] is None else f"{c['predicted_step_ms']:.3f}",
                       f"{c['lambda_gamma']:.4f}")
         console.print(s)
-        console.print("drafter step ms by width: " + ", ".join(f"{x['width']}: {x['median']:.3f}" for x in d["steps"]))

@@ -86,7 +86,7 @@ def tune_tree_command(
     verify_top: int = options.count(_D.verify_top, "--verify-top", max=64, help="Best predicted trees verified by decoding (0 = trust the prediction)."),
     arms: int = options.count(_D.arms, "--arms", min=1, max=64, help="Bandit arms without --candidates: the best predicted tree of each depth, best first."),
     lambda_ucb: float = options.real(_D.lambda_ucb, "--lambda-ucb", help="UCB exploration weight."),
-    lambda_gamma: Optional[float] = options.real(_D.lambda_gamma, "--lambda-gamma", help="Draft cost per level over a target call (default: the profile's T_draft/T_target)."),
+    lambda_gamma: Optional[float] = options.real(_D.lambda_gamma, "--lambda-gamma", help="Draft cost per level over a target call (default: the profile's fused draft level at width 1 over its AR step)."),
     state: str = options.choice(_D.state, "--state", choices=STATES, help="Written bandit: keep (learn across requests) or request (reset per request)."),
     out: Path = typer.Option(Path("tune-tree"), "--out", help="Output directory for tree.json (and bandit.png)."),
     overwrite: bool = options.flag(False, "--overwrite", help="Replace an earlier `ssmspec tune-tree` output in --out."),
@@ -178,24 +178,29 @@ def render(result, settings, console) -> None:
 
     t = Table(title=f"predicted (T={settings.temperature:g}, budget {settings.budget}, depth <= {settings.max_depth})"
                     + (f"; AR step {result.ar_tokens_per_s:.1f} tok/s" if result.ar_tokens_per_s else ""))
-    for col in ("#", "tree", "nodes", "depth", "exp. tokens/step", "target ms", "draft ms", "pred tok/s"):
+    t.caption = "step ms = target (stree fit) + draft (fused: root + levels) + overhead (the loop's, per iteration)"
+    for col in ("#", "tree", "nodes", "depth", "exp. tok/step", "target", "draft", "overhead", "step ms", "pred tok/s"):
         t.add_column(col, justify="right")
     for i, p in enumerate(result.predictions[:15], 1):
         t.add_row(str(i), p.tree.spec(), str(p.tree.num_nodes) + ("*" if p.extrapolated else ""), str(p.tree.max_depth),
-                  f"{p.expected_tokens:.3f}", f"{p.target_ms:.3f}", f"{p.draft_ms:.3f}", f"{p.tokens_per_s:.1f}")
+                  f"{p.expected_tokens:.3f}", f"{p.target_ms:.3f}", f"{p.draft_ms:.3f}", f"{p.overhead_ms:.3f}",
+                  f"{p.step_ms:.3f}", f"{p.tokens_per_s:.1f}")
     console.print(t)
     if any(p.extrapolated for p in result.predictions[:15]):
         console.print("[dim]* more nodes than the profile measured: its fit is extrapolated[/]")
 
     if result.measured:
         m = Table(title="verified by decoding (decode tokens/s)")
-        for col in ("tree", "pred tok/s", "measured tok/s", "error", "pred tokens/step", "measured tokens/step"):
+        for col in ("tree", "pred tok/s", "meas. tok/s", "error", "pred tok/step", "meas. tok/step", "pred step ms",
+                    "meas. step ms"):
             m.add_column(col, justify="right")
         for x in result.measured:
             j = x.to_json()
             m.add_row(j["tree"], f"{j['predicted_tokens_per_s']:.1f}", f"{j['measured_tokens_per_s']:.1f}",
                       "" if j["error"] is None else f"{100 * j['error']:+.1f}%", f"{j['predicted_tokens']:.3f}",
-                      f"{j['measured_tokens']:.3f}")
+                      f"{j['measured_tokens']:.3f}",
+                      f"{j['predicted_step_ms']:.3f}",
+                      "" if j["measured_step_ms"] is None else f"{j['measured_step_ms']:.3f}")
         console.print(m)
     if result.policy is not None:
         s = result.policy.summary()

@@ -12,6 +12,7 @@ import torch
 from helpers import tiny_model
 from ssmspec import profiling
 from ssmspec.errors import InputError, ProfileMismatchError
+from ssmspec.trees import Tree
 from ssmspec.profiling import (
     Fit, ProfileSettings, Timing, balanced_tree, check_profile_matches, compute_break_even, compute_fits,
     default_cpu_threads, fit_cost_model, fit_warnings, load_profile, r_squared, run_profile, samples_disagree,
@@ -381,10 +382,21 @@ def test_run_profile_records_everything(hybrid_profile):
     assert prof["timings"]["chain"][2]["tree"]["depth"] == 3
     assert prof["fits"]["stree"]["primary"] == "quadratic"
     d = prof["drafter_timings"]
-    assert [s["width"] for s in d["steps"]] == [1, 2]
+    assert "FusedGreedyDraft" in d["impl"] and d["root"]["median"] > 0
+    # powers of two up to the largest size (4), and the configs' level widths (2, 2, 4)
+    assert [r["width"] for r in d["levels"]] == [1, 2, 4]
+    assert all(len(r["samples"]) == 2 and r["median"] > 0 for r in d["levels"])
     assert [c["config"] for c in d["configs"]] == [[2, 1], [2, 2]]
-    assert d["configs"][0]["widths"] == [1, 2] and d["configs"][1]["nodes"] == 7
-    assert d["lambda_gamma"] == pytest.approx(d["steps"][0]["median"] / d["target_step_ms"])
+    assert d["configs"][0]["widths"] == [2, 2] and d["configs"][1]["widths"] == [2, 4]
+    assert d["configs"][1]["nodes"] == 7
+    level = {r["width"]: r["median"] for r in d["levels"]}
+    c = d["configs"][1]  # 2,2: root + a level of 2 + a level of 4, the deepest level included
+    assert c["composed_ms"] == pytest.approx(d["root"]["median"] + level[2] + level[4])
+    assert c["predicted_step_ms"] == pytest.approx(c["predicted_verify_ms"] + c["composed_ms"] + d["iteration_overhead_ms"])
+    it = d["iteration"]
+    assert it["tree"] == [1] and len(it["loop"]["samples"]) == 2 and it["bare"]["median"] > 0
+    assert d["iteration_overhead_ms"] == it["overhead_ms"] == pytest.approx(max(it["loop"]["median"] - it["bare"]["median"], 0))
+    assert d["lambda_gamma"] == pytest.approx(level[1] / d["target_step_ms"])
     assert d["target_step_ms"] == prof["timings"]["stree"][0]["median"]
     assert seen[-1][0] == "done" and seen[-1][1] == seen[-1][2] == profiling.count_items(_SMALL, True)
 
@@ -410,10 +422,21 @@ def test_profile_json_round_trip(tmp_path, hybrid_profile):
     assert loaded.target_ms(2) == pytest.approx(loaded.fit("stree")(2))
     assert loaded.ar_step_ms == prof["timings"]["stree"][0]["median"]
     assert loaded.lambda_gamma == prof["drafter_timings"]["lambda_gamma"]
+    from ssmspec.tuning.static import CostModel
+
+    cost = CostModel.from_profile(loaded)  # tune-tree's reading: the bandit's default uses the same draft cost
+    assert cost.lambda_gamma == pytest.approx(loaded.lambda_gamma)
+    d = prof["drafter_timings"]
+    for c in d["configs"]:
+        tree = Tree.from_config(c["config"])
+        assert cost.draft_ms_of(tree) == pytest.approx(c["composed_ms"])
+        assert cost.step_ms(tree) == pytest.approx(c["predicted_step_ms"])
 
 
 @pytest.mark.parametrize("breakage, message", [
     (lambda d: d.update(version=99), "version 99"),
+    (lambda d: d.update(version=1), "version 1, which timed bare drafter steps.*re-run `ssmspec profile`"),
+    (lambda d: d["drafter_timings"].pop("iteration_overhead_ms"), "iteration_overhead_ms"),
     (lambda d: d.update(schema="other"), "not an ssmspec profile"),
     (lambda d: d.pop("fits"), "fits"),
     (lambda d: d.update(dtype="int8"), "dtype"),
@@ -580,3 +603,33 @@ def test_profiling_modules_import_no_private_names():
     from tests.test_loading import private_imports
 
     assert private_imports("ssmspec.profiling") == []
+
+
+def test_by_width_interpolates_through_the_measured_points():
+    from ssmspec.profiling.fits import by_width
+
+    widths, ms = [1, 2, 4], [0.06, 0.05, 0.08]  # a noisy dip at width 2 is kept, not clamped
+    assert [by_width(widths, ms, w) for w in widths] == ms
+    assert by_width(widths, ms, 3) == pytest.approx(0.065)
+    assert by_width(widths, ms, 8) == pytest.approx(0.08 + 4 * 0.015)  # along the last segment
+    assert by_width([1, 2, 4], [0.06, 0.09, 0.08], 8) == pytest.approx(0.08)  # never below the last point
+    assert by_width(widths, ms, 0.5) == 0.06 and by_width([2], [0.1], 4) == pytest.approx(0.2)
+    with pytest.raises(InputError):
+        by_width([], [], 1)
+
+
+@pytest.mark.requires_cuda
+def test_run_profile_on_cuda_captures_the_fused_draft_and_times_the_loop():
+    from ssmspec.tuning.static import CostModel
+
+    target = tiny_model(layers=("mamba", "mamba")).cuda()
+    drafter = tiny_model(layers=("mamba",), seed=1).cuda()
+    s = ProfileSettings(sizes=(1, 2, 4, 8), methods=("stree",), repeats=5, warmup=2, prompt_len=16, configs=((2, 1),))
+    prof = run_profile(target, settings=s, drafter=drafter)
+    d = prof["drafter_timings"]
+    assert d["root"]["mode"] == "cuda_graph" and all(r["mode"] == "cuda_graph" for r in d["levels"])
+    assert d["configs"][0]["draft"]["mode"] == "cuda_graph"
+    it = d["iteration"]
+    assert it["loop"]["median"] > 0 and it["bare"]["median"] > 0 and d["iteration_overhead_ms"] >= 0
+    cost = CostModel.from_profile(profiling.Profile(prof))
+    assert cost.step_ms(Tree.from_config((2, 1))) == pytest.approx(d["configs"][0]["predicted_step_ms"])

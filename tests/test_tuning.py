@@ -298,3 +298,52 @@ def test_default_bandit_arms_are_the_best_tree_of_each_depth():
     trees = [Tree.from_config(c) for c in ((2, 1, 1), (3, 1, 1), (2, 1), (1, 1, 1, 1), (4,))]
     preds = [Prediction(t, 2.0, 1.0, 0.0) for t in trees]  # already best first
     assert [t.config for t in best_per_depth(preds)] == [(2, 1, 1), (2, 1), (1, 1, 1, 1), (4,)]
+
+
+# -- the cost model: a step is target fit(N) + fused draft (root + one level per depth) + loop overhead --
+def _synthetic_profile(overhead=0.07):
+    from ssmspec.profiling import Profile
+
+    def level(w, ms):
+        return {"width": w, "parent_width": w, "children": 1, "median": ms}
+
+    return Profile({
+        "settings": {"sizes": [1, 2, 4, 8, 16]},
+        "timings": {"stree": [{"size": 1, "median": 0.25}, {"size": 2, "median": 0.31}]},
+        "fits": {"stree": {"primary": "linear", "linear": {"coef": {"k": 0.01, "C": 0.3}, "r2": 1.0, "residuals": []},
+                           "quadratic": {"coef": {"a": 0.0, "b": 0.01, "c": 0.3}, "r2": 1.0, "residuals": []}}},
+        "drafter_timings": {"root": {"median": 0.05}, "iteration_overhead_ms": overhead, "target_step_ms": 0.25,
+                            "levels": [level(4, 0.08), level(1, 0.06), level(2, 0.07)], "lambda_gamma": 0.24},
+    })
+
+
+def test_cost_model_composes_target_fused_draft_and_overhead():
+    from ssmspec.tuning.static import CostModel, predict
+
+    cost = CostModel.from_profile(_synthetic_profile())
+    assert cost.level_widths == (1, 2, 4) and cost.overhead_ms == 0.07 and cost.max_size == 16
+    chain = Tree.from_config((1, 1, 1, 1, 1))  # 6 nodes, five levels of width 1, the deepest included
+    assert cost.draft_ms_of(chain) == pytest.approx(0.05 + 5 * 0.06)
+    assert cost.step_ms(chain) == pytest.approx((0.01 * 6 + 0.3) + 0.05 + 5 * 0.06 + 0.07)
+    tree = Tree.from_config((3, 2))  # levels of 3 (between measured 2 and 4) and 6 (past them, extended)
+    assert cost.draft_ms_of(tree) == pytest.approx(0.05 + 0.075 + 0.09)  # 0.08 + 2 widths x 0.005
+    p = predict(tree, [[0.5, 0.2, 0.1], [0.5, 0.2]], cost)
+    assert (p.target_ms, p.draft_ms, p.overhead_ms) == pytest.approx((0.01 * 10 + 0.3, 0.215, 0.07))
+    assert p.step_ms == pytest.approx(cost.step_ms(tree))
+    assert p.tokens_per_s == pytest.approx(1000 * p.expected_tokens / p.step_ms)
+    assert p.to_json()["overhead_ms"] == 0.07 and p.to_json()["step_ms"] == pytest.approx(p.step_ms)
+    # the bandit's default lambda_gamma uses the same draft cost: one level at width 1 over the AR step
+    assert cost.lambda_gamma == pytest.approx(0.06 / 0.25)
+    # the overhead moves every prediction: a slower loop favours deeper trees (fewer iterations per token)
+    fast = CostModel.from_profile(_synthetic_profile(overhead=0.0))
+    assert fast.step_ms(chain) == pytest.approx(cost.step_ms(chain) - 0.07)
+
+
+def test_cost_model_refuses_a_profile_without_drafter_timings():
+    from ssmspec.errors import InputError
+    from ssmspec.tuning.static import CostModel
+
+    prof = _synthetic_profile()
+    prof.data["drafter_timings"] = None
+    with pytest.raises(InputError, match="--drafter"):
+        CostModel.from_profile(prof)

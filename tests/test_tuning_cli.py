@@ -72,6 +72,12 @@ def test_tune_tree_static_and_bandit_files_drive_generate(workdir, tmp_path, mon
         if mode == "static":
             assert "tree" in data and len(data["measured"]) == 2
             assert all(m["measured_tokens_per_s"] > 0 for m in data["measured"])
+            for m in data["measured"]:  # predicted and measured step time, the prediction in its parts
+                parts = m["predicted_parts_ms"]
+                assert m["predicted_step_ms"] == pytest.approx(parts["target"] + parts["draft"] + parts["overhead"])
+                assert m["measured_step_ms"] == pytest.approx(1000 * m["measured_tokens"] / m["measured_tokens_per_s"])
+            profile = json.loads((workdir / "profile" / "profile.json").read_text())
+            assert data["predictions"][0]["overhead_ms"] == profile["drafter_timings"]["iteration_overhead_ms"]
             assert not isinstance(choice, TreeArms)
         else:
             assert isinstance(choice, TreeArms) and (out / "bandit.png").is_file()

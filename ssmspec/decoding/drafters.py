@@ -327,16 +327,36 @@ class FusedGreedyDraft:
 
     def run(self) -> None:
         """Commit row `commit_row`, step `root`, draft every level into `tokens` (capturable)."""
-        model = self.drafter.model
+        logits = self.step_root()
+        for i in range(len(self.levels)):
+            logits = self.draft_level(i, logits)
+
+    def step_root(self) -> torch.Tensor:
+        """The fixed part of a draft: commit row `commit_row` into the drafter's state, step `root`.
+
+        Returns:
+            the root's logits (1, V).
+        """
         self.cache.gather_(self.node_cache, self.commit_row)
-        logits = model.step(self.root, self.cache)[:, -1]
+        logits = self.drafter.model.step(self.root, self.cache)[:, -1]
         self.node_cache.rows(0, 1).copy_(self.cache)
         self.tokens[:1].copy_(self.root[0])
-        for level, chosen, rows, above, parents in zip(self.levels, self.level_tokens, self.level_rows, self.above_rows,
-                                                       self.parent_nodes):
-            dispatch.ranked_tokens(logits, level.parent_rows, level.ranks, out=chosen)  # one launch, into `tokens`
-            rows.gather_(above, parents)  # each node's row starts as its parent's state
-            logits = model.step(chosen[:, None], rows)[:, -1]
+        return logits
+
+    def draft_level(self, i: int, logits: torch.Tensor) -> torch.Tensor:
+        """Level i + 1 (depth i + 1, W nodes) below the W_prev nodes of depth i: pick its tokens
+        from their logits, start each node's row as its parent's state, step them.
+
+        Args:
+            logits: (W_prev, V) logits of depth i's nodes (the root's for i = 0).
+        Returns:
+            (W, V) logits of this level's nodes.
+        """
+        level, rows = self.levels[i], self.level_rows[i]
+        chosen = self.level_tokens[i]
+        dispatch.ranked_tokens(logits, level.parent_rows, level.ranks, out=chosen)  # one launch, into `tokens`
+        rows.gather_(self.above_rows[i], self.parent_nodes[i])  # each node's row starts as its parent's state
+        return self.drafter.model.step(chosen[:, None], rows)[:, -1]
 
 
 class NgramDrafter:

@@ -196,3 +196,23 @@ def compute_break_even(fits: dict, timings: dict, reference_n: int) -> dict:
         table[method] = rows
     return {"reference_n": reference_n, "reference_method": ref_method or "same",
             "reference_ms": ref_ms_out, "table": table}
+
+
+def by_width(widths: Sequence[int], ms: Sequence[float], width: float) -> float:
+    """A cost measured at some widths, at any width: piecewise-linear through the points (ascending
+    widths), the first point's cost below them; past them, extended along the last segment but
+    never below the last point's cost (a noisy segment may slope down), or along the line through
+    the origin with a single point.
+
+    Used for drafter levels (profile.json's drafter_timings.levels): their cost by batch width.
+    """
+    if not widths:
+        raise InputError("no measured widths to interpolate")
+    if len(widths) == 1:
+        return ms[0] * width / widths[0] if width > widths[0] else ms[0]
+    if width <= widths[0]:
+        return ms[0]
+    i = next((i for i in range(1, len(widths)) if width <= widths[i]), len(widths) - 1)
+    w0, w1, m0, m1 = widths[i - 1], widths[i], ms[i - 1], ms[i]
+    value = m0 + (m1 - m0) * (width - w0) / (w1 - w0)
+    return max(value, ms[-1]) if width > widths[-1] else value

@@ -22,10 +22,18 @@ decoding never pays. (The SSM state's values drift from call to call; the cost d
 on them.) On CUDA the call is captured into a CUDA graph when it allows it (no host syncs);
 otherwise, or when capture fails, it runs eagerly; each record says which mode was used.
 
-Drafter: one ``step`` at each batch width that a tree configuration needs (its
-``Tree.level_widths()`` except the last level, which is never fed to the drafter), on a cache
-branched with ``ModelCache.select``, and the total drafting time of each configuration
-(``ModelDrafter.draft`` when available, greedy; else a step loop with ``select``).
+Drafter: the greedy draft as the decode loop runs it (decoding/drafters.py FusedGreedyDraft, one
+sequence): its fixed part (``step_root``: commit gather + root step), one level (``draft_level``:
+top-k, parents' states gathered, a step at the level's width) at each width of `level_widths`,
+and ``run`` whole for each configuration, beside the sum of parts the cost model uses for it. Each
+is captured into a CUDA graph on CUDA, as the loop's iteration is. Then the loop's per-iteration
+overhead: a real greedy `generate` per iteration minus the same iteration replayed back to back
+(`_measure_loop`; on the CPU both run eagerly and the difference is the loop's Python and
+read-back). A decoding step is then predicted as target fit(N) + root + levels + overhead
+(tuning/static.py CostModel). On the CPU, `generate` runs this fused loop only with graphs on
+(its default there is the eager ModelDrafter loop, one drafter level fewer): CPU predictions
+describe the fused loop. The drafter and the loop are timed for one sequence, as the decoder runs
+them, whatever ``batch`` is.
 
 On the CPU the calls run on `ProfileSettings.threads` threads (default 1, or OMP_NUM_THREADS when
 set: see `timing.default_cpu_threads`), and the count used is recorded. Measurements whose repeated
@@ -42,10 +50,10 @@ import time
 import torch
 
 from ..errors import InputError
-from .fits import Fit, compute_break_even, compute_fits, fit_warnings
+from .fits import Fit, by_width, compute_break_even, compute_fits, fit_warnings
 from .schema import SCHEMA_NAME, SCHEMA_VERSION, architecture_of, config_summary, dtype_name, model_fingerprint
 from .settings import ProfileSettings, ProgressFn
-from .timing import cpu_threads, default_cpu_threads, samples_disagree, time_call
+from .timing import Timing, cpu_threads, default_cpu_threads, samples_disagree, time_call
 
 log = logging.getLogger("ssmspec.profiling")
 
@@ -132,7 +140,7 @@ def _measure(target, drafter, s: ProfileSettings, device, progress: ProgressFn |
         fits = compute_fits(timings, architecture_of(target))
         m0 = "stree" if "stree" in fits else next(iter(fits))
         fit_for = Fit.from_dict(fits[m0]["primary"], fits[m0][fits[m0]["primary"]])
-        drafter_timings = _measure_drafter(drafter, target_step_ms, s, device, fit_for, progress, total, done)
+        drafter_timings = _measure_drafter(drafter, target, target_step_ms, s, device, fit_for, progress, total, done)
     if progress:
         progress("done", total, total)
     return timings, drafter_timings
@@ -146,13 +154,9 @@ def _describe(model, source: str) -> dict:
 
 def count_items(settings: ProfileSettings, with_drafter: bool) -> int:
     """How many timed items `run_profile` reports progress over."""
-    from ssmspec.trees import Tree
-
     n = len(settings.sizes) * len(settings.methods)
-    if with_drafter:
-        trees = [Tree.from_config(c) for c in settings.configs]
-        widths = {w for t in trees for w in t.level_widths()[:-1]} | {1}
-        n += len(widths) + len(trees)
+    if with_drafter:  # the root step, a level per width, each config's draft, the decode loop
+        n += 1 + len(level_widths(settings)) + len(settings.configs) + 1
     return n
 
 
@@ -162,8 +166,11 @@ def timing_warnings(timings: dict, drafter_timings: dict | None) -> list[str]:
     for method, rows in timings.items():
         noisy += [(f"{method} N={r['size']}", r) for r in rows]
     if drafter_timings is not None:
-        noisy += [(f"drafter step width {r['width']}", r) for r in drafter_timings["steps"]]
+        noisy += [("drafter root step", drafter_timings["root"])]
+        noisy += [(f"drafter level width {r['width']}", r) for r in drafter_timings["levels"]]
         noisy += [(f"drafting {','.join(map(str, c['config']))}", c["draft"]) for c in drafter_timings["configs"]]
+        loop = drafter_timings["iteration"]["loop"]
+        noisy += [("decode loop", loop)] if loop is not None else []
     noisy = [(label, r) for label, r in noisy if samples_disagree(r["samples"])]
     if not noisy:
         return []
@@ -286,86 +293,150 @@ def _tree_call(timer: _Timer, method: str, n: int, fanout: int):
     return fn, {"rows": batch * leaves, "tokens": batch * leaves * (depth + 1), "tree": shape}
 
 
-def _measure_drafter(drafter, target_step_ms: float, settings: ProfileSettings, device, fit_for,
-                     progress: ProgressFn | None, total: int, done: list) -> dict:
+LOOP_TREE = (1,)
+"""The tree of the decode loops timed for the per-iteration overhead: the smallest, as the
+overhead (read-back, Python bookkeeping) does not depend on the tree."""
+LOOP_TOKENS = 32
+"""Tokens generated per timed decode loop (about one iteration each with untrained models)."""
+
+
+def level_widths(settings: ProfileSettings) -> list[int]:
+    """Widths at which one drafter level is timed: powers of two up to the largest target call
+    (the largest tree tune-tree ranks from this profile) and every level width of the configs."""
     from ssmspec.trees import Tree
 
-    s = settings
-    trees = [Tree.from_config(cfg) for cfg in s.configs]
-    widths = sorted({w for t in trees for w in t.level_widths()[:-1]} | {1})
-    max_depth = max(t.max_depth for t in trees)
-    dtimer = _Timer(drafter, s, device, s.prompt_len + max_depth + 8)
-    use_graph = s.cuda_graphs and device.type == "cuda"
-    steps = []
-    for w in widths:
-        if progress:
-            progress(f"drafter step width {w}", done[0], total)
-        cache = dtimer.cache_rows(w)
-        t = time_call(dtimer.step_fn(drafter, cache), warmup=s.warmup, repeats=s.repeats, device=device,
-                      cuda_graph=use_graph)
-        steps.append({"width": w, **t.to_dict()})
-        done[0] += 1
-    step_ms = {d["width"]: d["median"] for d in steps}
+    top = max(settings.sizes)
+    widths = {1} | {2 ** k for k in range(top.bit_length()) if 2 ** k <= top}
+    widths |= {w for c in settings.configs for w in Tree.from_config(c).level_widths()[1:]}
+    return sorted(widths)
 
-    impl, make_draft = _draft_closure(drafter, s, dtimer, device)
-    configs = []
-    for cfg, tree in zip(s.configs, trees):
+
+def _measure_drafter(drafter, target, target_step_ms: float, settings: ProfileSettings, device, fit_for,
+                     progress: ProgressFn | None, total: int, done: list) -> dict:
+    """The fused greedy draft (decoding/drafters.py FusedGreedyDraft), timed in the parts the cost
+    model composes, then whole for each config, then the decode loop's per-iteration overhead.
+
+    A fused draft of a tree = `step_root` (commit gather + root step) + one `draft_level` per depth
+    (top-k over the parents' logits, gather of the parents' states, a step at the level's width W),
+    the deepest level included. A level is timed at each width W of `level_widths` on the probe
+    tree (W, 1), whose second level has W nodes below W parents: its top-k reads W rows, as many
+    as or more than a level of W nodes reads in any tree (W / k parents), so that term is an upper
+    bound (the top-k's cost grows little with the rows at these widths).
+    """
+    from dataclasses import replace
+
+    from ssmspec.trees import Tree
+
+    from ..decoding.drafters import ModelDrafter
+
+    s = settings
+    use_graph = s.cuda_graphs and device.type == "cuda"
+    # The decode loop drafts one sequence; every call below grows the drafter's length by at most
+    # one token (2 * warmup + repeats + a few calls per timing), which the capacity covers.
+    dtimer = _Timer(drafter, replace(s, batch=1), device, s.prompt_len + 3 * (s.warmup + s.repeats) + 16)
+
+    def fused(tree):
+        md = ModelDrafter(drafter, sample_children=False, graphs=False)
+        md.start_from(dtimer.base.clone())
+        draft = md.fused_draft(tree)
+        draft.start(int(dtimer.prompt[0, -1]))
+        return draft
+
+    def timed(label, fn):
         if progress:
-            progress(f"drafting {','.join(map(str, cfg))}", done[0], total)
-        t = time_call(make_draft(tree), warmup=s.warmup, repeats=s.repeats, device=device)
-        gamma = tree.max_depth
+            progress(label, done[0], total)
+        t = time_call(fn, warmup=s.warmup, repeats=s.repeats, device=device, cuda_graph=use_graph)
+        done[0] += 1
+        return t
+
+    root = timed("drafter root step", fused(Tree.from_config((1,))).step_root)
+    levels = []
+    for w in level_widths(s):
+        probe = fused(Tree.from_config((w, 1)))
+        # The first level's (W, V) logits and states: the parents of the timed level, as in decoding.
+        logits = probe.draft_level(0, probe.step_root())
+        t = timed(f"drafter level width {w}", lambda probe=probe, logits=logits: probe.draft_level(1, logits))
+        levels.append({"width": w, "parent_width": w, "children": 1, **t.to_dict()})
+    widths, level_ms = [r["width"] for r in levels], [r["median"] for r in levels]
+
+    def composed(tree) -> float:
+        return root.median + sum(by_width(widths, level_ms, w) for w in tree.level_widths()[1:])
+
+    configs = []
+    for cfg in s.configs:
+        tree = Tree.from_config(cfg)
+        t = timed(f"drafting {','.join(map(str, cfg))}", fused(tree).run)
         verify_ms = float(fit_for(tree.num_nodes)) if fit_for is not None else None
         configs.append({
-            "config": list(cfg), "nodes": tree.num_nodes, "widths": tree.level_widths()[:-1],
-            "steps_ms_sum": sum(step_ms[w] for w in tree.level_widths()[:-1]),
-            "draft": t.to_dict(), "predicted_verify_ms": verify_ms,
-            "predicted_step_ms": None if verify_ms is None else verify_ms + t.median,
+            "config": list(cfg), "nodes": tree.num_nodes, "widths": tree.level_widths()[1:],
+            "draft": t.to_dict(), "composed_ms": composed(tree), "predicted_verify_ms": verify_ms,
             "extrapolated": tree.num_nodes > max(s.sizes),  # the fit is used past the measured sizes
-            "lambda_gamma": (t.median / gamma) / target_step_ms,
+            "lambda_gamma": (t.median / tree.max_depth) / target_step_ms,
         })
-        done[0] += 1
-    return {"impl": impl, "target_step_ms": target_step_ms, "steps": steps, "configs": configs,
-            "lambda_gamma": step_ms[1] / target_step_ms}
+    loop = _measure_loop(target, drafter, s, device, use_graph, progress, total, done)
+    loop["predicted_bare_ms"] = (float(fit_for(Tree.from_config(LOOP_TREE).num_nodes)) + composed(Tree.from_config(LOOP_TREE))
+                                 if fit_for is not None else None)
+    for c in configs:
+        c["predicted_step_ms"] = (None if c["predicted_verify_ms"] is None
+                                  else c["predicted_verify_ms"] + c["composed_ms"] + loop["overhead_ms"])
+    return {"impl": "FusedGreedyDraft: the greedy decode loop's device-side draft", "target_step_ms": target_step_ms,
+            "root": root.to_dict(), "levels": levels, "configs": configs, "iteration": loop,
+            "iteration_overhead_ms": loop["overhead_ms"], "lambda_gamma": level_ms[0] / target_step_ms}
 
 
-def _draft_closure(drafter, s: ProfileSettings, dtimer: _Timer, device):
-    """The drafting call per tree: the decoder's ModelDrafter (batch 1), else a step loop with select."""
+def _measure_loop(target, drafter, s: ProfileSettings, device, use_graph: bool, progress, total: int,
+                  done: list) -> dict:
+    """The decode loop's per-iteration cost outside its iteration's device work.
+
+    `generate` (greedy, graphs on: the fused loop of decoding/generate.py; on the CPU the same
+    iteration runs eagerly) on tree LOOP_TREE, per iteration: its decode time over its target
+    calls, which holds the iteration's replay, the read-back of the produced tokens that waits for
+    it, and the loop's Python. Then the same iteration (SpeculativeIterationGraph on the same tree,
+    target cache and drafter) called back to back, as `time_call` times graphs: its device time
+    alone. The difference is the overhead a speculative iteration pays on top of its device work:
+    a real `generate` per-token time is used rather than AR's (whose step graph, read-back and
+    loop differ) because this is the loop the speculative predictions describe.
+    """
+    from ssmspec.trees import Tree
+
     from ..decoding.drafters import ModelDrafter
-    from ..decoding.sampling import SamplingParams
+    from ..decoding.generate import GenerationConfig, generate, pending_slots_for
+    from ..decoding.graphs import SpeculativeIterationGraph
 
-    if s.batch == 1:
-        md = ModelDrafter(drafter, sample_children=False)
-        md.start_from(dtimer.base.clone())
-        seqlen0 = md.cache.seqlen.clone()
-        params = SamplingParams()
-        root = int(dtimer.prompt[0, -1])
+    from ..ops import dispatch
 
-        def make(tree):
-            def fn():
-                md.cache.seqlen.copy_(seqlen0)  # draft feeds the root: undo that advance
-                md.pending = []
-                return md.draft(root, tree, params, None)
-            return fn
+    tree = Tree.from_config(LOOP_TREE)
+    if device.type == "cuda" and dispatch.get_backend() == "reference":
+        done[0] += 1
+        return {"tree": list(LOOP_TREE), "loop": None, "bare": None, "overhead_ms": 0.0,
+                "note": "not measured: the reference backend has no captured decode loop on CUDA"}
+    gen = torch.Generator(device="cpu").manual_seed(s.seed + 1)
+    prompt = torch.randint(0, target.config.vocab_size, (1, s.prompt_len), generator=gen)
+    if progress:
+        progress("decode loop overhead", done[0], total)
+    config = GenerationConfig(method="stree", tree=tree, max_new_tokens=LOOP_TOKENS, graphs=True)
+    drafter_loop = ModelDrafter(drafter)
+    per_iteration = []
+    for i in range(1 + s.repeats):  # the first builds and captures the loop's graphs: untimed
+        st = generate(target, prompt, drafter=drafter_loop, config=config).stats
+        if i:
+            per_iteration.append(1e3 * (st["elapsed_s"] - st["prefill_s"]) / max(st["target_calls"], 1))
+    loop = Timing(per_iteration)
 
-        return "ModelDrafter.draft (greedy)", make
-
-    def make(tree):
-        widths = tree.level_widths()[:-1]
-        cfg = tree.config
-
-        def fn():
-            cache = dtimer.base.clone()
-            logits = drafter.step(dtimer.prompt[:, -1:], cache)[:, -1]
-            for d, w in enumerate(widths[1:]):
-                k = cfg[d]
-                top = torch.topk(logits, k, dim=-1).indices  # (rows, k)
-                rows = torch.arange(logits.shape[0], device=device).repeat_interleave(k)
-                cache = cache.select(rows)
-                logits = drafter.step(top.reshape(-1, 1), cache)[:, -1]
-            return logits
-        return fn
-
-    return "step loop with cache.select (top-k)", make
+    # The bare iteration, on its own caches: room for every timed call to accept the whole tree.
+    max_len = s.prompt_len + (tree.max_depth + 1) * (3 * (s.warmup + s.repeats) + 8)
+    cache = target.new_cache(1, max_len, pending=pending_slots_for(tree, target))
+    prompt = prompt.to(device)
+    target(prompt, cache, last_only=True)
+    drafter_bare = ModelDrafter(drafter, graphs=False)
+    drafter_bare.begin(prompt, max_len)
+    draft = drafter_bare.fused_draft(tree)
+    draft.start(int(prompt[0, -1]))
+    iteration = SpeculativeIterationGraph(target, cache, draft, capture=use_graph)
+    bare = time_call(iteration, warmup=s.warmup, repeats=s.repeats, device=device)
+    done[0] += 1
+    return {"tree": list(LOOP_TREE), "loop": loop.to_dict(), "bare": {**bare.to_dict(), "mode": "cuda_graph" if use_graph else "eager"},
+            "overhead_ms": max(loop.median - bare.median, 0.0)}
 
 
 def _device_info(device: torch.device) -> dict:

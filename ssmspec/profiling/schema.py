@@ -1,11 +1,11 @@
 """profile.json: its schema (versioned), the model description it records, reading, writing, matching.
 
-profile.json, schema version 1 (all times in milliseconds)
+profile.json, schema version 2 (all times in milliseconds)
 ----------------------------------------------------------
 ::
 
     {
-      "schema": "ssmspec.profile", "version": 1,
+      "schema": "ssmspec.profile", "version": 2,
       "created": ISO-8601 UTC time,
       "device": {"type": "cuda"|"cpu", "name": str, "torch": str, "cuda": str|null},
       "dtype": "fp32"|"bf16"|"fp16",
@@ -30,14 +30,23 @@ profile.json, schema version 1 (all times in milliseconds)
                      "table": {method: [{"n": N2, "ratio": t(N2)/t_ref(N1) | null,
                                          "ratio_vs_ar": t(N2)/t_AR | null}]}},
                      (null where a fit predicts a non-positive time)
-      "drafter_timings": null | {"impl": str, "target_step_ms": float,
-                                 "steps": [{"width": w, ...timing fields}],
-                                 "configs": [{"config": [int], "nodes": int, "widths": [int],
-                                              "steps_ms_sum": sum of the step medians at widths,
-                                              "draft": {...timing}, "predicted_verify_ms",
-                                              "predicted_step_ms", "extrapolated": bool,
-                                              "lambda_gamma"}],
-                                 "lambda_gamma": T_draft(width 1) / T_target(size 1)},
+      "drafter_timings": null | {"impl": str, "target_step_ms": float (the target's AR step),
+                                 "root": {...timing} (FusedGreedyDraft.step_root: commit gather + root step),
+                                 "levels": [{"width": W, "parent_width": int, "children": int, ...timing}]
+                                   (FusedGreedyDraft.draft_level: top-k over the parents' logits, gather
+                                    of the parents' states, a drafter step at width W),
+                                 "configs": [{"config": [int], "nodes": int, "widths": [W of each level],
+                                              "draft": {...timing} (FusedGreedyDraft.run, whole),
+                                              "composed_ms": root + levels at widths (the cost model's draft),
+                                              "predicted_verify_ms", "predicted_step_ms" (verify + composed
+                                              + iteration_overhead_ms), "extrapolated": bool, "lambda_gamma"}],
+                                 "iteration": {"tree": [int], "loop": {...timing} | null (a real decode
+                                               loop's wall time per iteration), "bare": {...timing} | null
+                                               (the same iteration replayed back to back),
+                                               "overhead_ms", "predicted_bare_ms": float | null
+                                               (stree fit + composed draft of that tree), "note": str (optional)},
+                                 "iteration_overhead_ms": loop - bare (>= 0): the host's share of an iteration,
+                                 "lambda_gamma": T_level(width 1) / T_target(size 1)},
       "warnings": [str] (timings that disagree, fits that explain little; optional),
       "elapsed_s": seconds the whole measurement took (optional)
     }
@@ -45,11 +54,15 @@ profile.json, schema version 1 (all times in milliseconds)
 Fits use the verify calls only (sizes >= 2, when there are at least three; see `fitted_sizes`):
 the size-1 autoregressive step is another code path. Residuals are measured minus fitted
 medians, in the order of the fit's sizes. ``lambda_gamma``
-is the mamba-drafters paper's bandit weight (its A.4): the drafter's per-token time over the
-target's autoregressive step time. The target fingerprint hashes the architecture (config,
+is the mamba-drafters paper's bandit weight (its A.4): the drafter's per-level time (one fused
+draft level at width 1, as the decode loop runs it) over the target's autoregressive step time.
+A decoding step is predicted as target fit(N) + root + levels + iteration_overhead_ms
+(tuning/static.py CostModel). Version 1 timed bare drafter steps (``steps``), one fewer per tree
+than the fused draft runs, and no loop overhead: its predictions were far too fast, so it is
+refused with a request to re-run ``ssmspec profile``. The target fingerprint hashes the architecture (config,
 parameter shapes and dtypes; `ssmspec.models.loading.model_fingerprint`), not the weights,
-because runtime depends only on the former. Optional fields were added without a version change:
-readers of version 1 ignore them, and profiles without them still load.
+because runtime depends only on the former. Optional fields (threads, warnings, elapsed_s)
+were added without a version change: profiles without them still load.
 """
 from __future__ import annotations
 
@@ -70,7 +83,7 @@ from .settings import DTYPES, METHODS
 
 
 SCHEMA_NAME = "ssmspec.profile"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 def architecture_of(model) -> str:
@@ -175,6 +188,12 @@ def validate_profile(d: dict) -> None:
     _require(d, ["schema", "version"], "the top level")
     if d["schema"] != SCHEMA_NAME:
         raise InputError(f"not an ssmspec profile (schema {d['schema']!r}); write one with `ssmspec profile`")
+    if d["version"] == 1:
+        raise InputError(
+            "profile.json has schema version 1, which timed bare drafter steps instead of the fused draft "
+            "and loop overhead the decoder pays (its predicted speeds were up to 2x too high); "
+            "re-run `ssmspec profile` to write version 2"
+        )
     if d["version"] != SCHEMA_VERSION:
         raise InputError(
             f"profile.json schema version {d['version']} is not supported (this ssmspec reads {SCHEMA_VERSION}); "
@@ -206,7 +225,10 @@ def validate_profile(d: dict) -> None:
     if not (isinstance(warnings, list) and all(isinstance(w, str) for w in warnings)):
         raise InputError("profile.json: warnings must be a list of sentences")
     if d["drafter_timings"] is not None:
-        _require(d["drafter_timings"], ["steps", "configs", "lambda_gamma", "target_step_ms"], "drafter_timings")
+        _require(d["drafter_timings"], ["root", "levels", "configs", "iteration", "iteration_overhead_ms",
+                                        "lambda_gamma", "target_step_ms"], "drafter_timings")
+        if not d["drafter_timings"]["levels"]:
+            raise InputError("profile.json: drafter_timings.levels is empty; re-run `ssmspec profile`")
 
 
 def load_profile(path: str | Path) -> Profile:

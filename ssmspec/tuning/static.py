@@ -1,9 +1,17 @@
 """Static tree choice: enumerate configurations, predict tokens/s from acceptance and profile.json.
 
-One decoding step costs a target call on the tree's N nodes (the profile's fitted stree cost
-model) plus drafting: one drafter step per level that is fed, at batch width = the level's node
-count (`Tree.level_widths()[:-1]`), timed per width in the profile and interpolated between the
-measured widths. Predicted tokens/s = expected tokens per step / step time.
+One decoding step is predicted as what the greedy decode loop runs (decoding/generate.py, one
+captured iteration per step):
+
+    step_ms(tree) = target_ms(N)                      the profile's stree fit: verify N nodes + replay
+                  + root_ms + sum_d level_ms(W_d)     the fused draft (drafters.FusedGreedyDraft):
+                                                      commit + root step, then every level d = 1..g
+                                                      (the deepest too) at its width W_d
+                  + overhead_ms                       the loop's host work per iteration (read-back,
+                                                      Python), measured on a real decode loop
+
+with level_ms interpolated between the widths the profile timed (profiling.fits.by_width).
+Predicted tokens/s = expected tokens per step / step time.
 """
 from __future__ import annotations
 
@@ -12,6 +20,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from ssmspec.errors import InputError
+from ssmspec.profiling.fits import by_width
 from ssmspec.trees import Tree
 
 from .expected import Acceptance, best_trees, expected_tree_length
@@ -19,15 +28,18 @@ from .expected import Acceptance, best_trees, expected_tree_length
 
 @dataclass(frozen=True)
 class CostModel:
-    """Milliseconds of a decoding step's parts, read from profile.json."""
+    """Milliseconds of a decoding step's parts, read from profile.json (see the module docstring)."""
 
     target_fit: object
     """n -> ms of one target verify+replay call on n packed nodes (a profiling.Fit)."""
-    draft_widths: tuple[int, ...]
-    draft_ms: tuple[float, ...]
-    """Drafter step median at each measured batch width (ascending widths)."""
+    root_ms: float
+    """The fused draft's fixed part: commit the accepted row, step the root."""
+    level_widths: tuple[int, ...]
+    level_ms: tuple[float, ...]
+    """One fused draft level's median at each measured width (ascending widths)."""
+    overhead_ms: float = 0.0
+    """The decode loop's per-iteration work outside the iteration's device time."""
     ar_step_ms: float | None = None
-    lambda_gamma: float | None = None
     max_size: int | None = None
     """Largest target call measured: the fit is extrapolated past it."""
 
@@ -36,50 +48,52 @@ class CostModel:
         """From a loaded `ssmspec.profiling.Profile`; refuses one without drafter timings."""
         data = profile.to_dict()
         d = data.get("drafter_timings")
-        if not d or not d.get("steps"):
+        if not d or not d.get("levels"):
             raise InputError("the profile has no drafter timings; re-run `ssmspec profile --target DIR --drafter DIR`")
-        steps = sorted((int(s["width"]), float(s["median"])) for s in d["steps"])
+        levels = sorted((int(r["width"]), float(r["median"])) for r in d["levels"])
         method = "stree" if "stree" in data["fits"] else next(iter(data["fits"]))
-        return cls(profile.fit(method), tuple(w for w, _ in steps), tuple(m for _, m in steps),
-                   profile.ar_step_ms, profile.lambda_gamma, max(data["settings"]["sizes"], default=None))
+        return cls(profile.fit(method), float(d["root"]["median"]), tuple(w for w, _ in levels),
+                   tuple(m for _, m in levels), float(d["iteration_overhead_ms"]),
+                   profile.ar_step_ms or d.get("target_step_ms"),
+                   max(data["settings"]["sizes"], default=None))
 
     def target_ms(self, nodes: int) -> float:
         return float(self.target_fit(nodes))
 
-    def draft_step_ms(self, width: int) -> float:
-        """Piecewise-linear in the width through the measured points, extended linearly past them."""
-        ws, ms = self.draft_widths, self.draft_ms
-        if len(ws) == 1:
-            return ms[0] * width / ws[0] if width > ws[0] else ms[0]
-        if width <= ws[0]:
-            return ms[0]
-        for i in range(1, len(ws)):
-            if width <= ws[i] or i == len(ws) - 1:
-                w0, w1, m0, m1 = ws[i - 1], ws[i], ms[i - 1], ms[i]
-                return max(m0 + (m1 - m0) * (width - w0) / (w1 - w0), ms[0])
-        raise AssertionError("unreachable")
+    def draft_level_ms(self, width: int) -> float:
+        """One fused draft level of `width` nodes (see profiling.fits.by_width)."""
+        return by_width(self.level_widths, self.level_ms, width)
 
     def draft_ms_of(self, tree: Tree) -> float:
-        return sum(self.draft_step_ms(w) for w in tree.level_widths()[:-1])
+        """The fused draft of `tree`: root, then one level per depth 1..g."""
+        return self.root_ms + sum(self.draft_level_ms(w) for w in tree.level_widths()[1:])
 
     def step_ms(self, tree: Tree) -> float:
-        return self.target_ms(tree.num_nodes) + self.draft_ms_of(tree)
+        return self.target_ms(tree.num_nodes) + self.draft_ms_of(tree) + self.overhead_ms
+
+    @property
+    def lambda_gamma(self) -> float | None:
+        """The bandit's T_draft / T_target: one draft level at width 1 over the AR step (None without it)."""
+        if not self.ar_step_ms or not math.isfinite(self.ar_step_ms):
+            return None
+        return self.draft_level_ms(1) / self.ar_step_ms
 
 
 @dataclass
 class Prediction:
-    """One candidate tree's predicted tokens per step and speed."""
+    """One candidate tree's predicted tokens per step and speed, and its step time's parts."""
 
     tree: Tree
     expected_tokens: float
     target_ms: float
     draft_ms: float
+    overhead_ms: float = 0.0
     extrapolated: bool = False
     """The tree is larger than any target call the profile measured."""
 
     @property
     def step_ms(self) -> float:
-        return self.target_ms + self.draft_ms
+        return self.target_ms + self.draft_ms + self.overhead_ms
 
     @property
     def tokens_per_s(self) -> float:
@@ -88,8 +102,8 @@ class Prediction:
     def to_json(self) -> dict:
         return {"tree": self.tree.spec(), **self.tree.to_json(), "nodes": self.tree.num_nodes,
                 "depth": self.tree.max_depth, "expected_tokens": self.expected_tokens,
-                "target_ms": self.target_ms, "draft_ms": self.draft_ms, "step_ms": self.step_ms,
-                "tokens_per_s": self.tokens_per_s, "extrapolated": self.extrapolated}
+                "target_ms": self.target_ms, "draft_ms": self.draft_ms, "overhead_ms": self.overhead_ms,
+                "step_ms": self.step_ms, "tokens_per_s": self.tokens_per_s, "extrapolated": self.extrapolated}
 
 
 def enumerate_configs(budget: int, max_depth: int, max_width: int | None = None) -> Iterator[tuple[int, ...]]:
@@ -115,7 +129,7 @@ def enumerate_configs(budget: int, max_depth: int, max_width: int | None = None)
 
 def predict(tree: Tree, acceptance: Acceptance, cost: CostModel) -> Prediction:
     return Prediction(tree, expected_tree_length(tree, acceptance), cost.target_ms(tree.num_nodes), cost.draft_ms_of(tree),
-                      cost.max_size is not None and tree.num_nodes > cost.max_size)
+                      cost.overhead_ms, cost.max_size is not None and tree.num_nodes > cost.max_size)
 
 
 def rank_trees(acceptance: Acceptance, cost: CostModel, *, budget: int, max_depth: int,

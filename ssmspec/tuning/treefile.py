@@ -12,7 +12,8 @@ Schema "ssmspec.tree", version 1::
      "statistics": [AcceptanceStats.to_json() per temperature],
      "predictions": [Prediction.to_json(), best predicted first],
      "measured": [{"tree", "predicted_tokens_per_s", "measured_tokens_per_s", "predicted_tokens",
-                   "measured_tokens", ...}],
+                   "measured_tokens", "predicted_step_ms", "predicted_parts_ms": {"target", "draft",
+                   "overhead"}, "measured_step_ms", ...}],
      "bandit_run": null | {"spec", "rounds", "pulls", "mean_reward", "mean_tokens", "best",
                            "history": [[round, arm, tokens, reward]], "measured_tokens_per_s",
                            "overhead_fraction": choose + observe time over a step's time}}

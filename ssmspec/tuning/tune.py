@@ -74,12 +74,21 @@ class Measured:
     tokens_per_step: float
     steps: int
 
+    @property
+    def step_ms(self) -> float | None:
+        """Measured wall time per decoding step (tokens per step over tokens/s)."""
+        return 1000.0 * self.tokens_per_step / self.tokens_per_s if self.tokens_per_s > 0 else None
+
     def to_json(self) -> dict:
         p = self.predicted
         return {"tree": self.tree.spec(), "predicted_tokens_per_s": None if p is None else p.tokens_per_s,
                 "measured_tokens_per_s": self.tokens_per_s,
                 "predicted_tokens": None if p is None else p.expected_tokens,
                 "measured_tokens": self.tokens_per_step, "steps": self.steps,
+                "predicted_step_ms": None if p is None else p.step_ms,
+                "predicted_parts_ms": None if p is None else {"target": p.target_ms, "draft": p.draft_ms,
+                                                             "overhead": p.overhead_ms},
+                "measured_step_ms": self.step_ms,
                 "error": None if p is None or self.tokens_per_s <= 0 else p.tokens_per_s / self.tokens_per_s - 1.0}
 
 
