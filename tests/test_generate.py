@@ -502,3 +502,17 @@ def test_warm_up_prepares_every_prefill_chain_and_tree(monkeypatch):
     assert set(fast.chain_prefill._chains) == {64, 32, 16, 8, 4, 2, 1}
     assert set(drafter._prefill._chains) == {64, 32, 16, 8, 4, 2, 1}
     assert {key[1] for key in fast.tree_graphs if key[0] == "fused"} == {arm.parents for arm in arms.arms}
+
+
+def test_fused_drafts_of_one_drafter_share_their_buffers():
+    # A bandit switching trees hands nothing over: every tree of a drafter drafts in one set of
+    # buffers, sized by the largest; a larger tree later starts a new set (and new drafts).
+    target = tiny_model(TARGETS["mamba2"], seed=1)
+    drafter = ModelDrafter(tiny_model(TARGETS["mamba2"], seed=2), graphs=True)
+    drafter.begin(torch.tensor([[1, 2, 3]]), 64)
+    big, small = drafter.fused_draft(Tree.from_config((3, 2))), drafter.fused_draft(Tree.from_config((1, 1)))
+    assert small.buffers is big.buffers and big.buffers.capacity == 10 and small.root is big.root
+    small.hand_over(big)  # nothing to copy
+    larger = drafter.fused_draft(Tree.from_config((4, 3)))
+    assert larger.buffers is not big.buffers and larger.buffers.capacity == 17
+    assert drafter.fused_draft(Tree.from_config((1, 1))) is not small  # rebuilt on the new buffers

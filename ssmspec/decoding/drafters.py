@@ -100,7 +100,8 @@ class ModelDrafter:
         self._plans: dict = {}
         self._last = None  # the plan of the last draft, for `commit`
         self._max_len = 0
-        self._fused: dict = {}  # tree parents -> FusedGreedyDraft (tied to the cache)
+        self._fused: dict = {}  # tree parents -> FusedGreedyDraft (tied to the cache and the buffers)
+        self._fused_buffers = None  # FusedDraftBuffers shared by the fused drafts
         self._prefill = None  # ChainPrefill on the cache (tied to it)
 
     @property
@@ -118,7 +119,8 @@ class ModelDrafter:
             # Capacity in buckets, so that a slightly longer request keeps the captured graphs.
             self._max_len = -(-max_len // self.CAPACITY_BUCKET) * self.CAPACITY_BUCKET
             self.cache = self.model.new_cache(1, self._max_len)
-            self._plans, self._fused, self._prefill = {}, {}, None  # buffers and graphs are tied to the cache
+            # buffers and graphs are tied to the cache
+            self._plans, self._fused, self._fused_buffers, self._prefill = {}, {}, None, None
         else:
             self.cache.reset_()
         prompt_ids = prompt_ids.to(self.model.device)
@@ -139,7 +141,13 @@ class ModelDrafter:
         if not FusedGreedyDraft.supports(shape) or self.cache is None:
             return None
         if shape.parents not in self._fused:
-            self._fused[shape.parents] = FusedGreedyDraft(self, shape)
+            if self._fused_buffers is None or self._fused_buffers.capacity < shape.num_nodes:
+                # Every tree drafts in one set of buffers (sized for the largest), so that a bandit
+                # switching trees hands nothing over; a larger tree starts a new set (and new drafts).
+                largest = max([shape.num_nodes] + [d.shape.num_nodes for d in self._fused.values()])
+                self._fused_buffers = FusedDraftBuffers(self, largest)
+                self._fused = {}
+            self._fused[shape.parents] = FusedGreedyDraft(self, shape, self._fused_buffers)
         return self._fused[shape.parents]
 
     def start_from(self, cache) -> None:
@@ -148,7 +156,7 @@ class ModelDrafter:
         self.cache = cache
         self._max_len = max(capacities) if capacities else int(cache.seqlen.max()) + 1
         self._plans, self.pending, self._last = {}, [], None
-        self._fused, self._prefill = {}, None
+        self._fused, self._fused_buffers, self._prefill = {}, None, None
 
     def commit(self, accepted: list[int], path: list[int] | None = None) -> None:
         """The target accepted `accepted` (tokens of `path[1:]`, path = tree nodes from the root).
@@ -272,6 +280,20 @@ class _DraftGraph:
         return self.tokens
 
 
+class FusedDraftBuffers:
+    """The device state every FusedGreedyDraft of one drafter shares: the per-node states of the
+    last draft (`node_cache`, `capacity` rows), the next root token and the row to commit. Since
+    each draft reads the row its predecessor's iteration named, whatever tree that was, a policy
+    may switch trees between iterations with no copy at all."""
+
+    def __init__(self, drafter: "ModelDrafter", capacity: int):
+        device = drafter.model.device
+        self.capacity = capacity
+        self.node_cache = drafter.model.new_cache(capacity, drafter._max_len)
+        self.root = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.commit_row = torch.zeros(1, dtype=torch.long, device=device)
+
+
 class FusedGreedyDraft:
     """A greedy draft of one tree shape whose inputs and outputs stay on the device.
 
@@ -285,22 +307,24 @@ class FusedGreedyDraft:
     every node has its state and no accepted token is left to feed.
     """
 
-    def __init__(self, drafter: "ModelDrafter", shape: Tree):
+    def __init__(self, drafter: "ModelDrafter", shape: Tree, buffers: FusedDraftBuffers | None = None):
         if not self.supports(shape):
             raise ValueError(f"tree {shape.spec()} cannot be drafted on the device (needs depth-ordered nodes)")
         model = drafter.model
         device = model.device
         self.drafter, self.shape = drafter, shape
         self.levels = _levels(shape, device)
-        self.node_cache = model.new_cache(shape.num_nodes, drafter._max_len)
+        self.buffers = buffers or FusedDraftBuffers(drafter, shape.num_nodes)
+        if self.buffers.capacity < shape.num_nodes:
+            raise ValueError(f"tree {shape.spec()} has {shape.num_nodes} nodes; the buffers hold {self.buffers.capacity}")
+        self.node_cache = self.buffers.node_cache
         starts = [int(level.nodes[0]) for level in self.levels]
         self.level_rows = [self.node_cache.rows(start, len(level.nodes)) for start, level in zip(starts, self.levels)]
         # The rows before each level: its parents' states (disjoint from the level's own rows).
         self.above_rows = [self.node_cache.rows(0, start) for start in starts]
         self.parent_nodes = [torch.tensor([shape.parents[int(n)] for n in level.nodes.tolist()], device=device)
                              for level in self.levels]
-        self.root = torch.zeros(1, 1, dtype=torch.long, device=device)
-        self.commit_row = torch.zeros(1, dtype=torch.long, device=device)
+        self.root, self.commit_row = self.buffers.root, self.buffers.commit_row
         self.tokens = torch.zeros(shape.num_nodes, dtype=torch.long, device=device)
         # Each level's tokens as a view of `tokens` (its nodes are contiguous): the child picks write there.
         self.level_tokens = [self.tokens[start:start + len(level.nodes)] for start, level in zip(starts, self.levels)]
@@ -319,7 +343,10 @@ class FusedGreedyDraft:
 
     def hand_over(self, other: "FusedGreedyDraft") -> None:
         """Continue with `other`'s tree from where this draft's last iteration left off: commit
-        this draft's row into the drafter's state, and give `other` the next root."""
+        this draft's row into the drafter's state, and give `other` the next root (nothing to do
+        where both draft in the same buffers, as a ModelDrafter's drafts do)."""
+        if other.buffers is self.buffers:
+            return
         self.cache.gather_(self.node_cache, self.commit_row)
         other.node_cache.rows(0, 1).copy_(self.cache)
         other.commit_row.zero_()

@@ -315,8 +315,10 @@ def _fast_path(target: LanguageModel, cfg: GenerationConfig, max_len: int) -> _F
 
 
 def _trees(cfg: GenerationConfig) -> tuple:
-    """Every tree the loop may draft: the bandit's arms, or the one configured tree."""
-    return tuple(cfg.tree_policy.arms) if cfg.tree_policy is not None else (cfg.tree,)
+    """Every tree the loop may draft, largest first (drafters size shared buffers by the first):
+    the bandit's arms, or the one configured tree."""
+    trees = tuple(cfg.tree_policy.arms) if cfg.tree_policy is not None else (cfg.tree,)
+    return tuple(sorted(trees, key=lambda t: -t.num_nodes))
 
 
 class _PhaseClock:

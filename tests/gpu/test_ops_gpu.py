@@ -317,7 +317,7 @@ def test_ranked_tokens_gpu(vocab, dtype):
     from ssmspec.ops.ranked_tokens.triton import ranked_tokens
 
     x = torch.randn(6, vocab, device=DEV).to(dtype)
-    x[:, vocab // 2] = x[:, 7] = x.float().max(-1).values.to(dtype)  # a tie at the top of every row
+    x[:, vocab // 2] = x[:, 7] = (x.float().max(-1).values + 1).to(dtype)  # a tie above everything else
     rows = torch.tensor([0, 0, 0, 1, 2, 3, 4, 5, 5], device=DEV)
     ranks = torch.tensor([0, 1, 2, 0, 3, 7, 0, 1, 15], device=DEV)
     got = ranked_tokens(x, rows, ranks)
