@@ -71,7 +71,7 @@ def check_models_match_profile(profile, target, drafter, force: bool) -> list[st
 def tune_tree_command(
     target: Path = options.model_dir(..., "--target", help="Target model directory."),
     drafter: Path = options.model_dir(..., "--drafter", help="Drafter model directory (sharing the target's tokenizer)."),
-    prompts: Path = options.input_file(..., "--prompts", help="Prompts: .txt (one per line) or .jsonl[.gz] (field prompt/text)."),
+    prompts: Path = options.input_file(..., "--prompts", help="Prompts: .txt (one per line) or .jsonl[.gz] (field prompt or messages), as `ssmspec bench --prompts`."),
     profile: Path = typer.Option(..., "--profile", exists=True,
                                  help="The --out directory of `ssmspec profile` for this target and drafter, or its profile.json."),
     mode: str = options.choice(_D.mode, "--mode", choices=MODES, help="static, bandit, or both (write whichever decoded faster)."),
@@ -111,9 +111,9 @@ def tune_tree_command(
     from ssmspec.api import load_target
     from ssmspec.models.loading import check_same_vocab, load_model
     from ssmspec.ops import dispatch
-    from ssmspec.tokenization import encode_prompt, tokenizer_for
+    from ssmspec.benchmark.prompts import encode, read_prompts_file
+    from ssmspec.tokenization import tokenizer_for
     from ssmspec.tuning.static import CostModel
-    from ssmspec.tuning.stats import read_prompts
     from ssmspec.tuning.treefile import write_tree_file
     from ssmspec.tuning.tune import tune
 
@@ -124,7 +124,7 @@ def tune_tree_command(
     settings.validate()
     outputs.claim(out, "tune-tree", inputs={"--target": target, "--drafter": drafter, "--prompts": prompts,
                                             "--profile": profile}, overwrite=overwrite)
-    texts = read_prompts(prompts)
+    prompt_items = read_prompts_file(prompts)
     profile_file = profile / PROFILE_FILE if profile.is_dir() else profile
     prof = profiling.load_profile(profile_file)
     dispatch.set_backend(backend)
@@ -135,7 +135,7 @@ def tune_tree_command(
         console.print(f"[yellow]warning:[/] {warning}")
     cost = CostModel.from_profile(prof)
     tokenizer = tokenizer_for(loaded)
-    ids = [encode_prompt(tokenizer, t) for t in texts]
+    ids = [encode(tokenizer, p) for p in prompt_items]
 
     try:
         with console.status("tuning") as status:

@@ -138,7 +138,7 @@ def test_make_corpus_tool_writes_a_corpus_held_out_prompts_and_a_tokenizer(tmp_p
     records = [json.loads(line) for line in prompts.read_text().splitlines()]
     assert len(records) == 4
     for r in records:
-        assert r["text"].splitlines()[-1].startswith("def ") and r["text"] not in text
+        assert r["prompt"].splitlines()[-1].startswith("def ") and r["prompt"] not in text
     subprocess.run([*tool, "tokenizer", corpus, tokenizer, "--vocab", "300"], cwd=ROOT, check=True, capture_output=True)
     from transformers import AutoTokenizer
 

@@ -106,7 +106,7 @@ def test_generate_with_a_bandit_spec_is_lossless(workdir, monkeypatch, capsys):
     (["--candidates", "2,1;"], "empty candidate"),
     (["--candidates", "9,9"], "budget"),
     (["--mode", "dynamic"], "--mode"),
-    (["--prompts", "{empty}"], "no prompts"),
+    (["--prompts", "{empty}"], "no usable prompt"),
     (["--target", "{other}"], "profile was measured on"),
     (["--drafter", "{other}"], "timed drafter"),
 ])

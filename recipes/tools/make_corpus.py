@@ -58,7 +58,7 @@ def build_corpus(out: Path, megabytes: float) -> tuple[int, list[Path]]:
 
 
 def build_prompts(files: list[Path], n: int, out: Path, context_lines: int = 12) -> int:
-    """Write up to n prompts {"text": ...} to out: each file's first top-level def line and the lines before it."""
+    """Write up to n prompts {"prompt": ...} to out: each file's first top-level def line and the lines before it."""
     prompts = []
     for f in files:
         lines = (read(f) or "").splitlines()
@@ -68,7 +68,7 @@ def build_prompts(files: list[Path], n: int, out: Path, context_lines: int = 12)
         if len(prompts) == n:
             break
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps({"text": p}) + "\n" for p in prompts))
+    out.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     return len(prompts)
 
 

@@ -18,10 +18,8 @@ Measured along the target's own continuation of each prompt (from the public dec
 """
 from __future__ import annotations
 
-import gzip
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -78,37 +76,6 @@ class AcceptanceStats:
     def from_json(cls, d: dict) -> "AcceptanceStats":
         return cls(float(d["temperature"]), int(d["depth"]), int(d["width"]), [float(x) for x in d["reached"]],
                    [[float(x) for x in row] for row in d["accepted"]], int(d.get("prompts", 0)), int(d.get("tokens", 0)))
-
-
-def read_prompts(path: str | Path) -> list[str]:
-    """Prompts from a .txt (one per line) or .jsonl[.gz] (field prompt, text, or turns[0]) file."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"prompts file {path} does not exist")
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    prompts = []
-    if ".jsonl" in path.suffixes or ".json" in path.suffixes:
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{n} is not valid JSON ({e})") from None
-            text = rec.get("prompt", rec.get("text")) if isinstance(rec, dict) else None
-            if text is None and isinstance(rec, dict) and isinstance(rec.get("turns"), list) and rec["turns"]:
-                text = rec["turns"][0]
-            if not isinstance(text, str):
-                raise InputError(f"{path}:{n} has no string field 'prompt', 'text' or 'turns'")
-            prompts.append(text)
-    else:
-        prompts = lines
-    prompts = [p for p in prompts if p.strip()]
-    if not prompts:
-        raise InputError(f"prompts file {path} holds no prompts; write one prompt per line (.txt) or JSON lines with 'prompt'")
-    return prompts
 
 
 def rank_acceptance(draft_logits: torch.Tensor, next_ids: torch.Tensor, width: int) -> torch.Tensor:
