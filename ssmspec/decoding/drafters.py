@@ -101,7 +101,8 @@ class ModelDrafter:
         self._plans: dict = {}
         self._last = None  # the plan of the last draft, for `commit`
         self._max_len = 0
-        self._fused: dict = {}  # (tree parents, sampling params or None) -> FusedGreedyDraft (tied to the cache and the buffers)
+        # (tree parents, sampling params of sampled children or None) -> FusedGreedyDraft (tied to the cache, the buffers)
+        self._fused: dict = {}
         self._fused_buffers = None  # FusedDraftBuffers shared by the fused drafts
         self._prefill = None  # ChainPrefill on the cache (tied to it)
 
