@@ -583,3 +583,19 @@ def test_bandit_samples_on_the_device_side_iteration(sample_children):
     assert min(pulls) >= 1 and sum(pulls) == out.stats["target_calls"] and out.stats["new_tokens"] == 40
     assert {key[2] for key in fast_path_of(target).tree_graphs if key[0] == "fused"} == {sample_children}
     assert run(3).token_ids == out.token_ids
+
+
+def test_fused_drafts_are_keyed_by_how_children_are_chosen():
+    # Greedy drafts stay the top-k (no q, no noise); T > 0 gets a sampled draft in the same
+    # buffers; sample_children=False keeps the top-k at any temperature.
+    from ssmspec.decoding.sampling import SamplingParams
+
+    tree = Tree.from_config((2, 1))
+    for sample_children in (True, False):
+        drafter = ModelDrafter(tiny_model(TARGETS["mamba2"], seed=2), sample_children=sample_children, graphs=True)
+        drafter.begin(torch.tensor([[1, 2, 3]]), 64)
+        greedy = drafter.fused_draft(tree)
+        assert drafter.fused_draft(tree, SamplingParams()) is greedy and not greedy.sampled and greedy.q is None
+        hot = drafter.fused_draft(tree, SamplingParams(temperature=1.0))
+        assert hot.sampled == sample_children and (hot is greedy) == (not sample_children)
+        assert hot.buffers is greedy.buffers
