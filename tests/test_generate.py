@@ -187,18 +187,23 @@ def fast_path_of(target):
     return next(iter(target._ssmspec_fast_paths.values()))
 
 
-@pytest.mark.parametrize("tree, params", [(Tree.from_config((2, 2)), dict(temperature=1.0)),
-                                          (Tree.from_config((3, 1)), dict(temperature=0.8, top_k=3, top_p=0.9))],
-                         ids=["T1", "topk-topp"])
-def test_fused_fast_path_sampling_matches_the_target_distribution(sampling_pair, tree, params):
-    # Top-k drafts on the device, acceptance by exponential races: the whole iteration as one
-    # (here eager) graph must still sample the target exactly.
+@pytest.mark.parametrize("tree, params, sample_children", [
+    (Tree.from_config((2, 2)), dict(temperature=1.0), True),
+    (Tree.from_config((3, 1)), dict(temperature=1.0), True),
+    (Tree.from_config((3, 1)), dict(temperature=0.8, top_k=3, top_p=0.9), True),
+    (Tree.from_config((2, 2)), dict(temperature=1.0), False),
+], ids=["sampled-2,2-T1", "sampled-3,1-T1", "sampled-3,1-topk-topp", "topk-2,2-T1"])
+def test_fused_fast_path_sampling_matches_the_target_distribution(sampling_pair, tree, params, sample_children):
+    # The whole iteration as one (here eager) graph must sample the target exactly, with
+    # children drawn from the drafter and SpecInfer on the device (the default), or with top-k
+    # children and the naive rule's races (sample_children=False).
     from ssmspec.decoding.sampling import SamplingParams
 
     target, drafter_model, prompt = sampling_pair
-    drafter = ModelDrafter(drafter_model, graphs=True)  # kept across runs, as a server would
+    drafter = ModelDrafter(drafter_model, sample_children=sample_children, graphs=True)  # kept across runs
     counts = empirical(target, prompt, lambda: drafter, "stree", tree, FAST_RUNS, graphs=True, **params)
-    assert ("fused", tree.parents, SamplingParams(**params)) in fast_path_of(target).tree_graphs
+    iteration = fast_path_of(target).tree_graphs[("fused", tree.parents, sample_children, SamplingParams(**params))]
+    assert (iteration.verify.draft_q is not None) == sample_children
     assert chi_square_pvalue(counts, exact_joint(target, prompt, **params), FAST_RUNS) > 1e-3
 
 
@@ -210,13 +215,13 @@ def test_fast_path_per_call_iteration_sampling_matches_the_target_distribution(s
     target, drafter_model, prompt = sampling_pair
     tree, params = Tree.from_config((2, 1)), SamplingParams(temperature=1.0)
     drafter = ModelDrafter(drafter_model, sample_children=False, graphs=True)
-    drafter.fused_draft = lambda shape: None  # as for a tree the device-side draft cannot take
+    drafter.fused_draft = lambda shape, params=None: None  # as for a tree the device-side draft cannot take
     counts = empirical(target, prompt, lambda: drafter, "stree", tree, FAST_RUNS // 2, graphs=True)
     assert (tree.parents, params) in fast_path_of(target).tree_graphs
     assert chi_square_pvalue(counts, exact_joint(target, prompt), FAST_RUNS // 2) > 1e-3
 
     sampled = ModelDrafter(drafter_model, graphs=True)  # sample_children: drafts carry q
-    sampled.fused_draft = lambda shape: None
+    sampled.fused_draft = lambda shape, params=None: None
     generate(target, prompt, drafter=sampled, config=GenerationConfig(
         method="stree", tree=Tree.from_config((2, 2, 1)), max_new_tokens=8, temperature=1.0, graphs=True))
     assert (Tree.from_config((2, 2, 1)).parents, params) not in fast_path_of(target).tree_graphs
@@ -228,14 +233,21 @@ def test_autoregressive_fast_path_sampling_matches_the_target_distribution(sampl
     assert chi_square_pvalue(counts, exact_joint(target, prompt), FAST_RUNS // 2) > 1e-3
 
 
-def test_fast_path_sampling_check_has_power(sampling_pair, monkeypatch):
-    # The same end-to-end check rejects a fast path that takes the argmax where it should race.
-    from ssmspec.decoding import graphs
+@pytest.mark.parametrize("wrong", ["argmax-acceptance", "children-not-drawn"])
+def test_fast_path_sampling_check_has_power(sampling_pair, monkeypatch, wrong):
+    # The same end-to-end check rejects a fast path that takes the argmax where it should race
+    # (naive rule), or whose children are the drafter's argmax while SpecInfer takes them for
+    # draws from q (a child noise buffer never refilled).
+    from ssmspec.decoding import drafters, graphs
 
     target, drafter_model, prompt = sampling_pair
-    monkeypatch.setattr(graphs, "race_scores", lambda logits, params, noise: logits.float())
-    counts = empirical(target, prompt, lambda: ModelDrafter(drafter_model, graphs=True), "stree",
-                       Tree.from_config((2, 2)), 200, graphs=True)
+    if wrong == "argmax-acceptance":
+        monkeypatch.setattr(graphs, "race_scores", lambda logits, params, noise: logits.float())
+    else:
+        monkeypatch.setattr(drafters, "race_noise_", lambda noise, generator: noise.fill_(1.0))
+    sample_children = wrong != "argmax-acceptance"  # the races decide only for top-k children
+    counts = empirical(target, prompt, lambda: ModelDrafter(drafter_model, sample_children=sample_children, graphs=True),
+                       "stree", Tree.from_config((2, 2)), 200, graphs=True)
     assert chi_square_pvalue(counts, exact_joint(target, prompt), 200) < 1e-3
 
 
@@ -330,13 +342,15 @@ def test_race_acceptance_check_has_power(sampling_pair, monkeypatch, wrong):
     assert chi_square_pvalue(counts, iteration_outcomes(target, prompt, tree, tokens, params), ROWS) < 1e-3
 
 
-@pytest.mark.parametrize("method", ["ar", "stree"])
+@pytest.mark.parametrize("method", ["ar", "stree", "stree-topk"])
 def test_fast_path_sampling_is_reproducible_with_a_seed(sampling_pair, method):
     target, drafter_model, prompt = sampling_pair
-    drafter = ModelDrafter(drafter_model, graphs=True) if method == "stree" else None
+    drafter = None
+    if method != "ar":
+        drafter = ModelDrafter(drafter_model, sample_children=method == "stree", graphs=True)
 
     def ids(seed):
-        cfg = GenerationConfig(method=method, tree=Tree.from_config((2, 2)) if method == "stree" else None,
+        cfg = GenerationConfig(method=method.split("-")[0], tree=Tree.from_config((2, 2)) if drafter else None,
                                max_new_tokens=12, temperature=1.0, seed=seed, graphs=True)
         return generate(target, prompt, drafter=drafter, config=cfg).token_ids
 
@@ -516,3 +530,72 @@ def test_fused_drafts_of_one_drafter_share_their_buffers():
     larger = drafter.fused_draft(Tree.from_config((4, 3)))
     assert larger.buffers is not big.buffers and larger.buffers.capacity == 17
     assert drafter.fused_draft(Tree.from_config((1, 1))) is not small  # rebuilt on the new buffers
+
+
+def _close_pair(seed=1):
+    """A tiny target and a drafter close to it (its weights slightly perturbed), as a distilled pair."""
+    import copy
+
+    target = tiny_model(TARGETS["hybrid"], seed=seed)
+    drafter_model = copy.deepcopy(target)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for weight in drafter_model.parameters():
+            weight.add_(torch.randn(weight.shape, generator=g) * 0.02)
+    return target, drafter_model
+
+
+def test_sampled_children_are_accepted_more_often_than_top_k_at_temperature_1():
+    # The reason for SpecInfer on the device: at T=1 the naive rule accepts a child only when
+    # the target's own draw is among the top-k, while children drawn from a close drafter are
+    # accepted with probability ~ 1 - TV(p, q). Same prompts and seeds for both rules.
+    target, drafter_model = _close_pair()
+    mean = {}
+    for sample_children in (True, False):
+        drafter = ModelDrafter(drafter_model, sample_children=sample_children, graphs=True)
+        calls = tokens = 0
+        for seed, ids in enumerate(prompts(3, 10, 64)):
+            out = generate(target, ids, drafter=drafter, config=GenerationConfig(
+                method="stree", tree=Tree.from_config((3, 2, 1)), max_new_tokens=40, temperature=1.0, seed=seed,
+                graphs=True))
+            calls, tokens = calls + out.stats["target_calls"], tokens + out.stats["new_tokens"] - 1
+        mean[sample_children] = tokens / calls
+    print(f"tokens per call at T=1, stree 3,2,1: sampled children {mean[True]:.2f}, top-k {mean[False]:.2f}")
+    assert mean[True] > 1.5 * mean[False], mean
+
+
+@pytest.mark.parametrize("sample_children", [True, False])
+def test_bandit_samples_on_the_device_side_iteration(sample_children):
+    # At T=1 the bandit switches trees between fused iterations (drafts sharing their buffers):
+    # every pull is observed, the sampled drafts are used, and a seed gives the same ids.
+    from ssmspec.trees.tree import parse_tree_spec
+
+    target, drafter_model = _close_pair()
+    drafter = ModelDrafter(drafter_model, sample_children=sample_children, graphs=True)
+
+    def run(seed):
+        cfg = GenerationConfig(method="stree", tree=parse_tree_spec("bandit:2,1;1,1,1;3,2"), max_new_tokens=40,
+                               temperature=1.0, seed=seed, graphs=True)
+        return generate(target, prompts(1, 10, 64)[0], drafter=drafter, config=cfg)
+
+    out = run(3)
+    pulls = out.stats["tree_policy"]["pulls"]
+    assert min(pulls) >= 1 and sum(pulls) == out.stats["target_calls"] and out.stats["new_tokens"] == 40
+    assert {key[2] for key in fast_path_of(target).tree_graphs if key[0] == "fused"} == {sample_children}
+    assert run(3).token_ids == out.token_ids
+
+
+def test_fused_drafts_are_keyed_by_how_children_are_chosen():
+    # Greedy drafts stay the top-k (no q, no noise); T > 0 gets a sampled draft in the same
+    # buffers; sample_children=False keeps the top-k at any temperature.
+    from ssmspec.decoding.sampling import SamplingParams
+
+    tree = Tree.from_config((2, 1))
+    for sample_children in (True, False):
+        drafter = ModelDrafter(tiny_model(TARGETS["mamba2"], seed=2), sample_children=sample_children, graphs=True)
+        drafter.begin(torch.tensor([[1, 2, 3]]), 64)
+        greedy = drafter.fused_draft(tree)
+        assert drafter.fused_draft(tree, SamplingParams()) is greedy and not greedy.sampled and greedy.q is None
+        hot = drafter.fused_draft(tree, SamplingParams(temperature=1.0))
+        assert hot.sampled == sample_children and (hot is greedy) == (not sample_children)
+        assert hot.buffers is greedy.buffers

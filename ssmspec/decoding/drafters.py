@@ -15,7 +15,7 @@ from ssmspec.trees import Tree
 
 from ..models.lm import LanguageModel
 from ..ops import dispatch
-from .sampling import SamplingParams, probabilities
+from .sampling import SamplingParams, probabilities, race_noise_
 
 
 @dataclass
@@ -89,9 +89,10 @@ class ModelDrafter:
         self.model = model
         self.sample_children = sample_children
         """At temperature > 0, draw children i.i.d. from the drafter (exact via multi-step
-        speculative sampling); if False, take the top-k (exact via the naive rule). Where the
-        target has a fast path and the tree a device-side draft (FusedGreedyDraft), children are
-        the top-k at any temperature: drawing them would need the host."""
+        speculative sampling, on the host or, on the fast path, acceptance.speculative_accept_on_device);
+        if False, take the top-k (exact via the naive rule). Sampled children are accepted far more
+        often at high temperature: the naive rule accepts a child only when the target's own draw
+        happens to be one of the top-k."""
         self.graphs = graphs
         """Capture greedy drafts as CUDA graphs; None = when the model is on CUDA."""
         self.cache = None
@@ -100,7 +101,8 @@ class ModelDrafter:
         self._plans: dict = {}
         self._last = None  # the plan of the last draft, for `commit`
         self._max_len = 0
-        self._fused: dict = {}  # tree parents -> FusedGreedyDraft (tied to the cache and the buffers)
+        # (tree parents, sampling params of sampled children or None) -> FusedGreedyDraft (tied to the cache, the buffers)
+        self._fused: dict = {}
         self._fused_buffers = None  # FusedDraftBuffers shared by the fused drafts
         self._prefill = None  # ChainPrefill on the cache (tied to it)
 
@@ -135,20 +137,27 @@ class ModelDrafter:
         self.pending = []
         self._last = None
 
-    def fused_draft(self, shape: Tree) -> "FusedGreedyDraft | None":
-        """The device-side greedy draft of `shape` (see FusedGreedyDraft), or None where the
-        shape cannot be drafted that way; built once per shape and cache."""
+    def fused_draft(self, shape: Tree, params: SamplingParams | None = None) -> "FusedGreedyDraft | None":
+        """The device-side draft of `shape` (see FusedGreedyDraft) for sampling `params` (None:
+        greedy), or None where the shape cannot be drafted that way; built once per shape,
+        setting and cache. Its children are sampled when `params` samples and `sample_children`
+        is on, the top-k otherwise."""
         if not FusedGreedyDraft.supports(shape) or self.cache is None:
             return None
-        if shape.parents not in self._fused:
+        sampled = params if params is not None and not params.greedy and self.sample_children else None
+        key = (shape.parents, sampled)
+        if sampled is not None and any(k[1] not in (None, sampled) for k in self._fused):
+            # one sampling setting at a time (its q and noise buffers), as the fast path keeps its graphs
+            self._fused = {k: d for k, d in self._fused.items() if k[1] is None}
+        if key not in self._fused:
             if self._fused_buffers is None or self._fused_buffers.capacity < shape.num_nodes:
                 # Every tree drafts in one set of buffers (sized for the largest), so that a bandit
                 # switching trees hands nothing over; a larger tree starts a new set (and new drafts).
                 largest = max([shape.num_nodes] + [d.shape.num_nodes for d in self._fused.values()])
                 self._fused_buffers = FusedDraftBuffers(self, largest)
                 self._fused = {}
-            self._fused[shape.parents] = FusedGreedyDraft(self, shape, self._fused_buffers)
-        return self._fused[shape.parents]
+            self._fused[key] = FusedGreedyDraft(self, shape, self._fused_buffers, params=sampled)
+        return self._fused[key]
 
     def start_from(self, cache) -> None:
         """Continue from an existing committed cache (batch 1) instead of a prompt (profiling)."""
@@ -295,7 +304,8 @@ class FusedDraftBuffers:
 
 
 class FusedGreedyDraft:
-    """A greedy draft of one tree shape whose inputs and outputs stay on the device.
+    """A draft of one tree shape whose inputs and outputs stay on the device: top-k children
+    (greedy, or the naive rule at temperature > 0), or children sampled from the drafter.
 
     The drafter keeps its state after every node of the last draft, one cache row per node
     (`node_cache`; nodes of one depth are contiguous in packed order, so each depth is a view
@@ -305,9 +315,15 @@ class FusedGreedyDraft:
     iteration can be one CUDA graph (decoding/graphs.py SpeculativeIterationGraph). The deepest
     level is stepped as well (one batched drafter step more than `ModelDrafter.draft`), so that
     every node has its state and no accepted token is left to feed.
+
+    With sampling `params`, each node's children are drawn i.i.d. from its processed drafter
+    distribution q (`probabilities`, the target's SamplingParams) by exponential races over a
+    noise buffer that `draw_noise` refills eagerly before each run (no RNG inside a graph), and
+    `q` (N, V) keeps every non-leaf node's q for the acceptance (speculative_accept_on_device).
     """
 
-    def __init__(self, drafter: "ModelDrafter", shape: Tree, buffers: FusedDraftBuffers | None = None):
+    def __init__(self, drafter: "ModelDrafter", shape: Tree, buffers: FusedDraftBuffers | None = None,
+                 params: SamplingParams | None = None):
         if not self.supports(shape):
             raise ValueError(f"tree {shape.spec()} cannot be drafted on the device (needs depth-ordered nodes)")
         model = drafter.model
@@ -329,6 +345,27 @@ class FusedGreedyDraft:
         # Each level's tokens as a view of `tokens` (its nodes are contiguous): the child picks write there.
         self.level_tokens = [self.tokens[start:start + len(level.nodes)] for start, level in zip(starts, self.levels)]
         self.cache = drafter.cache  # the committed state this draft continues (captured by pointer)
+        self.params = params if params is not None and not params.greedy else None
+        self.q = self.child_noise = None
+        if self.params is not None:
+            vocab = model.config.vocab_size
+            self.q = torch.zeros(shape.num_nodes, vocab, device=device)  # q[u]: u's children's law (leaves: unused)
+            self.child_noise = torch.ones(shape.num_nodes, vocab, device=device)  # row c: node c's race
+            # Level i's parents are the nodes of depth i, contiguous: rows [start of depth i, start of level i).
+            parent_starts = [0] + starts[:-1]
+            self.level_q = [self.q[a:b] for a, b in zip(parent_starts, starts)]
+            self.level_noise = [self.child_noise[start:start + len(level.nodes)]
+                                for start, level in zip(starts, self.levels)]
+
+    @property
+    def sampled(self) -> bool:
+        """Children drawn from the drafter (accepted by speculative sampling), not the top-k."""
+        return self.params is not None
+
+    def draw_noise(self, generator: torch.Generator | None) -> None:
+        """Fresh Exp(1) noise for the next run's child draws (eager; nothing to do for top-k drafts)."""
+        if self.child_noise is not None:
+            race_noise_(self.child_noise, generator)
 
     @staticmethod
     def supports(shape: Tree) -> bool:
@@ -372,7 +409,8 @@ class FusedGreedyDraft:
 
     def draft_level(self, i: int, logits: torch.Tensor) -> torch.Tensor:
         """Level i + 1 (depth i + 1, W nodes) below the W_prev nodes of depth i: pick its tokens
-        from their logits, start each node's row as its parent's state, step them.
+        from their logits (top-k, or i.i.d. draws when sampling), start each node's row as its
+        parent's state, step them.
 
         Args:
             logits: (W_prev, V) logits of depth i's nodes (the root's for i = 0).
@@ -381,7 +419,13 @@ class FusedGreedyDraft:
         """
         level, rows = self.levels[i], self.level_rows[i]
         chosen = self.level_tokens[i]
-        dispatch.ranked_tokens(logits, level.parent_rows, level.ranks, out=chosen)  # one launch, into `tokens`
+        if self.params is None:
+            dispatch.ranked_tokens(logits, level.parent_rows, level.ranks, out=chosen)  # one launch, into `tokens`
+        else:
+            probs = probabilities(logits, self.params)  # (W_prev, V)
+            self.level_q[i].copy_(probs)
+            # each child its own race (sampling.race_scores) over its parent's q: i.i.d. siblings
+            chosen.copy_((probs[level.parent_rows] / self.level_noise[i]).argmax(-1))
         rows.gather_(self.above_rows[i], self.parent_nodes[i])  # each node's row starts as its parent's state
         return self.drafter.model.step(chosen[:, None], rows)[:, -1]
 

@@ -217,7 +217,7 @@ class _FastPath:
 
     def speculation(self, draft, params: SamplingParams) -> "SpeculativeIterationGraph":
         """The whole iteration with a device-side draft (drafters.FusedGreedyDraft)."""
-        key = ("fused", draft.shape.parents, params)
+        key = ("fused", draft.shape.parents, draft.sampled, params)
         kept = self.tree_graphs.get(key)
         if kept is None or kept.draft is not draft:  # a new draft object: its buffers moved
             self.tree_graphs[key] = SpeculativeIterationGraph(self.target, self.cache, draft, capture=self.capture,
@@ -412,17 +412,18 @@ def generate(
             accepted_per_call.append(1)
             clock.mark("host_s")
     elif fast is not None and isinstance(drafter, ModelDrafter) and all(
-            drafter.fused_draft(tree) is not None for tree in _trees(cfg)):
+            drafter.fused_draft(tree, cfg.sampling) is not None for tree in _trees(cfg)):
         # Draft, verify, accept, replay and the drafter's commit as one graph: one read-back a call.
-        # The drafts are top-k children at any temperature (a ModelDrafter's sample_children is
-        # not used here): exact for sampling under the deterministic-draft rule (graphs.GreedyTreeGraph).
+        # When sampling, the children are drawn from the drafter and accepted by speculative
+        # sampling on the device, or (sample_children=False) are its top-k, accepted by the naive
+        # rule's races (graphs.GreedyTreeGraph); both exact.
         policy = cfg.tree_policy
         if policy is not None:
             policy.begin_request()
         current = None
         while not out.done:
             tree = policy.choose() if policy is not None else cfg.tree
-            draft = drafter.fused_draft(tree)
+            draft = drafter.fused_draft(tree, cfg.sampling)
             iteration = fast.speculation(draft, cfg.sampling)
             if current is None:
                 draft.start(root)

@@ -12,8 +12,10 @@ their KV capacity allocated before capture (`new_cache(batch, max_len)` with max
 
 Sampling (temperature > 0) takes the same graphs: every argmax the captured work takes (the
 step's next token, greedy acceptance) is taken over `sampling.race_scores`, whose argmax is a
-draw from the processed distribution. The Exp(1) noise it reads is a static buffer refilled
-eagerly before each replay from the caller's generator: no RNG runs inside a captured graph.
+draw from the processed distribution; drafts with sampled children are accepted by
+multi-step speculative sampling (acceptance.speculative_accept_on_device) instead. The noise
+they read (Exp(1) draws, uniforms) lives in static buffers refilled eagerly before each replay
+from the caller's generator: no RNG runs inside a captured graph.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ import torch
 from ..models.cache import ModelCache
 from ..models.lm import LanguageModel
 from ..ops import dispatch, graph_tables
-from .sampling import SamplingParams, race_noise_, race_scores
+from .acceptance import children_table, speculative_accept_on_device
+from .sampling import SamplingParams, probabilities, race_noise_, race_scores
 
 GREEDY = SamplingParams()
 
@@ -121,6 +124,11 @@ class GreedyTreeGraph:
     the walk changes nothing, since only the draws on the walked path are ever used. Exact for
     drafts that are a function of the context (top-k children, n-grams), not for sampled children.
 
+    Sampled children (`draft_q`: the static (N, V) buffer where the draft keeps, per node, the
+    drafter distribution its children were drawn from i.i.d.) take multi-step speculative
+    sampling instead (acceptance.speculative_accept_on_device: every node's SpecInfer decision
+    up front, then the walk), with per-node-and-sibling uniforms and the bonus races as noise.
+
     Usage: `g = GreedyTreeGraph(model, cache, tree)`; `tokens, n = g(tree_tokens)` with
     tree_tokens (B, N) advances the cache over root + accepted nodes and returns the static
     buffers `tokens` (B, D+1) (accepted drafted tokens, the bonus, then 0s) and
@@ -128,7 +136,9 @@ class GreedyTreeGraph:
     """
 
     def __init__(self, model: LanguageModel, cache: ModelCache, tree, capture: bool = True,
-                 params: SamplingParams = GREEDY):
+                 params: SamplingParams = GREEDY, draft_q: torch.Tensor | None = None):
+        if draft_q is not None and params.greedy:
+            raise ValueError("a draft with sampled children (draft_q) needs sampling params (temperature > 0)")
         device = cache.seqlen.device
         self.model, self.cache, self.tree = model, cache, tree
         batch, n_nodes = cache.batch_size, tree.num_nodes
@@ -146,14 +156,23 @@ class GreedyTreeGraph:
         self.out_tokens = self.out_len = self.out_last = None  # out_last: (B,) deepest accepted node
         # greedy: the captured work is verify's raw logits into the acceptance, nothing more
         self.noise = None if params.greedy else torch.ones(batch, n_nodes, model.config.vocab_size, device=device)
+        self.draft_q = draft_q
+        if draft_q is not None:
+            self.children = children_table(tree, device)  # (N, K)
+            self.uniforms = torch.zeros(batch, n_nodes, self.children.shape[1], device=device)
 
         def iteration():
             # only argmaxes are taken: the logits may stay bf16 (no cast launch; the same argmax;
             # `probabilities` casts to fp32 when sampling)
             logits, acts = model.verify(self.tokens_in, tree, cache, float_logits=False)
-            scores = logits if self.noise is None else race_scores(logits, params, self.noise)
-            path, path_len, out, last = dispatch.greedy_accept(scores, self.tokens_in, self.parents, self.depth,
-                                                               self.mask, self.paths)
+            if self.draft_q is not None:
+                path, path_len, out, last = speculative_accept_on_device(
+                    probabilities(logits, params), self.draft_q.expand(batch, -1, -1), self.tokens_in,
+                    self.children, self.uniforms, self.noise, self.paths, self.depth)
+            else:
+                scores = logits if self.noise is None else race_scores(logits, params, self.noise)
+                path, path_len, out, last = dispatch.greedy_accept(scores, self.tokens_in, self.parents, self.depth,
+                                                                   self.mask, self.paths)
             model.replay(cache, acts, path, path_len)
             self.out_tokens, self.out_len, self.out_last = out, path_len, last
 
@@ -164,9 +183,11 @@ class GreedyTreeGraph:
                 self.graph = _warm_up_and_capture(iteration, cache)
 
     def draw_noise(self, generator: torch.Generator | None) -> None:
-        """Fresh Exp(1) noise for the next iteration's draws (eager; nothing to do when greedy)."""
+        """Fresh noise for the next iteration's draws (eager; nothing to do when greedy)."""
         if self.noise is not None:
             race_noise_(self.noise, generator)
+        if self.draft_q is not None:
+            self.uniforms.uniform_(generator=generator)
 
     def __call__(self, tree_tokens: torch.Tensor, generator: torch.Generator | None = None):
         """tree_tokens (B, N) -> (tokens (B, D+1), n (B,)) static buffers; see the class docstring.
@@ -242,12 +263,14 @@ class ChainPrefill:
 
 
 class SpeculativeIterationGraph:
-    """One whole speculative iteration, captured: the drafter's commit and greedy (top-k) draft
-    (decoding/drafters.py FusedGreedyDraft), then the target's verify, acceptance and replay
+    """One whole speculative iteration, captured: the drafter's commit and draft (decoding/
+    drafters.py FusedGreedyDraft), then the target's verify, acceptance and replay
     (GreedyTreeGraph), then the next root and commit row handed back to the drafter, all on
     the device. The host replays it and reads back the produced tokens once per iteration.
-    The drafts are top-k children whatever the temperature, so sampling (`params`, temperature
-    > 0) only changes the acceptance's scores (see GreedyTreeGraph): still exact.
+    Sampling (`params`, temperature > 0) with a top-k draft races the target's draws at every
+    node (the naive rule); with a sampled draft (`draft.sampled`) the children are races over
+    the drafter's q and the acceptance is multi-step speculative sampling (see GreedyTreeGraph).
+    Both are exact.
 
     Usage: `g = SpeculativeIterationGraph(target, cache, draft)`; `draft.start(root)` after the
     prefills; then each `tokens, n, last = g()` advances both models over the accepted path.
@@ -256,7 +279,10 @@ class SpeculativeIterationGraph:
     def __init__(self, model: LanguageModel, cache: ModelCache, draft, capture: bool = True,
                  params: SamplingParams = GREEDY):
         self.draft, self.cache = draft, cache
-        self.verify = GreedyTreeGraph(model, cache, draft.shape, capture=False, params=params)
+        draft_q = draft.q if draft.sampled else None
+        if draft_q is not None and draft.params != params:
+            raise ValueError("a sampled draft must draw with the target's sampling params")
+        self.verify = GreedyTreeGraph(model, cache, draft.shape, capture=False, params=params, draft_q=draft_q)
         verify = self.verify
 
         def iteration():
@@ -275,7 +301,8 @@ class SpeculativeIterationGraph:
 
     def __call__(self, generator: torch.Generator | None = None):
         """-> (tokens (1, D+1), n (1,), last (1,)) static buffers (see GreedyTreeGraph);
-        `generator` feeds the acceptance's draws when sampling."""
+        `generator` feeds the draft's and the acceptance's draws when sampling."""
+        self.draft.draw_noise(generator)
         self.verify.draw_noise(generator)
         _run(self.graph, self._iteration, self.cache)
         return self.verify.out_tokens, self.verify.out_len, self.verify.out_last
