@@ -16,7 +16,8 @@
 # speedup.
 # Usage: bash recipes/gpu_selftrained.sh [WORKDIR]   (default: runs/gpu-selftrained; run from the
 #   repository root). Sizes can be changed through the environment, e.g. SFT_STEPS=1000 or
-#   DEVICE=cpu DTYPE=fp32 MAMBA_PRESET=tiny DRAFTER_PRESET=tiny (a quick check without a GPU).
+#   DEVICE=cpu DTYPE=fp32 MAMBA_PRESET=tiny DRAFTER_PRESET=tiny (a quick check without a GPU);
+#   PAIRS=mamba2 makes and benchmarks only the pure Mamba-2 pair.
 # Outputs, all in WORKDIR: corpus/, prompts.jsonl (tuning prompts from stdlib files outside the
 # corpus), tokenizer/, and per pair (mamba2/, hybrid/): target/, drafter/, profile/, tune/tree.json,
 # bench-t0/ and bench-t1/ (report.md, summary.json, results.jsonl).
@@ -37,6 +38,13 @@ mamba_preset="${MAMBA_PRESET:-mamba2-130m}"
 hybrid_preset="${HYBRID_PRESET:-tiny-hybrid}"
 drafter_preset="${DRAFTER_PRESET:-drafter-2l}"
 hybrid_drafter_preset="${HYBRID_DRAFTER_PRESET:-tiny}"
+pairs="${PAIRS:-mamba2 hybrid}"
+for name in $pairs; do
+  if [ "$name" != mamba2 ] && [ "$name" != hybrid ]; then
+    echo "PAIRS: unknown pair '$name' (mamba2, hybrid)" >&2
+    exit 2
+  fi
+done
 mkdir -p "$work/.stages"
 rerun=0
 
@@ -101,11 +109,16 @@ pair() {
   done
 }
 
-pair mamba2 "$mamba_preset" "$drafter_preset"
-pair hybrid "$hybrid_preset" "$hybrid_drafter_preset"
+for name in $pairs; do
+  if [ "$name" = mamba2 ]; then
+    pair mamba2 "$mamba_preset" "$drafter_preset"
+  else
+    pair hybrid "$hybrid_preset" "$hybrid_drafter_preset"
+  fi
+done
 
 echo "== results"
-for name in mamba2 hybrid; do
+for name in $pairs; do
   for t in 0 1; do
     echo "-- $name, T=$t ($work/$name/bench-t$t/report.md)"
     sed -n '/^## Results/,/^## Losslessness/{/^## Losslessness/d;p}' "$work/$name/bench-t$t/report.md"
