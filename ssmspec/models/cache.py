@@ -138,15 +138,13 @@ class ModelCache:
 
     def reset_(self) -> None:
         """Empty the cache in place (tensors keep their storage, so captured graphs stay valid)."""
-        for layer in self.layers:
-            if layer is None:
-                continue
-            for t in vars(layer).values():
-                if t is not None:
-                    t.zero_()
-        self.seqlen.zero_()
+        tensors = [t for layer in self.layers if layer is not None for t in vars(layer).values() if t is not None]
+        tensors.append(self.seqlen)
         if self.pending_count is not None:
-            self.pending_count.zero_()
+            tensors.append(self.pending_count)
+        # one multi-tensor launch per dtype instead of one per tensor (~60 for a 24-layer target:
+        # 0.4 ms of a prefill on the H100)
+        torch._foreach_zero_(tensors)
         self.pending_dirty = False
 
     def clone(self) -> "ModelCache":
