@@ -119,7 +119,7 @@ def test_top_p_and_top_k_processing():
 
 from scipy.stats import chi2_contingency, chisquare  # noqa: E402
 
-from ssmspec.decoding import acceptance  # noqa: E402
+from ssmspec.ops.sampled_accept import naive as sampled_accept_naive  # noqa: E402
 from ssmspec.decoding.acceptance import children_table, speculative_accept_on_device  # noqa: E402
 
 SV = 4  # vocabulary of the exactness checks: every sequence of D + 1 tokens is a cell
@@ -233,7 +233,7 @@ def test_speculative_accept_on_device_check_has_power(monkeypatch, wrong):
     p_tables = _prefix_tables(1, tree.max_depth, False, POWER["scale"])
     q_tables = _prefix_tables(2, tree.max_depth, False, POWER["scale"])
     if wrong == "no-residual":
-        monkeypatch.setattr(acceptance, "rejection_residual", lambda r, q: r)
+        monkeypatch.setattr(sampled_accept_naive, "rejection_residual", lambda r, q: r)
     out, path_len = _device_iteration(tree, p_tables, q_tables, rows, seed=3, shared_uniform=wrong == "shared-uniform")
     reference = q_tables if wrong == "drafter-as-target" else p_tables
     counts = _completed_counts(out, path_len, reference, seed=4)

@@ -422,10 +422,9 @@ class FusedGreedyDraft:
         if self.params is None:
             dispatch.ranked_tokens(logits, level.parent_rows, level.ranks, out=chosen)  # one launch, into `tokens`
         else:
-            probs = probabilities(logits, self.params)  # (W_prev, V)
-            self.level_q[i].copy_(probs)
-            # each child its own race (sampling.race_scores) over its parent's q: i.i.d. siblings
-            chosen.copy_((probs[level.parent_rows] / self.level_noise[i]).argmax(-1))
+            self.level_q[i].copy_(probabilities(logits, self.params))  # (W_prev, V)
+            # each child its own race (sampling.race_scores) over its parent's q: i.i.d. siblings; one launch
+            dispatch.race_tokens(self.level_q[i], level.parent_rows, self.level_noise[i], out=chosen)
         rows.gather_(self.above_rows[i], self.parent_nodes[i])  # each node's row starts as its parent's state
         return self.drafter.model.step(chosen[:, None], rows)[:, -1]
 

@@ -9,7 +9,8 @@ from . import paths
 from .chunk_scan.naive import naive_chunk_scan
 from .gemv.naive import naive_linear, naive_norm_linear
 from .greedy_accept.naive import naive_greedy_accept
-from .ranked_tokens.naive import naive_ranked_tokens
+from .ranked_tokens.naive import naive_race_tokens, naive_ranked_tokens
+from .sampled_accept.naive import naive_sampled_accept
 from .state_replay.naive import (
     naive_advance_positions,
     naive_replay_states,
@@ -49,6 +50,8 @@ _REFERENCE = {
     "norm_linear": naive_norm_linear,
     "greedy_accept": naive_greedy_accept,
     "ranked_tokens": naive_ranked_tokens,
+    "race_tokens": naive_race_tokens,
+    "sampled_accept": naive_sampled_accept,
 }
 
 
@@ -167,6 +170,17 @@ def norm_linear(x, weight, bias=None, norm_groups=1, eps=1e-5, residual=None, x_
 def ranked_tokens(logits, rows, ranks, out=None):
     """The drafter's children: out[i] = the ranks[i]-th best token of logits[rows[i]] (ties: lower id)."""
     return resolve("ranked_tokens", logits.device)(logits, rows, ranks, out)
+
+
+def race_tokens(probs, rows, noise, out=None):
+    """The drafter's sampled children: out[i] = argmax_v probs[rows[i], v] / noise[i, v], a draw
+    from row rows[i] (the exponential race; ties: lower id)."""
+    return resolve("race_tokens", probs.device)(probs, rows, noise, out)
+
+
+def sampled_accept(p, q, tokens, children, uniforms, noise, paths, depth):
+    """Multi-step speculative sampling on the device: (path, path_len, produced tokens, last node)."""
+    return resolve("sampled_accept", p.device)(p, q, tokens, children, uniforms, noise, paths, depth)
 
 
 def greedy_accept(logits, tokens, parents, depth, mask, paths):

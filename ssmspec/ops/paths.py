@@ -67,6 +67,8 @@ TRITON_KERNELS = {
     "norm_linear": ("ssmspec.ops.gemv.triton", "norm_linear"),
     "greedy_accept": ("ssmspec.ops.greedy_accept.triton", "greedy_accept"),
     "ranked_tokens": ("ssmspec.ops.ranked_tokens.triton", "ranked_tokens"),
+    "race_tokens": ("ssmspec.ops.ranked_tokens.triton", "race_tokens"),
+    "sampled_accept": ("ssmspec.ops.sampled_accept.triton", "sampled_accept"),
 }
 """op -> (module, function) of its Triton kernel; the ops not listed (chunk_scan) have none."""
 

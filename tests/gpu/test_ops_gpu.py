@@ -323,3 +323,48 @@ def test_ranked_tokens_gpu(vocab, dtype):
     got = ranked_tokens(x, rows, ranks)
     assert torch.equal(got, naive_ranked_tokens(x, rows, ranks))
     assert (got[rows == 0][:2] == torch.tensor([7, vocab // 2], device=DEV)).all()
+
+
+@pytest.mark.parametrize("vocab", [8192, 131072])
+@pytest.mark.parametrize("spec", [(1, 1, 1, 1, 1), (3, 2, 1)])
+def test_sampled_accept_gpu(vocab, spec):
+    """Multi-step speculative sampling at real vocabularies: the kernel's path and bonus are the
+    reference's from the same uniforms and noise (a rejection's residual sum may round apart:
+    allow one row in a hundred to differ)."""
+    from ssmspec.decoding.acceptance import children_table
+    from ssmspec.ops.sampled_accept.naive import naive_sampled_accept
+    from ssmspec.ops.sampled_accept.triton import sampled_accept
+    from ssmspec.trees import Tree
+
+    tree = Tree.from_config(spec)
+    batch, n = 64, tree.num_nodes
+    g = torch.Generator(device=DEV).manual_seed(vocab)
+    # peaked distributions over a few hundred tokens, so acceptances and rejections both occur
+    p = torch.softmax(torch.randn(batch, n, vocab, device=DEV, generator=g) * 6, -1)
+    q = torch.softmax(torch.randn(batch, n, vocab, device=DEV, generator=g) * 6, -1)
+    tokens = torch.zeros(batch, n, dtype=torch.long, device=DEV)
+    for u in range(1, n):
+        tokens[:, u] = torch.multinomial(q[:, tree.parents[u]], 1, generator=g)[:, 0]
+    children = children_table(tree, DEV)
+    uniforms = torch.rand(batch, n, children.shape[1], device=DEV, generator=g)
+    noise = torch.empty(batch, n, vocab, device=DEV).exponential_(generator=g)
+    paths = torch.zeros(n, tree.max_depth + 1, dtype=torch.long)
+    for i in range(n):
+        paths[i, :len(tree.path(i))] = torch.tensor(tree.path(i))
+    args = (p, q, tokens, children, uniforms, noise, paths.to(DEV), tree.depth_tensor(DEV))
+    want, got = naive_sampled_accept(*args), sampled_accept(*args)
+    same = (got[2] == want[2]).all(-1) & (got[1] == want[1])
+    assert int(same.sum()) >= batch - 1
+    assert len(set(want[1].tolist())) > 1
+
+
+@pytest.mark.parametrize("vocab", [8192, 131072])
+def test_race_tokens_gpu(vocab):
+    """The drafter's raced children at real vocabularies against the reference."""
+    from ssmspec.ops.ranked_tokens.naive import naive_race_tokens
+    from ssmspec.ops.ranked_tokens.triton import race_tokens
+
+    probs = torch.softmax(torch.randn(5, vocab, device=DEV) * 3, -1)
+    rows = torch.tensor([0, 0, 1, 2, 4, 4, 4], device=DEV)
+    noise = torch.empty(7, vocab, device=DEV).exponential_()
+    assert torch.equal(race_tokens(probs, rows, noise), naive_race_tokens(probs, rows, noise))

@@ -27,3 +27,21 @@ def naive_ranked_tokens(logits: torch.Tensor, rows: torch.Tensor, ranks: torch.T
         return picked
     out.copy_(picked)
     return out
+
+
+def naive_race_tokens(probs: torch.Tensor, rows: torch.Tensor, noise: torch.Tensor,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """out[i] = argmax_v probs[rows[i], v] / noise[i, v] (the first index among equals).
+
+    With noise i.i.d. Exp(1) this is a draw from row rows[i] (decoding/sampling.race_scores): how
+    a drafter samples its children i.i.d. from their parent's distribution on the device.
+
+    Args:
+        probs: (R, V) fp32 distributions. rows: (W,) int64. noise: (W, V) fp32, positive.
+        out: an optional (W,) int64 tensor to write into (returned).
+    """
+    picked = (probs.float()[rows] / noise).argmax(-1)
+    if out is None:
+        return picked
+    out.copy_(picked)
+    return out

@@ -72,3 +72,53 @@ def ranked_tokens(logits: torch.Tensor, rows: torch.Tensor, ranks: torch.Tensor,
         BLOCK_V=block_v, num_warps=8 if block_v >= 4096 else 4, **pdl_args(logits.device),
     )
     return out
+
+
+@triton.jit
+def _race_tokens_kernel(
+    probs_ptr, rows_ptr, noise_ptr, out_ptr,
+    V, spr, snr, sout,
+    BLOCK_V: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    i = tl.program_id(0)
+    base = probs_ptr + tl.load(rows_ptr + i).to(tl.int64) * spr
+    noise = noise_ptr + i.to(tl.int64) * snr
+    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    arg = tl.full([BLOCK_V], _NO_INDEX, tl.int32)
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        mask = offs < V
+        s = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32) / tl.load(noise + offs, mask=mask, other=1.0)
+        take = mask & ((s > best) | (arg == _NO_INDEX))  # strictly greater: a lane keeps its earlier index
+        best = tl.where(take, s, best)
+        arg = tl.where(take, offs, arg)
+    top = tl.max(best, axis=0)
+    pick = tl.min(tl.where((best == top) & (arg != _NO_INDEX), arg, _NO_INDEX), axis=0)
+    tl.store(out_ptr + i * sout, pick.to(tl.int64))
+
+
+def race_tokens(probs: torch.Tensor, rows: torch.Tensor, noise: torch.Tensor,
+                out: torch.Tensor | None = None, *, block_v: int | None = None) -> torch.Tensor:
+    """One launch of `naive_race_tokens` (same contract): the row gather, the division and the
+    argmax of the torch version (four launches with the copy into `out`) in one pass per child."""
+    if probs.dim() != 2 or probs.stride(1) != 1 or noise.dim() != 2 or noise.stride(1) != 1:
+        raise ValueError(f"race_tokens: probs (R, V) and noise (W, V) need a unit last stride, "
+                         f"got {tuple(probs.shape)} and {tuple(noise.shape)}")
+    if noise.dtype != torch.float32 or noise.shape != (rows.shape[0], probs.shape[1]):
+        raise ValueError(f"race_tokens: noise must be ({rows.shape[0]}, {probs.shape[1]}) fp32, got "
+                         f"{tuple(noise.shape)} {noise.dtype}")
+    width, vocab = rows.shape[0], probs.shape[1]
+    if out is None:
+        out = torch.empty(width, dtype=torch.long, device=probs.device)
+    if width == 0:
+        return out
+    block_v = block_v or min(BLOCK_V, max(16, triton.next_power_of_2(vocab)))
+    _race_tokens_kernel[(width,)](
+        probs, rows, noise, out,
+        vocab, probs.stride(0), noise.stride(0), out.stride(0),
+        BLOCK_V=block_v, num_warps=8 if block_v >= 4096 else 4, **pdl_args(probs.device),
+    )
+    return out
