@@ -30,10 +30,11 @@ def fold_norm_weights_(model: nn.Module) -> nn.Module:
 
 
 def fold_for_kernels(*models) -> None:
-    """Fold each model (None and drafters that are not language models, without
+    """Fold, in place, each model (None and drafters that are not language models, without
     `fold_norm_weights_`, are skipped) whose device runs the fused-norm kernels under the current
-    backend; the reference path is left as it is. Decoding (`generate`) and `profile` call it so
-    that they run, and time, the same path."""
+    backend; the reference path is left as it is. Only code that takes charge of the caller's
+    models calls it: decoding's `Engine` (decoding/engine.py) and `run_profile`, so that they
+    run, and time, the same path; `generate` does not."""
     for model in models:
         if hasattr(model, "fold_norm_weights_") and dispatch.uses_kernel("norm_linear", model.device):
             fold_norm_weights_(model)
@@ -41,7 +42,9 @@ def fold_for_kernels(*models) -> None:
 
 def is_folded(norm: nn.Module) -> bool:
     """Whether `norm`'s weight is the ones that folding left (not modified since, e.g. by training
-    or a state-dict load, which bump the tensor's version). Costs no device work."""
+    or a state-dict load, which bump the tensor's version). Costs no device work: folding records
+    the weight's address and version on the norm module (`_folded_version`), the only mark it
+    leaves besides the weights themselves."""
     return getattr(norm, "_folded_version", None) == (norm.weight.data_ptr(), norm.weight._version)
 
 
