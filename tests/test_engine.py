@@ -174,3 +174,22 @@ def test_no_module_container_grows_across_generations(graphs):
     run_all()
     run_all()
     assert not grown(before, container_sizes())
+
+
+def test_generate_text_runs_on_a_held_engine(tmp_path):
+    from ssmspec.api import generate_text
+    from ssmspec.errors import InputError
+    from ssmspec.models.loading import LoadedModel
+
+    loaded = LoadedModel(tiny_model(TARGET, vocab_size=256, seed=9), None, "ssmspec", tmp_path)
+    drafter = NgramDrafter()
+    cfg = GenerationConfig(method="stree", tree=Tree.from_config((2, 1)), max_new_tokens=12, graphs=True)
+    once = generate_text(loaded, "abcabcab", drafter=drafter, config=cfg)
+    engine = Engine(loaded.model, drafter)
+    for _ in range(2):
+        held = generate_text(loaded, "abcabcab", engine=engine, config=cfg)
+        assert held.token_ids == once.token_ids and held.text == once.text
+    with pytest.raises(InputError, match="another model"):
+        generate_text(loaded, "abc", engine=Engine(tiny_model(TARGET, vocab_size=256, seed=9)), config=cfg)
+    with pytest.raises(InputError, match="give the drafter to the Engine"):
+        generate_text(loaded, "abc", drafter=NgramDrafter(), engine=engine, config=cfg)
