@@ -193,3 +193,15 @@ def test_generate_text_runs_on_a_held_engine(tmp_path):
         generate_text(loaded, "abc", engine=Engine(tiny_model(TARGET, vocab_size=256, seed=9)), config=cfg)
     with pytest.raises(InputError, match="give the drafter to the Engine"):
         generate_text(loaded, "abc", drafter=NgramDrafter(), engine=engine, config=cfg)
+
+
+def test_folding_drops_the_one_launch_decisions_made_unfolded():
+    # A GPU model run unfolded first (by generate) decided "no one-launch kernel: norms not
+    # folded"; once an Engine folds it, that decision must be made again.
+    target = model(TARGET, 1)
+    decided = target.one_launch
+    target.fold_norm_weights_()
+    assert target.one_launch is not decided
+    again = target.one_launch
+    target.fold_norm_weights_()  # nothing folded: the decisions stand
+    assert target.one_launch is again

@@ -17,15 +17,24 @@ from ..ops import dispatch
 def fold_norm_weights_(model: nn.Module) -> nn.Module:
     """Fold, in place, each Mamba sublayer's pre-norm into in_proj and its gated norm into
     out_proj, and each MLP sublayer's pre-norm into its up (and gate) projection. Idempotent.
-    Attention sublayers and the final norm keep their weights. Returns the model."""
+    Attention sublayers and the final norm keep their weights. Returns the model.
+
+    Whether the one-launch kernels run a model depends on its norms being folded (ops/paths.py),
+    and the model decides that once (`one_launch`): folding anything drops those decisions while
+    no runner is built (a graph captured with a runner keeps reading it), so that a model run
+    unfolded before (by `generate`) takes those kernels once an Engine folds it."""
+    folded = False
     with torch.no_grad():
         for layer in model.layers:
             if layer.kind == "mamba":
-                _fold(layer.norm, [layer.mixer.in_proj])
-                _fold(layer.mixer.norm, [layer.mixer.out_proj])
+                folded |= _fold(layer.norm, [layer.mixer.in_proj])
+                folded |= _fold(layer.mixer.norm, [layer.mixer.out_proj])
             elif layer.kind == "mlp":
                 mlp = layer.mixer
-                _fold(layer.norm, [mlp.up_proj] + ([mlp.gate_proj] if mlp.cfg.gated else []))
+                folded |= _fold(layer.norm, [mlp.up_proj] + ([mlp.gate_proj] if mlp.cfg.gated else []))
+    runners = getattr(model, "one_launch", None)
+    if folded and runners is not None and all(runners.kept(k, model.device) is None for k in ("step", "verify")):
+        model.one_launch = type(runners)()
     return model
 
 
@@ -48,11 +57,13 @@ def is_folded(norm: nn.Module) -> bool:
     return getattr(norm, "_folded_version", None) == (norm.weight.data_ptr(), norm.weight._version)
 
 
-def _fold(norm: nn.Module, linears: list[nn.Linear]) -> None:
+def _fold(norm: nn.Module, linears: list[nn.Linear]) -> bool:
+    """Fold `norm` into `linears` unless it is folded already; whether it folded."""
     if is_folded(norm):
-        return
+        return False
     w = norm.weight.float()
     for linear in linears:
         linear.weight.copy_((linear.weight.float() * w[None, :]).to(linear.weight.dtype))
     norm.weight.fill_(1.0)
     norm._folded_version = (norm.weight.data_ptr(), norm.weight._version)
+    return True
