@@ -359,16 +359,18 @@ def generate(
     on_tokens: Callable[[list[int]], None] | None = None,
 ) -> GenerationResult:
     """Generate from `input_ids` (a list of ids or a (1, T) tensor) with the configured method,
-    leaving `target` (and the drafter's model) exactly as it found them.
+    leaving `target` (and the drafter's model) as it found them: the same weights, no attribute
+    added. (On a GPU the model's `one_launch` decisions and runners, ops/paths.py, are made on
+    first use whoever runs it, and stay with the model.)
 
     Nothing is kept between calls: the target's cache and its CUDA graphs are made for this call
     and dropped after it (on a GPU every call captures its graphs again, the cost of a first
-    call), and
-    the norm weights are not folded into the projections, so a model that was never folded runs
-    the kernels with its norms apart (a few launches more per layer). Callers that generate
-    repeatedly hold an `Engine` (decoding/engine.py) instead, which prepares the models once and
-    keeps its buffers and graphs. A ModelDrafter keeps its own buffers between calls: it is an
-    object the caller holds.
+    call). Nor are the norm weights folded into the projections: a model that was never folded
+    runs its norms apart from its projections (on a GPU a launch more per norm, and without the
+    one-launch CUDA kernels): it computes the model as the caller holds it, where folding would
+    move a bf16 model's logits by rounding. Callers that generate repeatedly hold an `Engine`
+    (decoding/engine.py) instead, which prepares the models once and keeps its buffers and
+    graphs. A ModelDrafter keeps its own buffers between calls: it is an object the caller holds.
 
     Args:
         target: the model whose outputs are reproduced exactly.
