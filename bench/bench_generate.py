@@ -1,4 +1,4 @@
-"""End-to-end `generate` on the GPU: ar / chain / stree through the CUDA-graph fast path.
+"""End-to-end `Engine.generate` on the GPU: ar / chain / stree through the CUDA-graph fast path.
 
 Run on a CUDA machine from the repository root (after `pip install --no-deps --no-build-isolation -e .`):
 
@@ -25,19 +25,20 @@ import time
 
 import torch
 
-from ssmspec.decoding import GenerationConfig, ModelDrafter, generate
+from ssmspec.decoding import Engine, GenerationConfig, ModelDrafter
 from ssmspec.models.presets import build_model
 from ssmspec.trees import Tree
 
 
 def timed(target, ids, drafter, cfg, repeats=3):
     """The fastest of `repeats` whole calls after a warm-up one: (its result, its seconds)."""
-    generate(target, ids, drafter=drafter, config=cfg)  # warm-up: compiles kernels, captures graphs
+    engine = Engine(target, drafter)
+    engine.generate(ids, cfg)  # warm-up: compiles kernels, captures graphs
     best = None
     for _ in range(repeats):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        out = generate(target, ids, drafter=drafter, config=cfg)
+        out = engine.generate(ids, cfg)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         if best is None or elapsed < best[1]:
@@ -51,14 +52,14 @@ def exactness(rows):
     g = torch.Generator().manual_seed(0)
     for p in range(3):
         ids = torch.randint(0, 50000, (48,), generator=g).tolist()
-        ref = generate(target, ids, config=GenerationConfig(method="ar", max_new_tokens=40, graphs=False)).token_ids
+        ref = Engine(target).generate(ids, GenerationConfig(method="ar", max_new_tokens=40, graphs=False)).token_ids
         for method, tree in [("ar", None), ("chain", Tree.chain(4)), ("stree", Tree.from_config((3, 2, 1)))]:
             for graphs in (False, True):
                 drafters = [("none", None)] if method == "ar" else [("drafter-2l", other), ("self", target)]
                 for name, dm in drafters:
                     drafter = None if dm is None else ModelDrafter(dm, graphs=graphs)
-                    out = generate(target, ids, drafter=drafter,
-                                   config=GenerationConfig(method=method, tree=tree, max_new_tokens=40, graphs=graphs))
+                    out = Engine(target, drafter).generate(
+                        ids, GenerationConfig(method=method, tree=tree, max_new_tokens=40, graphs=graphs))
                     rows.append({"prompt": p, "method": method, "graphs": graphs, "drafter": name,
                                  "equal": out.token_ids == ref, "mean_accepted": out.stats["mean_accepted"]})
     return all(r["equal"] for r in rows)

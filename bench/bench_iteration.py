@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from ssmspec.decoding import GenerationConfig, ModelDrafter, generate
+from ssmspec.decoding import Engine, GenerationConfig, ModelDrafter
 from ssmspec.models.presets import build_model
 from ssmspec.trees import Tree
 
@@ -35,12 +35,13 @@ DEFAULT_TREES = "1,1,1,1;1,1,1,1,1;3,2,1;3,3,2,1;3,2,2,1,1;2,2,2,1,1,1"
 
 def timed_calls(target, ids, drafter, cfg, repeats: int) -> dict:
     """The fastest of `repeats` whole calls after a warm-up call: ms per decode call, prefill ms."""
-    generate(target, ids, drafter=drafter, config=cfg)  # compiles kernels, captures graphs
+    engine = Engine(target, drafter)
+    engine.generate(ids, cfg)  # compiles kernels, captures graphs
     best = None
     for _ in range(repeats):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        out = generate(target, ids, drafter=drafter, config=cfg)
+        out = engine.generate(ids, cfg)
         elapsed = time.perf_counter() - start
         decode = elapsed - out.stats["prefill_s"]
         row = {"ms_per_call": 1000 * decode / out.stats["target_calls"], "prefill_ms": 1000 * out.stats["prefill_s"],

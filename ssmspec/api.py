@@ -1,12 +1,13 @@
 """The small Python API the CLI wraps: load a target and a drafter, generate text.
 
     from ssmspec.api import load_target, load_drafter, generate_text
-    from ssmspec.decoding import GenerationConfig
+    from ssmspec.decoding import Engine, GenerationConfig
     from ssmspec.trees import Tree
 
     target = load_target("runs/target")
     drafter = load_drafter("runs/drafter", target)          # or "ngram"
-    result = generate_text(target, "def fib(n):", drafter=drafter,
+    engine = Engine(target.model, drafter)                  # once: prepares the models, keeps the graphs
+    result = generate_text(target, "def fib(n):", engine=engine,
                            config=GenerationConfig(method="stree", tree=Tree.from_config((3, 2, 1))))
     print(result.text, result.stats["mean_accepted"])
 """
@@ -17,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from .decoding import GenerationConfig, GenerationResult, ModelDrafter, NgramDrafter, generate
+from .decoding import Engine, GenerationConfig, GenerationResult, ModelDrafter, NgramDrafter
 from .errors import InputError
 from .limits import check_context, declared_context
 from .models.loading import LoadedModel, check_same_vocab, load_model
@@ -55,11 +56,22 @@ def generate_text(
     config: GenerationConfig | None = None,
     chat: bool = False,
     on_text: Callable[[str], None] | None = None,
+    engine: Engine | None = None,
 ) -> GenerationResult:
     """Tokenize, generate, detokenize. `on_text` receives text as it is accepted (streaming).
 
+    Decodes with `engine`, an Engine made once from target.model and the drafter (which then
+    comes from it: leave `drafter` out or give the engine's), to keep its graphs and buffers
+    across calls; without one, an Engine made for this call from `drafter`, which prepares
+    target.model for the kernels in place as an Engine does (decoding/engine.py).
     On the CPU it first sets torch's thread count for decoding (ssmspec.runtime.configure_threads)
     and reports it as stats["cpu_threads"]."""
+    if engine is not None:
+        if engine.target is not target.model:
+            raise InputError("the engine was made for another model than this target; make it with Engine(target.model, drafter)")
+        if drafter is not None and drafter is not engine.drafter:
+            raise InputError("give the drafter to the Engine (Engine(target.model, drafter)), not to generate_text as well")
+        drafter = engine.drafter
     config = config or GenerationConfig(method="stree" if drafter is not None else "ar")
     tokenizer = tokenizer_for(target)
     ids = encode_prompt(tokenizer, prompt, chat)
@@ -71,6 +83,8 @@ def generate_text(
                   config.tree.num_nodes if config.method != "ar" and config.tree is not None else 0,
                   declared_context(target.path))
     threads = configure_threads(target.model)
+    if engine is None:
+        engine = Engine(target.model, drafter)
     produced: list[int] = []
     shown = ""
 
@@ -84,7 +98,7 @@ def generate_text(
             shown = text
 
     decode = lambda toks: tokenizer.decode(toks, skip_special_tokens=True)  # noqa: E731
-    result = generate(target.model, ids, drafter=drafter, config=config, decode=decode, on_tokens=stream)
+    result = engine.generate(ids, config, decode=decode, on_tokens=stream)
     result.text = decode(result.token_ids)
     if target.model.device.type == "cpu":
         result.stats["cpu_threads"] = threads

@@ -98,11 +98,11 @@ def _flip_speculative(monkeypatch, position: int = 3):
     """A deliberately wrong method: chain and stree change one token of their output."""
     real = runner.generate_once
 
-    def wrong(target, ids, drafter, config):
-        out = real(target, ids, drafter, config)
+    def wrong(engine, ids, config):
+        out = real(engine, ids, config)
         if config.method != "ar":
             out.token_ids = list(out.token_ids)
-            out.token_ids[position] = (out.token_ids[position] + 1) % target.config.vocab_size
+            out.token_ids[position] = (out.token_ids[position] + 1) % engine.target.config.vocab_size
         return out
 
     monkeypatch.setattr(runner, "generate_once", wrong)

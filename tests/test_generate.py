@@ -6,7 +6,7 @@ import torch
 from scipy.stats import chisquare
 
 from helpers import tiny_model
-from ssmspec.decoding import GenerationConfig, ModelDrafter, NgramDrafter, generate
+from ssmspec.decoding import Engine, GenerationConfig, ModelDrafter, NgramDrafter, generate
 from ssmspec.errors import InputError
 from ssmspec.trees import Tree
 
@@ -113,12 +113,17 @@ def exact_joint(target, prompt, temperature=1.0, top_p=1.0, top_k=0):
     return dist
 
 
-def empirical(target, prompt, drafter_factory, method, tree, runs, temperature=1.0, top_p=1.0, **config):
+def empirical(target, prompt, drafter_factory, method, tree, runs, temperature=1.0, top_p=1.0, engine=None, **config):
+    """Counts of the produced ids over `runs` seeds; with `engine` (made with the drafter) its
+    generate runs, keeping one fast path, instead of `generate` with drafter_factory()'s drafter."""
     counts = {}
     for seed in range(runs):
         cfg = GenerationConfig(method=method, tree=tree, max_new_tokens=NEW, temperature=temperature, top_p=top_p, seed=seed,
                                **config)
-        out = generate(target, prompt, drafter=drafter_factory() if drafter_factory else None, config=cfg)
+        if engine is not None:
+            out = engine.generate(prompt, cfg)
+        else:
+            out = generate(target, prompt, drafter=drafter_factory() if drafter_factory else None, config=cfg)
         key = tuple(out.token_ids)
         counts[key] = counts.get(key, 0) + 1
     return counts
@@ -183,10 +188,6 @@ def test_sampling_is_reproducible_with_a_seed(sampling_pair):
 FAST_RUNS = 600
 
 
-def fast_path_of(target):
-    return next(iter(target._ssmspec_fast_paths.values()))
-
-
 @pytest.mark.parametrize("tree, params, sample_children", [
     (Tree.from_config((2, 2)), dict(temperature=1.0), True),
     (Tree.from_config((3, 1)), dict(temperature=1.0), True),
@@ -200,9 +201,9 @@ def test_fused_fast_path_sampling_matches_the_target_distribution(sampling_pair,
     from ssmspec.decoding.sampling import SamplingParams
 
     target, drafter_model, prompt = sampling_pair
-    drafter = ModelDrafter(drafter_model, sample_children=sample_children, graphs=True)  # kept across runs
-    counts = empirical(target, prompt, lambda: drafter, "stree", tree, FAST_RUNS, graphs=True, **params)
-    iteration = fast_path_of(target).tree_graphs[("fused", tree.parents, sample_children, SamplingParams(**params))]
+    engine = Engine(target, ModelDrafter(drafter_model, sample_children=sample_children, graphs=True))
+    counts = empirical(target, prompt, None, "stree", tree, FAST_RUNS, graphs=True, engine=engine, **params)
+    iteration = engine.fast_path.tree_graphs[("fused", tree.parents, sample_children, SamplingParams(**params))]
     assert (iteration.verify.draft_q is not None) == sample_children
     assert chi_square_pvalue(counts, exact_joint(target, prompt, **params), FAST_RUNS) > 1e-3
 
@@ -216,15 +217,17 @@ def test_fast_path_per_call_iteration_sampling_matches_the_target_distribution(s
     tree, params = Tree.from_config((2, 1)), SamplingParams(temperature=1.0)
     drafter = ModelDrafter(drafter_model, sample_children=False, graphs=True)
     drafter.fused_draft = lambda shape, params=None: None  # as for a tree the device-side draft cannot take
-    counts = empirical(target, prompt, lambda: drafter, "stree", tree, FAST_RUNS // 2, graphs=True)
-    assert (tree.parents, params) in fast_path_of(target).tree_graphs
+    engine = Engine(target, drafter)
+    counts = empirical(target, prompt, None, "stree", tree, FAST_RUNS // 2, graphs=True, engine=engine)
+    assert (tree.parents, params) in engine.fast_path.tree_graphs
     assert chi_square_pvalue(counts, exact_joint(target, prompt), FAST_RUNS // 2) > 1e-3
 
     sampled = ModelDrafter(drafter_model, graphs=True)  # sample_children: drafts carry q
     sampled.fused_draft = lambda shape, params=None: None
-    generate(target, prompt, drafter=sampled, config=GenerationConfig(
-        method="stree", tree=Tree.from_config((2, 2, 1)), max_new_tokens=8, temperature=1.0, graphs=True))
-    assert (Tree.from_config((2, 2, 1)).parents, params) not in fast_path_of(target).tree_graphs
+    engine = Engine(target, sampled)
+    engine.generate(prompt, GenerationConfig(method="stree", tree=Tree.from_config((2, 2, 1)), max_new_tokens=8,
+                                             temperature=1.0, graphs=True))
+    assert (Tree.from_config((2, 2, 1)).parents, params) not in engine.fast_path.tree_graphs
 
 
 def test_autoregressive_fast_path_sampling_matches_the_target_distribution(sampling_pair):
@@ -364,12 +367,12 @@ def test_fast_path_keeps_the_graphs_of_greedy_and_the_latest_temperature_only():
     from ssmspec.decoding.sampling import SamplingParams
 
     target = tiny_model(TARGETS["mamba2"], seed=1)
-    drafter = ModelDrafter(tiny_model(("mamba",), seed=99), graphs=True)
+    engine = Engine(target, ModelDrafter(tiny_model(("mamba",), seed=99), graphs=True))
     for method in ("stree", "ar"):
         for temperature in (0.0, 1.0, 0.5):
-            generate(target, prompts(1, 6, 64)[0], drafter=drafter, config=GenerationConfig(
+            engine.generate(prompts(1, 6, 64)[0], GenerationConfig(
                 method=method, max_new_tokens=4, temperature=temperature, graphs=True))
-        fast = fast_path_of(target)
+        fast = engine.fast_path
         kept = set(fast.step_graphs) | {key[-1] for key in fast.tree_graphs}
         assert kept == {SamplingParams(), SamplingParams(temperature=0.5)}
 
@@ -501,7 +504,6 @@ def test_bandit_on_the_device_side_iteration_equals_the_host_loop(arch):
 
 def test_warm_up_prepares_every_prefill_chain_and_tree(monkeypatch):
     # After warm_up a generation with any prompt length meets only prepared chain sizes and trees.
-    from ssmspec.decoding import warm_up
     from ssmspec.ops import dispatch
     from ssmspec.trees.tree import parse_tree_spec
 
@@ -511,8 +513,9 @@ def test_warm_up_prepares_every_prefill_chain_and_tree(monkeypatch):
     target = tiny_model(TARGETS["mamba2"], seed=2)
     drafter = ModelDrafter(tiny_model(TARGETS["mamba2"], seed=3), graphs=True)
     arms = parse_tree_spec("bandit:2,1;1,1,1")
-    warm_up(target, drafter=drafter, config=GenerationConfig(method="stree", tree=arms, graphs=True))
-    fast = next(iter(target._ssmspec_fast_paths.values()))
+    engine = Engine(target, drafter)
+    engine.warm_up(GenerationConfig(method="stree", tree=arms, graphs=True))
+    fast = engine.fast_path
     assert set(fast.chain_prefill._chains) == {64, 32, 16, 8, 4, 2, 1}
     assert set(drafter._prefill._chains) == {64, 32, 16, 8, 4, 2, 1}
     assert {key[1] for key in fast.tree_graphs if key[0] == "fused"} == {arm.parents for arm in arms.arms}
@@ -571,17 +574,17 @@ def test_bandit_samples_on_the_device_side_iteration(sample_children):
     from ssmspec.trees.tree import parse_tree_spec
 
     target, drafter_model = _close_pair()
-    drafter = ModelDrafter(drafter_model, sample_children=sample_children, graphs=True)
+    engine = Engine(target, ModelDrafter(drafter_model, sample_children=sample_children, graphs=True))
 
     def run(seed):
         cfg = GenerationConfig(method="stree", tree=parse_tree_spec("bandit:2,1;1,1,1;3,2"), max_new_tokens=40,
                                temperature=1.0, seed=seed, graphs=True)
-        return generate(target, prompts(1, 10, 64)[0], drafter=drafter, config=cfg)
+        return engine.generate(prompts(1, 10, 64)[0], cfg)
 
     out = run(3)
     pulls = out.stats["tree_policy"]["pulls"]
     assert min(pulls) >= 1 and sum(pulls) == out.stats["target_calls"] and out.stats["new_tokens"] == 40
-    assert {key[2] for key in fast_path_of(target).tree_graphs if key[0] == "fused"} == {sample_children}
+    assert {key[2] for key in engine.fast_path.tree_graphs if key[0] == "fused"} == {sample_children}
     assert run(3).token_ids == out.token_ids
 
 

@@ -9,7 +9,8 @@ from typing import Callable
 
 import torch
 
-from ..decoding.generate import GenerationConfig, GenerationResult, generate, warm_up
+from ..decoding.engine import Engine
+from ..decoding.generate import GenerationConfig, GenerationResult
 from ..errors import InputError
 from .config import BenchConfig, MethodSpec, resolve_methods
 from .lossless import Verdict, check_lossless
@@ -41,9 +42,9 @@ class BenchResult:
         return sum(1 for r in self.records if r["lossless"]["status"] == "failure")
 
 
-def generate_once(target, prompt_ids: list[int], drafter, config: GenerationConfig) -> GenerationResult:
+def generate_once(engine: Engine, prompt_ids: list[int], config: GenerationConfig) -> GenerationResult:
     """One generation; the benchmark's single call into the decode loop (tests replace it)."""
-    return generate(target, prompt_ids, drafter=drafter, config=config)
+    return engine.generate(prompt_ids, config)
 
 
 def run_bench(config: BenchConfig, on_progress: ProgressFn | None = None) -> BenchResult:
@@ -75,6 +76,7 @@ def run_bench(config: BenchConfig, on_progress: ProgressFn | None = None) -> Ben
         raise InputError(f"no prompt of {dataset} fits: {result.skipped[0]['reason'] if result.skipped else 'none given'}")
 
     model = target.model
+    engine = Engine(model, drafter)  # one for the run: every method's graphs and buffers stay warm
     reference: dict[int, list[int]] = {}  # prompt index -> ar's ids (prompt ids need not be unique)
     total, done = len(specs) * len(encoded), 0
     if on_progress:
@@ -88,15 +90,15 @@ def run_bench(config: BenchConfig, on_progress: ProgressFn | None = None) -> Ben
             if on_progress and config.warmup:
                 on_progress(done, total, f"{spec.label} (warm-up)")
             if config.warmup:  # every prefill chain size and every tree's graphs, then the first prompts
-                warm_up(model, drafter=drafter, config=gen_cfg(), token=encoded[0][1][0])
+                engine.warm_up(gen_cfg(), token=encoded[0][1][0])
             for _, ids in encoded[:config.warmup]:
-                generate_once(model, ids, drafter, gen_cfg())
+                generate_once(engine, ids, gen_cfg())
             if model.device.type == "cuda":
                 torch.cuda.synchronize(model.device)
                 torch.cuda.reset_peak_memory_stats(model.device)
             info = result.method_info.setdefault(spec.label, {})
             for index, (pid, ids) in enumerate(encoded):
-                out = generate_once(model, ids, drafter, gen_cfg())
+                out = generate_once(engine, ids, gen_cfg())
                 result.records.append(_record(result, spec, index, pid, ids, out, model, reference))
                 done += 1
                 if on_progress:
@@ -104,7 +106,7 @@ def run_bench(config: BenchConfig, on_progress: ProgressFn | None = None) -> Ben
             if model.device.type == "cuda":
                 info["peak_memory_bytes"] = torch.cuda.max_memory_allocated(model.device)
             if config.time_split:
-                info["time_split"] = _time_split(model, drafter, encoded, gen_cfg)
+                info["time_split"] = _time_split(engine, encoded, gen_cfg)
     except KeyboardInterrupt:
         result.interrupted = True
     return result
@@ -126,11 +128,11 @@ def _record(result: BenchResult, spec: MethodSpec, index: int, pid: str, prompt_
             **{k: out.stats[k] for k in keep if k in out.stats}, "lossless": verdict.to_dict(), "token_ids": out.token_ids}
 
 
-def _time_split(model, drafter, encoded, gen_cfg) -> dict:
+def _time_split(engine: Engine, encoded, gen_cfg) -> dict:
     """Sums of stats["time_split"] over an untimed pass with timing on."""
     sums: dict[str, float] = {}
     for _, ids in encoded:
-        split = generate_once(model, ids, drafter, gen_cfg(timing=True)).stats.get("time_split") or {}
+        split = generate_once(engine, ids, gen_cfg(timing=True)).stats.get("time_split") or {}
         for key, value in split.items():
             sums[key] = sums.get(key, 0.0) + float(value)
     return sums

@@ -1,6 +1,8 @@
-"""Decoding: drafters, verification rules and the generate loop."""
+"""Decoding: drafters, verification rules, the generate loop and the Engine that runs it repeatedly."""
 from .drafters import Draft, ModelDrafter, NgramDrafter
-from .generate import GenerationConfig, GenerationResult, generate, warm_up
+from .engine import Engine
+from .generate import GenerationConfig, GenerationResult, generate
 from .sampling import SamplingParams
 
-__all__ = ["Draft", "GenerationConfig", "GenerationResult", "ModelDrafter", "NgramDrafter", "SamplingParams", "generate", "warm_up"]
+__all__ = ["Draft", "Engine", "GenerationConfig", "GenerationResult", "ModelDrafter", "NgramDrafter", "SamplingParams",
+           "generate"]

@@ -2,6 +2,8 @@
 
 One loop serves three methods: `ar` (one target step per token, the baseline), `chain` (a
 drafted line verified in one call) and `stree` (a drafted tree packed and verified in one call).
+`generate` runs it once and leaves the model as it found it; decoding/engine.py's `Engine` runs
+it repeatedly on models it prepared, keeping its buffers and graphs between calls.
 """
 from __future__ import annotations
 
@@ -16,7 +18,6 @@ from ssmspec.trees import Tree, TreeArms
 
 from ..errors import InputError
 from ..limits import check_generation
-from ..models.fold import fold_for_kernels
 from ..models.lm import LanguageModel
 from ..ops import dispatch
 from .acceptance import accept_deterministic, accept_greedy, accept_sampled
@@ -162,7 +163,8 @@ class _FastPath:
     """The target's decode calls as CUDA graphs: one per step, one per tree iteration.
 
     Graphs read and write fixed buffers, so the cache is allocated once per capacity bucket and
-    kept on the model between generations (reset in place), together with its captured graphs.
+    kept between generations in the store its caller holds (an Engine's; reset in place),
+    together with its captured graphs.
     """
 
     BUCKET = 512
@@ -178,12 +180,14 @@ class _FastPath:
         self.sampling = None  # the sampling setting (temperature > 0) whose graphs are kept
 
     @classmethod
-    def for_target(cls, target: LanguageModel, needed_len: int, capture: bool, pending: int = 0) -> "_FastPath":
+    def for_target(cls, target: LanguageModel, needed_len: int, capture: bool, store: dict,
+                   pending: int = 0) -> "_FastPath":
+        """The fast path of `store` (the caller's: an Engine's, or a fresh dict for one call) for
+        this size and setting, made there when missing."""
         capacity = -(-needed_len // cls.BUCKET) * cls.BUCKET
-        store = target.__dict__.setdefault("_ssmspec_fast_paths", {})
         key = (capacity, capture, str(target.device), pending)
         if key not in store:
-            store.clear()  # one live set of buffers per model
+            store.clear()  # one live set of buffers per store
             store[key] = cls(target, capacity, capture, pending)
         fast = store[key]
         fast.cache.reset_()
@@ -299,7 +303,7 @@ def replay_state(target: LanguageModel, cache, acts, path: list[int]) -> None:
     target.replay(cache, acts, torch.tensor([path], device=device), torch.tensor([len(path)], device=device))
 
 
-def _fast_path(target: LanguageModel, cfg: GenerationConfig, max_len: int) -> _FastPath | None:
+def _fast_path(target: LanguageModel, cfg: GenerationConfig, max_len: int, store: dict) -> _FastPath | None:
     if not isinstance(target, LanguageModel):
         return None  # graphs are for ssmspec's own models; other targets (models/hf_causal.py) run eagerly
     on_cuda = target.device.type == "cuda"
@@ -308,13 +312,13 @@ def _fast_path(target: LanguageModel, cfg: GenerationConfig, max_len: int) -> _F
         return None
     if cfg.method != "ar" and on_cuda and dispatch.get_backend() == "reference":
         return None  # the reference tree ops build masks on the host: they cannot be captured
-    fast = _FastPath.for_target(target, max_len, capture=on_cuda,
+    fast = _FastPath.for_target(target, max_len, capture=on_cuda, store=store,
                                 pending=pending_slots_for(None if cfg.method == "ar" else cfg.tree, target))
     fast.sample_with(cfg.sampling)
     return fast
 
 
-def _trees(cfg: GenerationConfig) -> tuple:
+def drafted_trees(cfg: GenerationConfig) -> tuple:
     """Every tree the loop may draft, largest first (drafters size shared buffers by the first):
     the bandit's arms, or the one configured tree."""
     trees = tuple(cfg.tree_policy.arms) if cfg.tree_policy is not None else (cfg.tree,)
@@ -345,7 +349,6 @@ class _PhaseClock:
         return dict(self.spent)
 
 
-@torch.no_grad()
 def generate(
     target: LanguageModel,
     input_ids,
@@ -355,7 +358,19 @@ def generate(
     decode: Callable[[list[int]], str] | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
 ) -> GenerationResult:
-    """Generate from `input_ids` (a list of ids or a (1, T) tensor) with the configured method.
+    """Generate from `input_ids` (a list of ids or a (1, T) tensor) with the configured method,
+    leaving `target` (and the drafter's model) as it found them: the same weights, no attribute
+    added. (On a GPU the model's `one_launch` decisions and runners, ops/paths.py, are made on
+    first use whoever runs it, and stay with the model.)
+
+    Nothing is kept between calls: the target's cache and its CUDA graphs are made for this call
+    and dropped after it (on a GPU every call captures its graphs again, the cost of a first
+    call). Nor are the norm weights folded into the projections: a model that was never folded
+    runs its norms apart from its projections (on a GPU a launch more per norm, and without the
+    one-launch CUDA kernels): it computes the model as the caller holds it, where folding would
+    move a bf16 model's logits by rounding. Callers that generate repeatedly hold an `Engine`
+    (decoding/engine.py) instead, which prepares the models once and keeps its buffers and
+    graphs. A ModelDrafter keeps its own buffers between calls: it is an object the caller holds.
 
     Args:
         target: the model whose outputs are reproduced exactly.
@@ -363,6 +378,23 @@ def generate(
         decode: ids -> text, needed only for stop strings.
         on_tokens: called with each batch of newly produced ids (streaming).
     """
+    return decode_loop(target, input_ids, drafter=drafter, config=config, decode=decode, on_tokens=on_tokens,
+                       fast_paths={})
+
+
+@torch.no_grad()
+def decode_loop(
+    target: LanguageModel,
+    input_ids,
+    *,
+    drafter,
+    config: GenerationConfig | None,
+    decode: Callable[[list[int]], str] | None,
+    on_tokens: Callable[[list[int]], None] | None,
+    fast_paths: dict,
+) -> GenerationResult:
+    """`generate`'s loop, with the fast path (cache and graphs) kept in `fast_paths`: a dict the
+    caller holds (an Engine's across calls, or a fresh one). Runs the models as they are."""
     cfg = config or GenerationConfig()
     prompt = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1).to(target.device)
     if prompt.shape[1] == 0:
@@ -379,10 +411,7 @@ def generate(
     start = time.perf_counter()
     clock = _PhaseClock(cfg.timing, target.device)
     out = _Output(cfg, decode, on_tokens)
-    # On the kernel path the norms run inside the projections once their weights are folded into
-    # them (models/fold.py): the same function, fewer launches per layer; done once, in place.
-    fold_for_kernels(target, getattr(drafter, "model", None))
-    fast = _fast_path(target, cfg, max_len)
+    fast = _fast_path(target, cfg, max_len, fast_paths)
     # The fast path draws on the device (exponential races over static noise buffers, refilled
     # from this generator before each replay), the eager path on the host from `generator`.
     fast_generator = None
@@ -412,7 +441,7 @@ def generate(
             accepted_per_call.append(1)
             clock.mark("host_s")
     elif fast is not None and isinstance(drafter, ModelDrafter) and all(
-            drafter.fused_draft(tree, cfg.sampling) is not None for tree in _trees(cfg)):
+            drafter.fused_draft(tree, cfg.sampling) is not None for tree in drafted_trees(cfg)):
         # Draft, verify, accept, replay and the drafter's commit as one graph: one read-back a call.
         # When sampling, the children are drawn from the drafter and accepted by speculative
         # sampling on the device, or (sample_children=False) are its top-k, accepted by the naive
@@ -490,16 +519,3 @@ def generate(
     if cfg.tree_policy is not None and cfg.method != "ar":
         stats["tree_policy"] = cfg.tree_policy.summary()
     return GenerationResult(out.tokens, stats, accepted_per_call, out.finish_reason)
-
-
-def warm_up(target, *, drafter=None, config: GenerationConfig | None = None, token: int = 0) -> None:
-    """Compile the kernels and capture the graphs that generations with `config` will use, so
-    that timed or latency-sensitive calls pay none of it: one generation from a prompt of
-    2 * ChainPrefill.CHUNK - 1 tokens, which takes every prefill chain size once."""
-    import dataclasses
-
-    cfg = config or GenerationConfig()
-    for tree in _trees(cfg) if cfg.method != "ar" else (None,):  # every arm of a bandit
-        one = dataclasses.replace(cfg, tree=tree, tree_policy=None, max_new_tokens=8, stop_strings=(),
-                                  eos_token_id=None, timing=False)
-        generate(target, [token] * (2 * ChainPrefill.CHUNK - 1), drafter=drafter, config=one)

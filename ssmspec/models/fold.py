@@ -17,23 +17,33 @@ from ..ops import dispatch
 def fold_norm_weights_(model: nn.Module) -> nn.Module:
     """Fold, in place, each Mamba sublayer's pre-norm into in_proj and its gated norm into
     out_proj, and each MLP sublayer's pre-norm into its up (and gate) projection. Idempotent.
-    Attention sublayers and the final norm keep their weights. Returns the model."""
+    Attention sublayers and the final norm keep their weights. Returns the model.
+
+    Whether the one-launch kernels run a model depends on its norms being folded (ops/paths.py),
+    and the model decides that once (`one_launch`): folding anything drops those decisions while
+    no runner is built (a graph captured with a runner keeps reading it), so that a model run
+    unfolded before (by `generate`) takes those kernels once an Engine folds it."""
+    folded = False
     with torch.no_grad():
         for layer in model.layers:
             if layer.kind == "mamba":
-                _fold(layer.norm, [layer.mixer.in_proj])
-                _fold(layer.mixer.norm, [layer.mixer.out_proj])
+                folded |= _fold(layer.norm, [layer.mixer.in_proj])
+                folded |= _fold(layer.mixer.norm, [layer.mixer.out_proj])
             elif layer.kind == "mlp":
                 mlp = layer.mixer
-                _fold(layer.norm, [mlp.up_proj] + ([mlp.gate_proj] if mlp.cfg.gated else []))
+                folded |= _fold(layer.norm, [mlp.up_proj] + ([mlp.gate_proj] if mlp.cfg.gated else []))
+    runners = getattr(model, "one_launch", None)
+    if folded and runners is not None and all(runners.kept(k, model.device) is None for k in ("step", "verify")):
+        model.one_launch = type(runners)()
     return model
 
 
 def fold_for_kernels(*models) -> None:
-    """Fold each model (None and drafters that are not language models, without
+    """Fold, in place, each model (None and drafters that are not language models, without
     `fold_norm_weights_`, are skipped) whose device runs the fused-norm kernels under the current
-    backend; the reference path is left as it is. Decoding (`generate`) and `profile` call it so
-    that they run, and time, the same path."""
+    backend; the reference path is left as it is. Only code that takes charge of the caller's
+    models calls it: decoding's `Engine` (decoding/engine.py) and `run_profile`, so that they
+    run, and time, the same path; `generate` does not."""
     for model in models:
         if hasattr(model, "fold_norm_weights_") and dispatch.uses_kernel("norm_linear", model.device):
             fold_norm_weights_(model)
@@ -41,15 +51,19 @@ def fold_for_kernels(*models) -> None:
 
 def is_folded(norm: nn.Module) -> bool:
     """Whether `norm`'s weight is the ones that folding left (not modified since, e.g. by training
-    or a state-dict load, which bump the tensor's version). Costs no device work."""
+    or a state-dict load, which bump the tensor's version). Costs no device work: folding records
+    the weight's address and version on the norm module (`_folded_version`), the only mark it
+    leaves besides the weights themselves."""
     return getattr(norm, "_folded_version", None) == (norm.weight.data_ptr(), norm.weight._version)
 
 
-def _fold(norm: nn.Module, linears: list[nn.Linear]) -> None:
+def _fold(norm: nn.Module, linears: list[nn.Linear]) -> bool:
+    """Fold `norm` into `linears` unless it is folded already; whether it folded."""
     if is_folded(norm):
-        return
+        return False
     w = norm.weight.float()
     for linear in linears:
         linear.weight.copy_((linear.weight.float() * w[None, :]).to(linear.weight.dtype))
     norm.weight.fill_(1.0)
     norm._folded_version = (norm.weight.data_ptr(), norm.weight._version)
+    return True

@@ -70,6 +70,10 @@ def run_profile(
 ) -> dict:
     """Measure `target` (and `drafter`) as described in the module docstring; return profile.json's dict.
 
+    Like decoding's Engine it takes charge of the models: where the kernels fuse the norms, it
+    folds their norm weights into their projections in place first (models/fold.py), to time
+    the path that an Engine runs.
+
     Args:
         target: a LanguageModel on its device and dtype, in eval mode.
         settings: what to measure; defaults to ProfileSettings().
@@ -86,7 +90,7 @@ def run_profile(
     device = target.device
     from ..models.fold import fold_for_kernels
 
-    fold_for_kernels(target, drafter)  # time the path that generate runs (see decoding/generate.py)
+    fold_for_kernels(target, drafter)  # in place, as an Engine prepares them: time the path it runs
     if drafter is not None and drafter.config.vocab_size != target.config.vocab_size:
         raise InputError(
             f"drafter vocabulary ({drafter.config.vocab_size}) differs from the target's "
@@ -388,7 +392,7 @@ def _measure_loop(target, drafter, s: ProfileSettings, device, use_graph: bool, 
                   done: list) -> dict:
     """The decode loop's per-iteration cost outside its iteration's device work.
 
-    `generate` (greedy, graphs on: the fused loop of decoding/generate.py; on the CPU the same
+    `Engine.generate` (greedy, graphs on: the fused loop of decoding/generate.py; on the CPU the same
     iteration runs eagerly) on tree LOOP_TREE, per iteration: its decode time over its target
     calls, which holds the iteration's replay, the read-back of the produced tokens that waits for
     it, and the loop's Python. Then the same iteration (SpeculativeIterationGraph on the same tree,
@@ -400,7 +404,8 @@ def _measure_loop(target, drafter, s: ProfileSettings, device, use_graph: bool, 
     from ssmspec.trees import Tree
 
     from ..decoding.drafters import ModelDrafter
-    from ..decoding.generate import GenerationConfig, generate, pending_slots_for
+    from ..decoding.engine import Engine
+    from ..decoding.generate import GenerationConfig, pending_slots_for
     from ..decoding.graphs import SpeculativeIterationGraph
 
     from ..ops import dispatch
@@ -415,10 +420,10 @@ def _measure_loop(target, drafter, s: ProfileSettings, device, use_graph: bool, 
     if progress:
         progress("decode loop overhead", done[0], total)
     config = GenerationConfig(method="stree", tree=tree, max_new_tokens=LOOP_TOKENS, graphs=True)
-    drafter_loop = ModelDrafter(drafter)
+    engine = Engine(target, ModelDrafter(drafter))
     per_iteration = []
     for i in range(1 + s.repeats):  # the first builds and captures the loop's graphs: untimed
-        st = generate(target, prompt, drafter=drafter_loop, config=config).stats
+        st = engine.generate(prompt, config).stats
         if i:
             per_iteration.append(1e3 * (st["elapsed_s"] - st["prefill_s"]) / max(st["target_calls"], 1))
     loop = Timing(per_iteration)

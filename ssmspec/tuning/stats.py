@@ -134,11 +134,13 @@ def collect_acceptance(
         depth, width: the deepest level and the most sibling ranks measured.
     Returns: {temperature: AcceptanceStats}.
     """
-    from ssmspec.decoding.generate import GenerationConfig, generate
+    from ssmspec.decoding.engine import Engine
+    from ssmspec.decoding.generate import GenerationConfig
     from ssmspec.decoding.sampling import SamplingParams, probabilities
 
     if not prompts:
         raise InputError("no prompts to measure acceptance on")
+    engine = Engine(target)  # the target's decoding, its graphs kept across the prompts
     out = {}
     total, done = len(prompts) * len(temperatures), 0
     for temp in temperatures:
@@ -148,7 +150,7 @@ def collect_acceptance(
             if progress:
                 progress(f"acceptance T={temp:g} prompt {i + 1}", done, total)
             cfg = GenerationConfig(method="ar", max_new_tokens=max_new_tokens, temperature=float(temp), seed=seed + i)
-            produced = generate(target, list(ids), config=cfg).token_ids
+            produced = engine.generate(list(ids), cfg).token_ids
             full = torch.tensor([list(ids) + produced], dtype=torch.long)
             start = len(ids)  # the first produced token is the first step's root
             if len(produced) < 2:

@@ -123,14 +123,15 @@ class TuneResult:
         return d
 
 
-def measure_decoding(target, drafter, prompts: Sequence[Sequence[int]], tree: Tree | None, settings: TuneSettings,
+def measure_decoding(engine, prompts: Sequence[Sequence[int]], tree: Tree | None, settings: TuneSettings,
                      policy: UCBTreePolicy | None = None) -> tuple[float, float, int]:
-    """Decode every prompt with `tree` (or `policy`); returns (decode tokens/s, tokens per step, steps).
+    """Decode every prompt with `tree` (or `policy`) on `engine` (decoding.Engine, with a
+    drafter); returns (decode tokens/s, tokens per step, steps).
 
     Speed counts decoding only (tokens after the first over the time after the prefill), after
     one untimed warm-up generation that builds the tree's buffers and graphs.
     """
-    from ssmspec.decoding.generate import GenerationConfig, generate
+    from ssmspec.decoding.generate import GenerationConfig
 
     def config(n: int, policy) -> GenerationConfig:
         return GenerationConfig(method="stree", tree=tree, max_new_tokens=n, temperature=settings.temperature,
@@ -139,10 +140,10 @@ def measure_decoding(target, drafter, prompts: Sequence[Sequence[int]], tree: Tr
     # Warm-up on the same buffers; a throwaway copy of the policy tries every arm once (unpulled first).
     warm = None if policy is None else UCBTreePolicy(policy.arms, policy.lambda_ucb, policy.lambda_gamma, "keep")
     warm_tokens = 8 if policy is None else len(policy.arms) * (policy.largest.max_depth + 1) + 1
-    generate(target, list(prompts[0]), drafter=drafter, config=config(warm_tokens, warm))
+    engine.generate(list(prompts[0]), config(warm_tokens, warm))
     tokens, seconds, steps = 0, 0.0, 0
     for ids in prompts:
-        s = generate(target, list(ids), drafter=drafter, config=config(settings.max_new_tokens, policy)).stats
+        s = engine.generate(list(ids), config(settings.max_new_tokens, policy)).stats
         tokens += s["new_tokens"] - 1
         seconds += s["elapsed_s"] - s["prefill_s"]
         steps += s["target_calls"]
@@ -158,6 +159,7 @@ def tune(target, drafter_model, prompts: Sequence[Sequence[int]], cost: CostMode
         prompts: token-id lists. cost: the profile's cost model.
     """
     from ssmspec.decoding.drafters import ModelDrafter
+    from ssmspec.decoding.engine import Engine
 
     settings.validate()
     if not prompts:
@@ -171,7 +173,7 @@ def tune(target, drafter_model, prompts: Sequence[Sequence[int]], cost: CostMode
     preds = rank_trees(acceptance, cost, budget=settings.budget, max_depth=settings.max_depth,
                        candidates=settings.candidates, max_width=settings.width, with_dp=not settings.candidates)
     lambda_gamma = settings.lambda_gamma if settings.lambda_gamma is not None else (cost.lambda_gamma or 0.0)
-    drafter = ModelDrafter(drafter_model)
+    engine = Engine(target, ModelDrafter(drafter_model))  # prepares both models for the kernels (in place)
 
     measured: list[Measured] = []
     if settings.mode in ("static", "both"):
@@ -179,7 +181,7 @@ def tune(target, drafter_model, prompts: Sequence[Sequence[int]], cost: CostMode
         for i, p in enumerate(top):
             if progress:
                 progress(f"decoding with {p.tree.spec()}", i, len(top))
-            tps, tok, steps = measure_decoding(target, drafter, prompts, p.tree, settings)
+            tps, tok, steps = measure_decoding(engine, prompts, p.tree, settings)
             measured.append(Measured(p.tree, p, tps, tok, steps))
     static_choice = max(measured, key=lambda m: m.tokens_per_s).tree if measured else preds[0].tree
 
@@ -189,7 +191,7 @@ def tune(target, drafter_model, prompts: Sequence[Sequence[int]], cost: CostMode
         policy = UCBTreePolicy(tuple(arms), settings.lambda_ucb, lambda_gamma, "keep")
         if progress:
             progress("running the bandit", 0, 1)
-        bandit_tps, per_step, _ = measure_decoding(target, drafter, prompts, None, settings, policy=policy)
+        bandit_tps, per_step, _ = measure_decoding(engine, prompts, None, settings, policy=policy)
         if bandit_tps > 0:
             overhead = step_overhead_s(policy) / (per_step / bandit_tps)
     arm_set = None if policy is None else TreeArms(policy.arms, settings.lambda_ucb, lambda_gamma, settings.state)

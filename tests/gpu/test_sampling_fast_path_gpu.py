@@ -6,7 +6,7 @@ import torch
 from scipy.stats import chisquare
 
 from helpers import tiny_model
-from ssmspec.decoding import GenerationConfig, ModelDrafter, generate
+from ssmspec.decoding import Engine, GenerationConfig, ModelDrafter, generate
 from ssmspec.decoding.sampling import SamplingParams, probabilities
 from ssmspec.trees import Tree
 
@@ -67,12 +67,13 @@ def test_captured_sampling_matches_the_target_distribution(pair, method, params)
     target, drafter_model = pair
     drafter = _drafter(drafter_model, method)
     tree = Tree.from_config((2, 2)) if drafter else None
+    engine = Engine(target, drafter)
     counts = {}
     for seed in range(RUNS):
         cfg = GenerationConfig(method=method.split("-")[0], tree=tree, max_new_tokens=2, seed=seed, **params)
-        key = tuple(generate(target, PROMPT, drafter=drafter, config=cfg).token_ids)
+        key = tuple(engine.generate(PROMPT, cfg).token_ids)
         counts[key] = counts.get(key, 0) + 1
-    fast = next(iter(target._ssmspec_fast_paths.values()))
+    fast = engine.fast_path
     assert fast.capture  # the CUDA graphs ran, not the eager loop
     if drafter is not None:  # the whole iteration (draft, acceptance of its kind) was one captured graph
         iteration = fast.tree_graphs[("fused", tree.parents, method == "stree", SamplingParams(**params))]
