@@ -70,15 +70,18 @@ def measure_acceptance(student: nn.Module, target: nn.Module, prompts: list[list
     between 1 (nothing accepted) and draft_len + 1. Aggregated over prompts as total tokens over
     total calls, which weights each prompt by its number of calls.
     """
+    from ssmspec.decoding import Engine
     from ssmspec.decoding.drafters import ModelDrafter
-    from ssmspec.decoding.generate import GenerationConfig, generate
+    from ssmspec.decoding.generate import GenerationConfig
     from ssmspec.trees import Tree
 
+    # One engine for all prompts: its graphs are captured once (a free `generate` re-captures per call).
+    engine = Engine(target, ModelDrafter(student))
     tokens, calls = 0.0, 0
     for done, prompt in enumerate(prompts, 1):
         config = GenerationConfig(method="chain", tree=Tree.chain(draft_len), max_new_tokens=max_new_tokens,
                                   temperature=0.0, eos_token_id=eos_token_id)
-        result = generate(target, torch.tensor([prompt], dtype=torch.long), drafter=ModelDrafter(student), config=config)
+        result = engine.generate(torch.tensor([prompt], dtype=torch.long), config)
         n = result.stats["target_calls"]
         tokens += result.stats["mean_accepted"] * n
         calls += n
