@@ -34,24 +34,27 @@ def _packed_states(batch, channels, kernel_size, heads, head_dim, d_state, layer
     return rows, caches, [MambaLayerCache(c.conv_state.clone(), c.ssm_state.clone()) for c in caches]
 
 
-def test_packed_state_kernels_interpreted():
-    from helpers import run_interpreted
+if not INTERPRETED:
+    def test_packed_state_kernels_interpreted():
+        from helpers import run_interpreted
 
-    run_interpreted(__file__)
+        run_interpreted(__file__)
 
 
 if INTERPRETED:
     from ssmspec.ops.state_replay import triton as SR
     from ssmspec.ops.step_update import triton as SU
 
-    def _other_bytes(rows, keep):
-        """The row buffer with `keep`'s bytes zeroed: what a kernel on `keep` must not change."""
+    def _other_bytes(rows, *keep):
+        """A copy of the row buffer with the bytes of the `keep` views zeroed: what a kernel on
+        them must not change."""
         out = rows.clone()
-        span = out.view(torch.uint8)
-        start = keep.data_ptr() - rows.data_ptr()
-        for r in range(rows.shape[0]):
-            at = start + r * rows.stride(0) * 8
-            span.view(-1)[at:at + keep[0].numel() * keep.element_size()] = 0
+        flat = out.view(torch.uint8).view(-1)
+        for t in keep:
+            start = t.data_ptr() - rows.data_ptr()
+            for r in range(rows.shape[0]):
+                at = start + r * rows.stride(0) * rows.element_size()
+                flat[at:at + t[0].numel() * t.element_size()] = 0
         return out
 
     @pytest.mark.parametrize("batch", [1, 3])
@@ -64,7 +67,7 @@ if INTERPRETED:
         args = (torch.randn(channels, kernel_size), torch.randn(channels), torch.randn(heads), torch.randn(heads),
                 torch.randn(heads), None if fused_out else torch.randn(d_inner), groups, norm_groups, 0.01, 5.0, 1e-5)
         layer = packed[1]  # the second layer: its span starts inside the row
-        untouched = _other_bytes(_other_bytes(rows, layer.ssm_state), layer.conv_state)
+        untouched = _other_bytes(rows, layer.ssm_state, layer.conv_state)
         if fused_out:
             out_args = (torch.randn(d_model, d_inner) / 8, torch.randn(d_model))
             res = torch.randn(batch, d_model)
@@ -76,7 +79,7 @@ if INTERPRETED:
             want = SU.mamba_step(xbc, dt_raw, z, plain[1].conv_state, plain[1].ssm_state, *args)
         assert torch.equal(got, want)
         assert torch.equal(layer.ssm_state, plain[1].ssm_state) and torch.equal(layer.conv_state, plain[1].conv_state)
-        after = _other_bytes(_other_bytes(rows, layer.ssm_state), layer.conv_state)
+        after = _other_bytes(rows, layer.ssm_state, layer.conv_state)
         assert torch.equal(after, untouched), "a kernel wrote outside its tensor's span of the row"
 
     def test_replay_states_layers_on_packed_states_equal_contiguous():

@@ -140,7 +140,7 @@ class _OpCounter(TorchDispatchMode):
 @pytest.mark.parametrize("layers", [1, 2, 3])
 def test_draft_state_bookkeeping_launches(layers, monkeypatch):
     """The ops of a fused draft besides the drafter's steps and the child picks: on packed caches
-    one gather per level, and gather + copy + root token at the root step, whatever the depth of
+    one gather per level, and a gather and a copy at the root step, whatever the depth of
     the drafter; the plain layout takes one per tensor (2 per Mamba layer, and seqlen)."""
     model = tiny_model(("mamba",) * layers, seed=2)
     tree = Tree.from_config((2, 2, 1))
@@ -168,7 +168,7 @@ def test_draft_state_bookkeeping_launches(layers, monkeypatch):
     (root, levels), (plain_root, plain_levels) = counts["packed"], counts["plain"]
     assert [len(ops) for ops in levels] == [1] * 3, levels
     assert all(ops == [torch.ops.aten.index_select.out] for ops in levels)
-    assert len(root) == 3, root  # the commit gather, the root's row into node row 0, the root token
+    assert len(root) == 2, root  # the commit gather, the root's row into node row 0 (root is tokens[0])
     # the plain layout's count, so that the counter above is known to see these ops
     assert [len(ops) for ops in plain_levels] == [2 * layers + 1] * 3
-    assert len(plain_root) == 2 * (2 * layers + 1) + 1
+    assert len(plain_root) == 2 * (2 * layers + 1)

@@ -299,15 +299,16 @@ class _DraftGraph:
 
 class FusedDraftBuffers:
     """The device state every FusedGreedyDraft of one drafter shares: the per-node states of the
-    last draft (`node_cache`, `capacity` rows), the next root token and the row to commit. Since
-    each draft reads the row its predecessor's iteration named, whatever tree that was, a policy
-    may switch trees between iterations with no copy at all."""
+    last draft (`node_cache`, `capacity` rows), the drafted tokens, the next root token and the
+    row to commit. Since each draft reads the row its predecessor's iteration named, whatever tree
+    that was, a policy may switch trees between iterations with no copy at all."""
 
     def __init__(self, drafter: "ModelDrafter", capacity: int):
         device = drafter.model.device
         self.capacity = capacity
         self.node_cache = _row_packed_cache(drafter.model, capacity, drafter._max_len)
-        self.root = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(capacity, dtype=torch.long, device=device)  # a draft's tokens: its first N
+        self.root = self.tokens[:1].view(1, 1)  # node 0's token: the next root is written in place (no copy)
         self.commit_row = torch.zeros(1, dtype=torch.long, device=device)
 
 
@@ -349,7 +350,7 @@ class FusedGreedyDraft:
         self.parent_nodes = [torch.tensor([shape.parents[int(n)] for n in level.nodes.tolist()], device=device)
                              for level in self.levels]
         self.root, self.commit_row = self.buffers.root, self.buffers.commit_row
-        self.tokens = torch.zeros(shape.num_nodes, dtype=torch.long, device=device)
+        self.tokens = self.buffers.tokens[:shape.num_nodes]  # tokens[0] is `root`
         # Each level's tokens as a view of `tokens` (its nodes are contiguous): the child picks write there.
         self.level_tokens = [self.tokens[start:start + len(level.nodes)] for start, level in zip(starts, self.levels)]
         self.cache = drafter.cache  # the committed state this draft continues (captured by pointer)
@@ -412,7 +413,6 @@ class FusedGreedyDraft:
         self.cache.gather_(self.node_cache, self.commit_row)
         logits = self.drafter.model.step(self.root, self.cache)[:, -1]
         self.node_cache.rows(0, 1).copy_(self.cache)
-        self.tokens[:1].copy_(self.root[0])
         return logits
 
     def draft_level(self, i: int, logits: torch.Tensor) -> torch.Tensor:
