@@ -146,8 +146,9 @@ class LanguageModel(nn.Module):
         overflow. 0 (or a model without Mamba layers): the state absorbs every replay.
         packed: every row's Mamba states and seqlen in one span of one buffer (models/cache.py
         packed_mamba_rows), so that copying or gathering whole rows is one launch (a drafter's
-        per-node states); needs pending 0. The states are then strided views, which the batch-1
-        one-launch step (ops/stream_layers) still takes but wider batches of it would not."""
+        per-node states); needs pending 0. The states are then strided views (batch stride = the
+        row), which the step, verify and replay kernels take through their strides; the one-launch
+        step (ops/stream_layers) runs at batch 1 only, where a row is contiguous anyway."""
         device = device or self.device
         dtype = dtype or self.dtype
         if pending < 0:
