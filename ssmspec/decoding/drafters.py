@@ -61,6 +61,14 @@ def _levels(shape: Tree, device) -> list[_Level]:
     return out
 
 
+def _row_packed_cache(model, batch: int, max_len: int):
+    """A drafter cache whose rows are copied and gathered whole (models/cache.py packed_mamba_rows:
+    one launch per row copy for all Mamba layers), where the model offers that layout."""
+    if isinstance(model, LanguageModel):
+        return model.new_cache(batch, max_len, packed=True)
+    return model.new_cache(batch, max_len)
+
+
 @dataclass
 class _Plan:
     """Everything a shape needs, built once: level wiring, per-depth state buffers, a graph."""
@@ -120,7 +128,7 @@ class ModelDrafter:
         if self.cache is None or max_len > self._max_len:
             # Capacity in buckets, so that a slightly longer request keeps the captured graphs.
             self._max_len = -(-max_len // self.CAPACITY_BUCKET) * self.CAPACITY_BUCKET
-            self.cache = self.model.new_cache(1, self._max_len)
+            self.cache = _row_packed_cache(self.model, 1, self._max_len)
             # buffers and graphs are tied to the cache
             self._plans, self._fused, self._fused_buffers, self._prefill = {}, {}, None, None
         else:
@@ -180,7 +188,7 @@ class ModelDrafter:
         processed = min(len(path) - 1, len(plan.caches))  # deepest accepted depth that was run
         if processed > 0:
             row = torch.tensor([plan.row_of[path[processed]]], device=self.model.device)
-            self.cache.copy_(plan.caches[processed - 1].select(row))
+            self.cache.gather_(plan.caches[processed - 1], row)
         self.pending.extend(accepted[processed:])
 
     def _feed(self, tokens: list[int]) -> torch.Tensor:
@@ -202,7 +210,7 @@ class ModelDrafter:
             for level in levels:
                 row_of.update({int(n): r for r, n in enumerate(level.nodes.tolist())})
             # Depths 1 .. g-1 are run (the deepest level's nodes are leaves, never fed).
-            caches = [self.model.new_cache(len(level.nodes), self._max_len) for level in levels[:-1]]
+            caches = [_row_packed_cache(self.model, len(level.nodes), self._max_len) for level in levels[:-1]]
             self._plans[key] = _Plan(levels, row_of, caches)
         return self._plans[key]
 
@@ -223,7 +231,7 @@ class ModelDrafter:
                 break
             # Branch the state: each node's row is a copy of its parent's row.
             nxt = plan.caches[d]
-            nxt.copy_(cache.select(level.parent_rows))
+            nxt.gather_(cache, level.parent_rows)
             logits = self.model.step(chosen[:, None], nxt)[:, -1]
             cache = nxt
         return tokens
@@ -291,15 +299,16 @@ class _DraftGraph:
 
 class FusedDraftBuffers:
     """The device state every FusedGreedyDraft of one drafter shares: the per-node states of the
-    last draft (`node_cache`, `capacity` rows), the next root token and the row to commit. Since
-    each draft reads the row its predecessor's iteration named, whatever tree that was, a policy
-    may switch trees between iterations with no copy at all."""
+    last draft (`node_cache`, `capacity` rows), the drafted tokens, the next root token and the
+    row to commit. Since each draft reads the row its predecessor's iteration named, whatever tree
+    that was, a policy may switch trees between iterations with no copy at all."""
 
     def __init__(self, drafter: "ModelDrafter", capacity: int):
         device = drafter.model.device
         self.capacity = capacity
-        self.node_cache = drafter.model.new_cache(capacity, drafter._max_len)
-        self.root = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.node_cache = _row_packed_cache(drafter.model, capacity, drafter._max_len)
+        self.tokens = torch.zeros(capacity, dtype=torch.long, device=device)  # a draft's tokens: its first N
+        self.root = self.tokens[:1].view(1, 1)  # node 0's token: the next root is written in place (no copy)
         self.commit_row = torch.zeros(1, dtype=torch.long, device=device)
 
 
@@ -341,7 +350,7 @@ class FusedGreedyDraft:
         self.parent_nodes = [torch.tensor([shape.parents[int(n)] for n in level.nodes.tolist()], device=device)
                              for level in self.levels]
         self.root, self.commit_row = self.buffers.root, self.buffers.commit_row
-        self.tokens = torch.zeros(shape.num_nodes, dtype=torch.long, device=device)
+        self.tokens = self.buffers.tokens[:shape.num_nodes]  # tokens[0] is `root`
         # Each level's tokens as a view of `tokens` (its nodes are contiguous): the child picks write there.
         self.level_tokens = [self.tokens[start:start + len(level.nodes)] for start, level in zip(starts, self.levels)]
         self.cache = drafter.cache  # the committed state this draft continues (captured by pointer)
@@ -404,7 +413,6 @@ class FusedGreedyDraft:
         self.cache.gather_(self.node_cache, self.commit_row)
         logits = self.drafter.model.step(self.root, self.cache)[:, -1]
         self.node_cache.rows(0, 1).copy_(self.cache)
-        self.tokens[:1].copy_(self.root[0])
         return logits
 
     def draft_level(self, i: int, logits: torch.Tensor) -> torch.Tensor:

@@ -290,13 +290,17 @@ class SpeculativeIterationGraph:
             raise ValueError("a sampled draft must draw with the target's sampling params")
         self.verify = GreedyTreeGraph(model, cache, draft.shape, capture=False, params=params, draft_q=draft_q)
         verify = self.verify
+        shared = cache.batch_size == 1
+        if shared:  # the verify reads the draft's tokens in place: no copy launch
+            verify.tokens_in = draft.tokens[None]
 
         def iteration():
             draft.run()
-            verify.tokens_in.copy_(draft.tokens[None])
+            if not shared:
+                verify.tokens_in.copy_(draft.tokens[None])
             verify._iteration()
             draft.commit_row.copy_(verify.out_last)
-            draft.root.copy_(verify.out_tokens.gather(1, (verify.out_len - 1)[:, None]))
+            torch.gather(verify.out_tokens, 1, (verify.out_len - 1)[:, None], out=draft.root)
 
         self._iteration = iteration
         self.graph = None

@@ -9,12 +9,58 @@ absorbed yet. A tree iteration then reads the state and those inputs instead of 
 back after every iteration; the state is written only when the slots would overflow (a flush).
 The pending count of each row is a device tensor (no host sync); paths that absorb tokens into the
 state directly (step, forward) need it at 0, which `LanguageModel.settle` ensures.
+
+A cache may be row-packed (`packed_mamba_rows`, `LanguageModel.new_cache(packed=True)`): every row's
+Mamba states of all layers and its seqlen live in one contiguous span of one buffer, and each
+tensor is a strided view into it (batch stride = the whole row). Copying or gathering whole rows
+(a drafter branching its state per tree node) is then one launch instead of two per layer and one
+for seqlen. The kernels that read the states take their strides, so they run on either layout.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
+
+ROW_ALIGN = 16
+"""Bytes every tensor's span inside a packed row (and so the row itself) is aligned to, as the
+kernels' vectorised loads of fp32 states expect of their base pointers."""
+
+
+def packed_mamba_rows(batch: int, layers: list, device) -> tuple[torch.Tensor, list, torch.Tensor]:
+    """One buffer holding, per row, the states of every Mamba layer and the row's seqlen.
+
+    Args:
+        layers: the layers' empty caches as templates (only their shapes and dtypes are read; a
+            None or non-Mamba entry is left out of the row).
+    Returns:
+        the (B, W) int64 row buffer, zeroed; per layer a MambaLayerCache of views into it (None
+        for the entries left out); seqlen (B,) int64, a view into it.
+    """
+    specs = []  # (layer, field, shape without the batch, dtype): widest elements first, so no padding is wasted
+    for i, c in enumerate(layers):
+        if isinstance(c, MambaLayerCache):
+            if c.pending_x is not None:
+                raise ValueError("a packed cache keeps no pending inputs (new_cache(pending=...) needs packed=False)")
+            specs += [(i, "ssm_state", tuple(c.ssm_state.shape[1:]), c.ssm_state.dtype),
+                      (i, "conv_state", tuple(c.conv_state.shape[1:]), c.conv_state.dtype)]
+    specs.sort(key=lambda s: -s[3].itemsize)
+    offsets, row_bytes = [], 0
+    for _, _, shape, dtype in specs:
+        offsets.append(row_bytes)
+        row_bytes += -(-math.prod(shape) * dtype.itemsize // ROW_ALIGN) * ROW_ALIGN
+    seqlen_at = row_bytes
+    row_bytes += ROW_ALIGN  # seqlen's 8 bytes, the row padded to the alignment
+    rows = torch.zeros(batch, row_bytes // 8, dtype=torch.int64, device=device)
+    as_bytes = rows.view(torch.uint8)  # (B, row_bytes)
+    views: dict[int, dict] = {}
+    for (i, name, shape, dtype), at in zip(specs, offsets):
+        span = as_bytes[:, at:at + math.prod(shape) * dtype.itemsize].view(dtype)  # (B, numel), row stride W
+        views.setdefault(i, {})[name] = span.view(batch, *shape)
+    caches = [MambaLayerCache(**views[i]) if i in views else None for i in range(len(layers))]
+    seqlen = as_bytes[:, seqlen_at:seqlen_at + 8].view(torch.int64)[:, 0]  # (B,)
+    return rows, caches, seqlen
 
 
 @dataclass
@@ -85,6 +131,14 @@ class ModelCache:
     pending_dirty: bool = False
     """Host-side: pending inputs may be non-empty (set by `replay`, cleared by `settle`), so paths
     that read the SSM state directly (step, forward) flush first."""
+    packed_rows: torch.Tensor | None = None
+    """(B, W) int64 of a row-packed cache (`packed_mamba_rows`): row r's Mamba states and seqlen,
+    which are views into it; None for the plain layout."""
+
+    def _packed_like(self, other: "ModelCache") -> bool:
+        """Whether whole rows of `other` can be copied into this cache's as one span."""
+        return (self.packed_rows is not None and other.packed_rows is not None
+                and self.packed_rows.shape[1] == other.packed_rows.shape[1])
 
     @property
     def batch_size(self) -> int:
@@ -114,25 +168,37 @@ class ModelCache:
     def rows(self, start: int, length: int) -> "ModelCache":
         """A view of rows start .. start + length - 1: steps on it advance those rows of this cache."""
         count = None if self.pending_count is None else self.pending_count.narrow(0, start, length)
+        packed = None if self.packed_rows is None else self.packed_rows.narrow(0, start, length)
         return ModelCache([None if c is None else c.rows(start, length) for c in self.layers],
-                          self.seqlen.narrow(0, start, length), count, self.pending_dirty)
+                          self.seqlen.narrow(0, start, length), count, self.pending_dirty, packed)
 
     def copy_(self, other: "ModelCache") -> None:
+        """Every row := other's (same batch). Between packed caches of one layout: one launch for
+        the Mamba states and seqlen, one per tensor of the other layers."""
+        packed = self._packed_like(other)
+        if packed:
+            self.packed_rows.copy_(other.packed_rows)
         for mine, theirs in zip(self.layers, other.layers):
-            if mine is not None:
+            if mine is not None and not (packed and isinstance(mine, MambaLayerCache)):
                 mine.copy_(theirs)
-        self.seqlen.copy_(other.seqlen)
+        if not packed:
+            self.seqlen.copy_(other.seqlen)
         if self.pending_count is not None:
             self.pending_count.copy_(other.pending_count)
             self.pending_dirty = other.pending_dirty
 
     def gather_(self, other: "ModelCache", rows: torch.Tensor) -> None:
         """Row r := other's row rows[r] (rows a device tensor: no host sync, capturable). Both
-        caches must have the same layout; a view from `rows()` may be the destination."""
+        caches must have the same layers; a view from `rows()` may be the destination. Between
+        packed caches of one layout the Mamba states and seqlen are one launch."""
+        packed = self._packed_like(other)
+        if packed:
+            torch.index_select(other.packed_rows, 0, rows, out=self.packed_rows)
         for mine, theirs in zip(self.layers, other.layers):
-            if mine is not None:
+            if mine is not None and not (packed and isinstance(mine, MambaLayerCache)):
                 mine.gather_(theirs, rows)
-        torch.index_select(other.seqlen, 0, rows, out=self.seqlen)
+        if not packed:
+            torch.index_select(other.seqlen, 0, rows, out=self.seqlen)
         if self.pending_count is not None:
             torch.index_select(other.pending_count, 0, rows, out=self.pending_count)
 

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from ..ops import dispatch, paths
 from .attention import Attention
-from .cache import ModelCache
+from .cache import ModelCache, packed_mamba_rows
 from .config import ModelConfig
 from .fold import is_folded
 from .mamba2 import Mamba2Mixer
@@ -137,27 +137,39 @@ class LanguageModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embeddings.weight.dtype
 
-    def new_cache(self, batch: int, max_len: int, device=None, dtype=None, pending: int = 0) -> ModelCache:
+    def new_cache(self, batch: int, max_len: int, device=None, dtype=None, pending: int = 0,
+                  packed: bool = False) -> ModelCache:
         """An empty cache for `batch` rows; attention layers hold up to max_len positions.
 
         pending: slots per Mamba layer for committed inputs that the SSM state has not absorbed
         (ReplaySSM, models/cache.py): `replay` then writes the state only when the slots would
-        overflow. 0 (or a model without Mamba layers): the state absorbs every replay."""
+        overflow. 0 (or a model without Mamba layers): the state absorbs every replay.
+        packed: every row's Mamba states and seqlen in one span of one buffer (models/cache.py
+        packed_mamba_rows), so that copying or gathering whole rows is one launch (a drafter's
+        per-node states); needs pending 0. The states are then strided views (batch stride = the
+        row), which the step, verify and replay kernels take through their strides; the one-launch
+        step (ops/stream_layers) runs at batch 1 only, where a row is contiguous anyway."""
         device = device or self.device
         dtype = dtype or self.dtype
         if pending < 0:
             raise ValueError(f"pending slots must be >= 0, got {pending}")
         if not any(layer.kind == "mamba" for layer in self.layers):
-            pending = 0
+            pending, packed = 0, False
+        if packed and pending:
+            raise ValueError("a packed cache keeps no pending inputs: pass pending=0 or packed=False")
         layers = []
         for layer in self.layers:
-            if layer.kind == "mamba":
-                layers.append(layer.mixer.new_cache(batch, device, dtype, pending))
+            if layer.kind == "mamba":  # packed: only a template here (its shapes and dtypes)
+                layers.append(layer.mixer.new_cache(batch, "meta" if packed else device, dtype, pending))
             elif layer.kind == "attention":
                 layers.append(layer.mixer.new_cache(batch, max_len, device, dtype))
             else:
                 layers.append(None)
         count = torch.zeros(batch, dtype=torch.long, device=device) if pending else None
+        if packed:
+            rows, mamba, seqlen = packed_mamba_rows(batch, layers, device)
+            layers = [m if m is not None else c for m, c in zip(mamba, layers)]
+            return ModelCache(layers, seqlen, None, packed_rows=rows)
         return ModelCache(layers, torch.zeros(batch, dtype=torch.long, device=device), count)
 
     def settle(self, cache: ModelCache) -> None:
