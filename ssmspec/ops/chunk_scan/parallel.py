@@ -80,7 +80,7 @@ def _ssd(x, dt, A, B, C, D, chunk_size: int, initial_state, dtype: torch.dtype):
     # 1. Diagonal blocks: C B^T once per group, the decay mask per head.
     cb = torch.einsum("bclgs,bcmgs->bcglm", Cc, Bc)  # (B, nc, G, l, l)
     decay_in = torch.exp(_segsum_diff(a)).reshape(batch, nc, groups, rep, length, length)
-    scores = (cb.float()[:, :, :, None] * decay_in).to(dtype)  # (B, nc, G, R, l, l)
+    scores = (decay_in * cb[:, :, :, None]).to(dtype)  # (B, nc, G, R, l, l), the product in fp32
     y_diag = torch.einsum("bcgrlm,bcmgrp->bclgrp", scores, xdt.to(dtype))
 
     # 2. Each chunk's own contribution to the state at its end.
