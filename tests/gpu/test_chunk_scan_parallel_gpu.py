@@ -62,9 +62,10 @@ def test_mamba2_130m_sized_scan_equals_naive(scan_name, precision):
     _compare(scan_name, scan_inputs(2, 2048, 24, 64, 1, 128, device=DEV), 256, precision)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("scan_name", ["parallel", "parallel-compiled"])
-def test_a_training_step_through_parallel_equals_the_plain_torch_one(scan_name):
-    """The whole model under bf16 autocast: loss and every parameter's gradient, parallel vs the naive scan."""
+def test_a_training_step_through_parallel_equals_the_plain_torch_one(scan_name, precision):
+    """The whole model under the run's autocast: loss and every parameter's gradient, parallel vs the naive scan."""
     import dataclasses
 
     from helpers import tiny_config
@@ -81,7 +82,8 @@ def test_a_training_step_through_parallel_equals_the_plain_torch_one(scan_name):
 
     def loss_and_grads(choice):
         model.zero_grad(set_to_none=True)
-        with training_scan(choice, torch.device(DEV)) as picked, torch.autocast("cuda", dtype=torch.bfloat16):
+        with training_scan(choice, torch.device(DEV)) as picked, \
+                torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss = cross_entropy(model(ids[:, :-1]), ids[:, 1:], mask)
         loss.backward()
         return picked.name, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -89,9 +91,10 @@ def test_a_training_step_through_parallel_equals_the_plain_torch_one(scan_name):
     name, loss, grads = loss_and_grads(scan_name)
     assert "parallel_chunk_scan" in name
     _, loss_ref, grads_ref = loss_and_grads("ssmspec")
-    _close(loss, loss_ref, TOL[torch.bfloat16], "loss")
+    tol = TOL[torch.float32 if precision == "fp32" else torch.bfloat16]
+    _close(loss, loss_ref, tol, "loss")
     for n in grads_ref:
-        _close(grads[n], grads_ref[n], TOL[torch.bfloat16], f"grad {n}")
+        _close(grads[n], grads_ref[n], tol, f"grad {n}")
 
 
 def test_auto_picks_parallel_without_fla_or_mamba_ssm():
