@@ -64,7 +64,7 @@ def _ssd(x, dt, A, B, C, D, chunk_size: int, initial_state, dtype: torch.dtype):
     batch, steps, heads, headdim = x.shape
     groups, dstate = B.shape[2], B.shape[3]
     rep = heads // groups
-    length = min(chunk_size, steps)  # one short chunk when the sequence is shorter than a chunk
+    length = max(1, min(chunk_size, steps))  # one short chunk when the sequence is shorter than a chunk
     pad = (-steps) % length
     nc = (steps + pad) // length
     # dt = 0 on the padding: no decay, no input, so the final state is the last real token's.
