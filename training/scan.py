@@ -42,9 +42,11 @@ def _mamba_ssm_scan() -> Callable | None:
 def pick_training_scan(choice: str, device: torch.device) -> TrainingScan:
     """The one place that decides the training scan.
 
-    auto: fla (fla-core's chunked simple-GLA) when importable on a CUDA device, else mamba_ssm's
-    fused SSD when importable there, else ssmspec (the dispatcher's chunk_scan: the plain-torch
-    `naive_chunk_scan`, differentiable). fla and mamba_ssm asked for by name must be usable.
+    auto: on a CUDA device fla (fla-core's chunked simple-GLA) when usable, else mamba_ssm's fused SSD
+    when importable, else parallel; on the CPU ssmspec (the dispatcher's chunk_scan: the plain-torch
+    `naive_chunk_scan`). parallel is `parallel_chunk_scan` (every chunk at once, plain torch, any
+    device); parallel-compiled the same under torch.compile (on CUDA; eager elsewhere or if compiling
+    fails). fla and mamba_ssm asked for by name must be usable.
     """
     from ssmspec.ops import dispatch
     from ssmspec.ops.chunk_scan.fla import fla_available, fla_chunk_scan, fla_refusal
@@ -58,20 +60,24 @@ def pick_training_scan(choice: str, device: torch.device) -> TrainingScan:
                                 fla_chunk_scan)
         if choice == "fla":
             why = ("no CUDA device" if not on_cuda else refused or "fla-core is not importable (pip install fla-core einops)")
-            raise InputError(f"--scan fla asked for, but {why}; use --scan auto or --scan ssmspec")
+            raise InputError(f"--scan fla asked for, but {why}; use --scan auto, parallel or ssmspec")
     if choice in ("auto", "mamba_ssm"):
         scan = _mamba_ssm_scan() if on_cuda else None
         if scan is not None:
             return TrainingScan("mamba_ssm:mamba_chunk_scan_combined", "mamba_ssm imports and the device is CUDA", scan)
         if choice == "mamba_ssm":
-            raise InputError("--scan mamba_ssm asked for, but mamba_ssm is not importable on a GPU here; use --scan ssmspec")
+            raise InputError("--scan mamba_ssm asked for, but mamba_ssm is not importable on a GPU here; use --scan parallel or ssmspec")
+    if choice in ("parallel", "parallel-compiled") or (choice == "auto" and on_cuda):
+        from ssmspec.ops.chunk_scan.parallel import compiled_chunk_scan, parallel_chunk_scan
+
+        reason = "asked for" if choice != "auto" else "neither fla-core nor mamba_ssm can train here"
+        name = "ssmspec:ssmspec.ops.chunk_scan.parallel.parallel_chunk_scan"
+        if choice == "parallel-compiled":  # the compiled function lives for the process (compiled_chunk_scan)
+            return TrainingScan(name + (" (torch.compile)" if on_cuda else " (eager: torch.compile only on CUDA)"),
+                                reason, compiled_chunk_scan())
+        return TrainingScan(name, reason, parallel_chunk_scan)
     impl = dispatch.resolve("chunk_scan", device)
-    if choice == "ssmspec":
-        reason = "asked for"
-    elif not on_cuda:
-        reason = "no CUDA device"
-    else:
-        reason = "neither fla-core nor mamba_ssm can train here"
+    reason = "asked for" if choice == "ssmspec" else "no CUDA device"
     return TrainingScan(f"ssmspec:{impl.__module__}.{impl.__name__}", reason, impl)
 
 
@@ -81,7 +87,7 @@ def training_scan(choice: str, device: torch.device):
     from ssmspec.ops import dispatch
 
     picked = pick_training_scan(choice, device)
-    if picked.name.startswith("ssmspec:"):
+    if picked.fn is dispatch.resolve("chunk_scan", device):
         yield picked
         return
     original = dispatch.chunk_scan
