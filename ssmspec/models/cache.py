@@ -204,8 +204,12 @@ class ModelCache:
 
     def reset_(self) -> None:
         """Empty the cache in place (tensors keep their storage, so captured graphs stay valid)."""
-        tensors = [t for layer in self.layers if layer is not None for t in vars(layer).values() if t is not None]
-        tensors.append(self.seqlen)
+        if self.packed_rows is not None:  # the Mamba states and seqlen are views of it: one zero
+            tensors = [self.packed_rows] + [t for layer in self.layers if not isinstance(layer, MambaLayerCache)
+                                            and layer is not None for t in vars(layer).values() if t is not None]
+        else:
+            tensors = [t for layer in self.layers if layer is not None for t in vars(layer).values() if t is not None]
+            tensors.append(self.seqlen)
         if self.pending_count is not None:
             tensors.append(self.pending_count)
         # one multi-tensor launch per dtype instead of one per tensor (~60 for a 24-layer target:

@@ -340,8 +340,9 @@ def test_sampled_accept_gpu(vocab, spec):
     batch, n = 64, tree.num_nodes
     g = torch.Generator(device=DEV).manual_seed(vocab)
     # peaked distributions over a few hundred tokens, so acceptances and rejections both occur
-    p = torch.softmax(torch.randn(batch, n, vocab, device=DEV, generator=g) * 6, -1)
-    q = torch.softmax(torch.randn(batch, n, vocab, device=DEV, generator=g) * 6, -1)
+    logits = torch.randn(batch, n, vocab, device=DEV, generator=g) * 6
+    p = torch.softmax(logits, -1)  # q close to p: drafts are often accepted, sometimes not
+    q = torch.softmax(logits + torch.randn(batch, n, vocab, device=DEV, generator=g) * 2, -1)
     tokens = torch.zeros(batch, n, dtype=torch.long, device=DEV)
     for u in range(1, n):
         tokens[:, u] = torch.multinomial(q[:, tree.parents[u]], 1, generator=g)[:, 0]

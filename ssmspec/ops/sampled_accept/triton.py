@@ -76,6 +76,8 @@ def _sampled_accept_kernel(
                             tl.store(scratch_row + other * V + offs, lifted, mask=mask)
                             acc += lifted
                         new_total = tl.sum(acc, axis=0)
+                        # the next sibling's r(x) is one thread's load of a row all threads wrote
+                        tl.debug_barrier()
                         if new_total > 1e-12:  # else r == q: the reference keeps r
                             src = tl.full([], 1, tl.int32)
                             buf = other
