@@ -1,4 +1,4 @@
-"""Tiny random transformers checkpoints (Mamba2, NemotronH, Bamba): the oracles of the equivalence tests.
+"""Tiny random transformers checkpoints (Mamba2, NemotronH, Bamba, GraniteMoeHybrid, FalconH1): the oracles of the equivalence tests.
 
 `clamp=True` gives time-step limits that bind on a third of the heads, so the clamp is tested;
 `clamp=False` gives none that bind, for comparisons with transformers' cached `generate`, whose
@@ -79,4 +79,45 @@ def bamba(clamp: bool = True, seed: int = 3, intermediate_size: int = 40):
     return model
 
 
-BUILDERS = {"mamba2": mamba2, "nemotron_h": nemotron_h, "bamba": bamba}
+def granitemoehybrid(clamp: bool = True, seed: int = 4, experts: int = 4, rope: bool = True):
+    """Mamba-2 and attention mixers, each followed by 4 experts (top 2) and the shared expert,
+    with every multiplier away from 1; experts=0 gives the dense variant (shared MLP only)."""
+    cfg = transformers.GraniteMoeHybridConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4,
+        layer_types=["mamba", "attention", "mamba", "mamba"],
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=24, shared_intermediate_size=20,
+        num_local_experts=experts, num_experts_per_tok=2,
+        mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=8, time_step_limit=(0.0, 0.25) if clamp else (0.0, float("inf")), rms_norm_eps=1e-5,
+        position_embedding_type="rope" if rope else None,
+        rope_parameters={"rope_type": "default", "rope_theta": 300.0},
+        embedding_multiplier=2.0, residual_multiplier=0.6, logits_scaling=2.5, attention_multiplier=0.3,
+        tie_word_embeddings=False,
+    )
+    model = transformers.GraniteMoeHybridForCausalLM(cfg)
+    randomize(model, seed=seed)
+    return model
+
+
+def falcon_h1(clamp: bool = True, seed: int = 5, tied: bool = False, gate_norm: bool = True):
+    """Attention beside Mamba-2 in every layer, with every multiplier (and each of the five
+    ssm_multipliers segments) away from 1, a Mamba width (mamba_d_ssm) unrelated to hidden_size,
+    and a head_dim other than hidden / heads. gate_norm=False: the mixer without its gated
+    RMSNorm (mamba_rms_norm false, as Falcon-H1-0.5B ships)."""
+    cfg = transformers.FalconH1Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=12, intermediate_size=40, mamba_d_ssm=48, mamba_n_heads=6, mamba_n_groups=2, mamba_d_state=8,
+        mamba_d_conv=4, mamba_chunk_size=8, mamba_rms_norm=gate_norm, mamba_norm_before_gate=False,
+        time_step_limit=(0.0, 0.25) if clamp else (0.0, float("inf")), rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 300.0},
+        embedding_multiplier=1.7, lm_head_multiplier=0.6, ssm_in_multiplier=0.8, ssm_out_multiplier=1.3,
+        ssm_multipliers=[0.7, 1.2, 0.9, 1.4, 0.5], attention_in_multiplier=1.1, attention_out_multiplier=0.9,
+        key_multiplier=0.6, mlp_multipliers=[1.3, 0.7], tie_word_embeddings=tied,
+    )
+    model = transformers.FalconH1ForCausalLM(cfg)
+    randomize(model, seed=seed)
+    return model
+
+
+BUILDERS = {"mamba2": mamba2, "nemotron_h": nemotron_h, "bamba": bamba, "granitemoehybrid": granitemoehybrid,
+            "falcon_h1": falcon_h1}

@@ -91,7 +91,7 @@ class Attention(nn.Module):
         groups = self.cfg.n_heads // self.cfg.n_kv_heads
         keys = keys.repeat_interleave(groups, dim=1)
         values = values.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=self.cfg.scale)
         return _project_rows(self.o_proj, out.transpose(1, 2).flatten(-2))
 
     def _write(self, cache: AttentionLayerCache, seqlen, k, v, count=None):
@@ -164,7 +164,7 @@ class Attention(nn.Module):
             reach = offset + end  # no query of this chunk sees a key past it
             mask = key_pos[None, None, :reach] <= query_pos[:, start:end, None]  # (B, c, reach)
             out.append(F.scaled_dot_product_attention(q[:, :, start:end], keys[:, :, :reach], values[:, :, :reach],
-                                                      attn_mask=mask[:, None]))
+                                                      attn_mask=mask[:, None], scale=self.cfg.scale))
         out = torch.cat(out, dim=2)  # (B, H, T, D)
         return _project_rows(self.o_proj, out.transpose(1, 2).flatten(-2))
 

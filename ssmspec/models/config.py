@@ -5,7 +5,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-LAYER_KINDS = ("mamba", "attention", "mlp")
+LAYER_KINDS = ("mamba", "attention", "mlp", "moe")
 
 
 @dataclass
@@ -32,6 +32,9 @@ class MambaConfig:
     """Upper clamp of the time step."""
     norm_eps: float = 1e-5
     """Epsilon of the gated RMSNorm."""
+    gate_norm: bool = True
+    """Whether y * silu(z) goes through the grouped RMSNorm before out_proj (False: FalconH1
+    checkpoints with mamba_rms_norm false, whose mixer has no norm there)."""
 
     @property
     def d_inner(self) -> int:
@@ -54,6 +57,8 @@ class AttentionConfig:
     rope_theta: float = 10000.0
     qkv_bias: bool = False
     out_bias: bool = False
+    scale: float | None = None
+    """Softmax scale of the scores; None = 1/sqrt(head_dim) (GraniteMoeHybrid sets its attention_multiplier)."""
 
 
 @dataclass
@@ -65,6 +70,21 @@ class MLPConfig:
     activation: str = "silu"
     """One of silu, relu2, gelu, relu."""
     bias: bool = False
+
+
+@dataclass
+class MoEConfig:
+    """A mixture-of-experts feed-forward layer: per-token top-k routing over gated (SwiGLU)
+    experts, plus an always-on gated shared expert (GraniteMoeHybrid's block_sparse_moe + shared_mlp)."""
+
+    n_experts: int = 8
+    top_k: int = 2
+    """Experts per token; their router weights are the softmax of their top-k router logits."""
+    d_intermediate: int = 64
+    """Hidden width of each routed expert."""
+    shared_intermediate: int = 64
+    """Hidden width of the shared expert (0: none)."""
+    activation: str = "silu"
 
 
 @dataclass
@@ -82,7 +102,15 @@ class ModelConfig:
     mamba: MambaConfig = field(default_factory=MambaConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     mlp: MLPConfig = field(default_factory=MLPConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     norm_eps: float = 1e-5
+    parallel_layers: list[int] = field(default_factory=list)
+    """Sublayers that run beside the one before them: they read the residual stream that the
+    previous sublayer read, so both outputs are added to the same input (FalconH1's attention
+    next to its Mamba-2 mixer: h + mamba(norm(h)) + attention(norm(h)))."""
+    embedding_multiplier: float = 1.0
+    """Scale of the token embeddings entering the residual stream (GraniteMoeHybrid, FalconH1);
+    the LM head reads the unscaled table when tied."""
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -95,6 +123,8 @@ class ModelConfig:
             self.attention = AttentionConfig(**self.attention)
         if isinstance(self.mlp, dict):
             self.mlp = MLPConfig(**self.mlp)
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig(**self.moe)
         bad = [k for k in self.layers if k not in LAYER_KINDS]
         if bad:
             raise ValueError(f"unknown layer kinds {bad}; expected some of {LAYER_KINDS}")
@@ -102,6 +132,11 @@ class ModelConfig:
             raise ValueError("mamba.n_heads must be a multiple of mamba.n_groups")
         if "attention" in self.layers and self.attention.n_heads % self.attention.n_kv_heads:
             raise ValueError("attention.n_heads must be a multiple of attention.n_kv_heads")
+        bad = [i for i in self.parallel_layers if not 0 < i < len(self.layers)]
+        if bad:
+            raise ValueError(f"parallel_layers {bad} must index sublayers after the first")
+        if "moe" in self.layers and not 1 <= self.moe.top_k <= self.moe.n_experts:
+            raise ValueError("moe.top_k must be between 1 and moe.n_experts")
 
     @property
     def is_hybrid(self) -> bool:
@@ -129,10 +164,12 @@ class ModelConfig:
         """Parameter count from the shapes alone (no allocation)."""
         m, a, f, dm = self.mamba, self.attention, self.mlp, self.d_model
         mamba = dm * (2 * m.d_inner + 2 * m.n_groups * m.d_state + m.n_heads) + m.conv_dim * (m.conv_kernel + 1)
-        mamba += 3 * m.n_heads + m.d_inner + m.d_inner * dm
+        mamba += 3 * m.n_heads + (m.d_inner if m.gate_norm else 0) + m.d_inner * dm
         attn = dm * (a.n_heads + 2 * a.n_kv_heads) * a.head_dim + a.n_heads * a.head_dim * dm
         mlp = dm * f.d_intermediate * (3 if f.gated else 2)
-        per = {"mamba": mamba, "attention": attn, "mlp": mlp}
+        e = self.moe
+        moe = dm * e.n_experts + 3 * dm * (e.n_experts * e.d_intermediate + e.shared_intermediate)
+        per = {"mamba": mamba, "attention": attn, "mlp": mlp, "moe": moe}
         total = sum(per[k] + dm for k in self.layers) + dm
         total += self.vocab_size * dm * (1 if self.tie_embeddings else 2)
         return total
