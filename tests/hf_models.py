@@ -1,4 +1,4 @@
-"""Tiny random transformers checkpoints (Mamba2, NemotronH, Bamba, GraniteMoeHybrid, FalconH1): the oracles of the equivalence tests.
+"""Tiny random transformers checkpoints (Mamba2, NemotronH, Bamba, GraniteMoeHybrid, FalconH1, Zamba2): the oracles of the equivalence tests.
 
 `clamp=True` gives time-step limits that bind on a third of the heads, so the clamp is tested;
 `clamp=False` gives none that bind, for comparisons with transformers' cached `generate`, whose
@@ -119,5 +119,23 @@ def falcon_h1(clamp: bool = True, seed: int = 5, tied: bool = False, gate_norm: 
     return model
 
 
+def zamba2(clamp: bool = True, seed: int = 6, blocks: int = 2, attention_adapters: bool = True, rope: bool = True):
+    """Three uses of two shared blocks (uses 0 and 2 share block 0) between Mamba-2 layers, with
+    per-use adapters, RoPE on the shared attention and tied embeddings (Zamba2's default, under
+    which transformers ties each block's weights across its uses)."""
+    cfg = transformers.Zamba2Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=6,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid", "mamba"],
+        num_mem_blocks=blocks, use_shared_attention_adapter=attention_adapters, adapter_rank=4,
+        use_mem_rope=rope, rope_parameters={"rope_type": "default", "rope_theta": 300.0},
+        num_attention_heads=4, n_mamba_heads=8, mamba_ngroups=2, mamba_d_state=8, mamba_d_conv=4,
+        intermediate_size=48, chunk_size=8, time_step_min=0.01 if clamp else 1e-6, rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
+    model = transformers.Zamba2ForCausalLM(cfg)
+    randomize(model, seed=seed, dt_floor=0.01 if clamp else None)
+    return model
+
+
 BUILDERS = {"mamba2": mamba2, "nemotron_h": nemotron_h, "bamba": bamba, "granitemoehybrid": granitemoehybrid,
-            "falcon_h1": falcon_h1}
+            "falcon_h1": falcon_h1, "zamba2": zamba2}

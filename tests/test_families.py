@@ -1,9 +1,10 @@
-"""Hybrid families beyond NemotronH and Bamba (GraniteMoeHybrid, FalconH1), loaded from their transformers checkpoints.
+"""Hybrid families beyond NemotronH and Bamba (GraniteMoeHybrid, FalconH1, Zamba2), loaded from their transformers checkpoints.
 
 tests/test_transformers_equivalence.py and tests/test_generate_vs_transformers.py cover each
 family's main tiny config (forward, prefill + step, verify on trees, greedy generate); here are
-its variants (dense, no RoPE, tied embeddings), replay against stepping, the native round trip,
-and the MoE layer against a dense reference.
+its variants (dense, no RoPE, tied embeddings, no gated norm, one shared block without attention
+adapters), replay against stepping, the native round trip, the MoE layer against a per-row
+reference, and the refusal of untied Zamba2 blocks.
 """
 from __future__ import annotations
 
@@ -30,7 +31,25 @@ VARIANTS = {
     "granite-tied": lambda: _tied(hf_models.granitemoehybrid(seed=8)),
     "falcon-h1-tied": lambda: _tied(hf_models.falcon_h1(seed=9)),
     "falcon-h1-no-gate-norm": lambda: hf_models.falcon_h1(seed=10, gate_norm=False),
+    "zamba2-one-block-nope": lambda: hf_models.zamba2(seed=11, blocks=1, attention_adapters=False, rope=False),
 }
+
+
+def test_zamba2_with_untied_uses_of_a_block_is_refused(tmp_path):
+    """transformers leaves Zamba2's shared blocks untied without tied embeddings: such a checkpoint
+    is another function than Zamba2's, and loading says so instead of picking one copy."""
+    from ssmspec.errors import ModelLoadError
+
+    ref = hf_models.zamba2(seed=12)
+    cfg = ref.config
+    cfg.tie_word_embeddings = False
+    untied = type(ref)(cfg)
+    hf_models.randomize(untied, seed=12)
+    assert not torch.equal(untied.model.layers[1].shared_transformer.self_attn.q_proj.weight,
+                           untied.model.layers[4].shared_transformer.self_attn.q_proj.weight)
+    untied.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="shared block"):
+        load_model(tmp_path)
 
 
 def _tied(ref):
@@ -161,3 +180,25 @@ def test_moe_paths_equal_the_reference_and_are_per_token(rows):
     assert_close(alone, moe(h), atol=1e-6, name="row alone")
     if rows > 7:
         assert len({tuple(e) for e in experts.sort(-1).values.tolist()}) > 1, "routing is trivial"
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe-hybrid", "tiny-parallel-hybrid", "tiny-shared-hybrid"])
+@torch.no_grad()
+def test_native_presets_verify_equals_stepping_each_path(preset):
+    """The new layer structures at random native weights: verify on a tree equals stepping each
+    root-to-node path alone, from a prefilled cache (the MoE, the parallel block and the shared
+    blocks need nothing from transformers to hold their own paths together)."""
+    from ssmspec.models.presets import build_model
+
+    model = build_model(preset, seed=3, std=0.2)
+    tree = Tree.from_parents([-1, 0, 0, 1, 1, 3, 2])
+    ids, tokens = torch.randint(0, 256, (2, 9)), torch.randint(0, 256, (2, tree.num_nodes))
+    cache = model.new_cache(2, 32)
+    full = model(ids)
+    assert_close(model(ids, cache), full, atol=1e-5, name="prefill with a cache")
+    logits, _ = model.verify(tokens, tree, cache)
+    for node in range(tree.num_nodes):
+        path_cache = cache.clone()
+        for n in tree.path(node):
+            out = model.step(tokens[:, n:n + 1], path_cache)
+        assert_close(logits[:, node], out[:, 0], atol=1e-4, name=f"{preset} node {node}")

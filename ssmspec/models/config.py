@@ -88,6 +88,26 @@ class MoEConfig:
 
 
 @dataclass
+class SharedBlockConfig:
+    """Zamba2's shared transformer blocks. With it, every attention sublayer of the stack is a use
+    of block (use index mod n_blocks): RMSNorm of [h | token embeddings] (2 * d_model wide),
+    attention from that width back to d_model, RMSNorm, a gated MLP, and a per-use output
+    projection. The block's weights are shared by its uses; each use has its own low-rank
+    adapters on q, k, v and the MLP's gate/up projection, and its own output projection. The
+    use's output is added to the next sublayer's input (a Mamba-2 sublayer), not to the
+    residual stream."""
+
+    n_blocks: int = 1
+    d_intermediate: int = 128
+    """Hidden width of the blocks' gated MLP."""
+    activation: str = "gelu"
+    adapter_rank: int = 0
+    """Rank of the per-use adapters on the MLP's gate/up projection (0: none)."""
+    attention_adapters: bool = False
+    """Whether each use also has adapters of that rank on q, k and v."""
+
+
+@dataclass
 class ModelConfig:
     """A language model as a stack of pre-norm residual sublayers in any pattern.
 
@@ -104,6 +124,8 @@ class ModelConfig:
     mlp: MLPConfig = field(default_factory=MLPConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     norm_eps: float = 1e-5
+    shared_blocks: SharedBlockConfig | None = None
+    """Zamba2's shared transformer blocks; None: attention sublayers are plain attention."""
     parallel_layers: list[int] = field(default_factory=list)
     """Sublayers that run beside the one before them: they read the residual stream that the
     previous sublayer read, so both outputs are added to the same input (FalconH1's attention
@@ -125,6 +147,8 @@ class ModelConfig:
             self.mlp = MLPConfig(**self.mlp)
         if isinstance(self.moe, dict):
             self.moe = MoEConfig(**self.moe)
+        if isinstance(self.shared_blocks, dict):
+            self.shared_blocks = SharedBlockConfig(**self.shared_blocks)
         bad = [k for k in self.layers if k not in LAYER_KINDS]
         if bad:
             raise ValueError(f"unknown layer kinds {bad}; expected some of {LAYER_KINDS}")
@@ -135,6 +159,13 @@ class ModelConfig:
         bad = [i for i in self.parallel_layers if not 0 < i < len(self.layers)]
         if bad:
             raise ValueError(f"parallel_layers {bad} must index sublayers after the first")
+        if self.shared_blocks is not None:
+            after = [self.layers[i + 1] if i + 1 < len(self.layers) else None
+                     for i, k in enumerate(self.layers) if k == "attention"]
+            if any(k != "mamba" for k in after):
+                raise ValueError("with shared_blocks, every attention sublayer must be followed by a mamba sublayer")
+            if self.parallel_layers:
+                raise ValueError("shared_blocks and parallel_layers do not combine")
         if "moe" in self.layers and not 1 <= self.moe.top_k <= self.moe.n_experts:
             raise ValueError("moe.top_k must be between 1 and moe.n_experts")
 
@@ -171,5 +202,13 @@ class ModelConfig:
         moe = dm * e.n_experts + 3 * dm * (e.n_experts * e.d_intermediate + e.shared_intermediate)
         per = {"mamba": mamba, "attention": attn, "mlp": mlp, "moe": moe}
         total = sum(per[k] + dm for k in self.layers) + dm
+        if self.shared_blocks is not None:  # attention sublayers are uses of the shared blocks
+            sb, uses = self.shared_blocks, self.layers.count("attention")
+            d_in, q = 2 * dm, a.n_heads * a.head_dim
+            block = d_in + d_in * (q + 2 * a.n_kv_heads * a.head_dim) + q * dm + dm + 3 * dm * sb.d_intermediate
+            adapters = sb.adapter_rank * (dm + 2 * sb.d_intermediate)
+            if sb.attention_adapters:
+                adapters += sb.adapter_rank * (d_in + q) + 2 * sb.adapter_rank * (d_in + a.n_kv_heads * a.head_dim)
+            total += sb.n_blocks * block + uses * (adapters + dm * dm - attn - dm)
         total += self.vocab_size * dm * (1 if self.tie_embeddings else 2)
         return total

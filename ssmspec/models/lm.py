@@ -14,6 +14,7 @@ from .fold import is_folded
 from .mamba2 import Mamba2Mixer
 from .mlp import MLP
 from .moe import MoE
+from .shared_block import SharedBlock, SharedBlockUse
 
 
 class Embedding(nn.Embedding):
@@ -82,6 +83,9 @@ class Sublayer(nn.Module):
         self.kind = kind
         self.parallel = False
         """Whether it reads the residual stream the previous sublayer read (ModelConfig.parallel_layers)."""
+        self.injects = False
+        """Whether its output goes into the next sublayer's input instead of the residual stream
+        (a use of a Zamba2 shared block, ModelConfig.shared_blocks)."""
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if kind == "mamba":
             self.mixer = Mamba2Mixer(cfg.d_model, cfg.mamba)
@@ -91,6 +95,13 @@ class Sublayer(nn.Module):
             self.mixer = MoE(cfg.d_model, cfg.moe)
         else:
             self.mixer = MLP(cfg.d_model, cfg.mlp)
+
+    def input(self, h: torch.Tensor, embeddings: torch.Tensor, injected: torch.Tensor | None) -> torch.Tensor:
+        """What the mixer reads: norm(h), or norm(h + injected) after a sublayer that injects;
+        a shared-block use reads [h | token embeddings] and normalises it itself."""
+        if self.injects:
+            return torch.cat([h, embeddings], dim=-1)
+        return self.norm(h if injected is None else h + injected)
 
     @property
     def norms_folded(self) -> bool:
@@ -120,6 +131,15 @@ class LanguageModel(nn.Module):
         self.layers = nn.ModuleList(Sublayer(kind, cfg) for kind in cfg.layers)
         for i in cfg.parallel_layers:
             self.layers[i].parallel = True
+        if cfg.shared_blocks is not None:
+            # Zamba2: the weights shared by a block's uses live here, once; each attention
+            # sublayer becomes a use of block (use index mod n_blocks), with no norm of its own.
+            self.shared_blocks = nn.ModuleList(SharedBlock(cfg, RMSNorm) for _ in range(cfg.shared_blocks.n_blocks))
+            uses = [layer for layer in self.layers if layer.kind == "attention"]
+            for j, layer in enumerate(uses):
+                layer.mixer = SharedBlockUse(self.shared_blocks[j % cfg.shared_blocks.n_blocks], cfg)
+                layer.norm = None
+                layer.injects = True
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -212,18 +232,22 @@ class LanguageModel(nn.Module):
         if cache is not None:
             self.settle(cache)
         h = self.embeddings(input_ids)
+        embeddings, injected = h, None  # injected: a shared-block use's output, for the next input
         block_input = h  # what a parallel sublayer reads: the previous sublayer's input
         for i, layer in enumerate(self.layers):
             if not layer.parallel:
                 block_input = h
-            x = layer.norm(block_input)
+            x, injected = layer.input(block_input, embeddings, injected), None
             if layer.kind == "mamba":
                 x = layer.mixer(x, None if cache is None else cache.layers[i])
             elif layer.kind == "attention":
                 x = layer.mixer(x, None if cache is None else cache.layers[i], None if cache is None else cache.seqlen)
             else:
                 x = layer.mixer(x)
-            h = h + x
+            if layer.injects:
+                injected = x
+            else:
+                h = h + x
         if cache is not None:
             cache.seqlen += input_ids.shape[1]
         return self._logits(h[:, -1:] if last_only else h)
@@ -234,26 +258,31 @@ class LanguageModel(nn.Module):
         if not torch.is_grad_enabled() and self._fusable(input_ids.device):
             return self._fused_step(input_ids, cache)
         h = self.embeddings(input_ids)
+        embeddings, injected = h, None  # injected: a shared-block use's output, for the next input
         block_input = h  # what a parallel sublayer reads: the previous sublayer's input
         for i, layer in enumerate(self.layers):
             if not layer.parallel:
                 block_input = h
-            x = layer.norm(block_input)
+            x, injected = layer.input(block_input, embeddings, injected), None
             if layer.kind == "mamba":
                 x = layer.mixer.step(x, cache.layers[i])
             elif layer.kind == "attention":
                 x = layer.mixer.step(x, cache.layers[i], cache.seqlen)
             else:
                 x = layer.mixer(x)
-            h = h + x
+            if layer.injects:
+                injected = x
+            else:
+                h = h + x
         cache.seqlen += 1
         return self._logits(h)
 
     def _fusable(self, device: torch.device) -> bool:
         """Whether step and verify run on the kernel path (`_fused_stack`): where ops/paths.py
-        says so, and for a stack without parallel sublayers, whose deferred residual adds the
-        kernel path does not keep apart."""
-        return paths.fused_layers(self.config.d_model, device) and not self.config.parallel_layers
+        says so, and for a stack without parallel sublayers or shared blocks, whose inputs are
+        not the plain residual stream that the kernel path's deferred adds assume."""
+        return (paths.fused_layers(self.config.d_model, device) and not self.config.parallel_layers
+                and self.config.shared_blocks is None)
 
     def _fused_stack(self, h: torch.Tensor, run_mixer, run_folded, float_logits: bool = True):
         """The sublayers on the kernel path: each residual add runs inside the next sublayer's
@@ -340,11 +369,12 @@ class LanguageModel(nn.Module):
         mask = tree.mask_tensor(device)
         h = self.embeddings(tokens)
         acts = []
+        embeddings, injected = h, None  # injected: a shared-block use's output, for the next input
         block_input = h  # what a parallel sublayer reads: the previous sublayer's input
         for i, layer in enumerate(self.layers):
             if not layer.parallel:
                 block_input = h
-            x = layer.norm(block_input)
+            x, injected = layer.input(block_input, embeddings, injected), None
             if layer.kind == "mamba":
                 x, a = layer.mixer.verify(x, cache.layers[i], parents, cache.pending_inputs(i))
             elif layer.kind == "attention":
@@ -352,7 +382,10 @@ class LanguageModel(nn.Module):
             else:
                 x, a = layer.mixer(x), None
             acts.append(a)
-            h = h + x
+            if layer.injects:
+                injected = x
+            else:
+                h = h + x
         return self._logits(h), TreeActivations(acts)
 
     def verify_splits_in_proj(self, nodes: int, batch: int = 1) -> bool:

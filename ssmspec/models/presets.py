@@ -1,5 +1,6 @@
 """Named model shapes: tiny test models, a 2-layer drafter, the mamba2 family, an ~8B hybrid and
-Granite 4.0-H (Mamba-2 + attention + MoE) and Falcon-H1 (attention beside Mamba-2).
+Granite 4.0-H (Mamba-2 + attention + MoE), Falcon-H1 (attention beside Mamba-2) and Zamba2
+(shared attention blocks).
 
 Real sizes get random weights (no checkpoint is reachable offline); they exist for timing on
 the GPU and as drafters or students to train.
@@ -12,7 +13,7 @@ from typing import Callable
 import torch
 
 from ..errors import InputError
-from .config import AttentionConfig, MambaConfig, MLPConfig, ModelConfig, MoEConfig
+from .config import AttentionConfig, MambaConfig, MLPConfig, ModelConfig, MoEConfig, SharedBlockConfig
 from .init import init_weights
 from .lm import LanguageModel
 
@@ -149,6 +150,39 @@ def _falcon_h1_7b() -> ModelConfig:
     )
 
 
+def _tiny_shared_hybrid() -> ModelConfig:
+    return ModelConfig(
+        vocab_size=256, d_model=64, layers=["mamba", "attention", "mamba", "mamba", "attention", "mamba"],
+        mamba=MambaConfig(n_heads=8, head_dim=16, d_state=16, n_groups=2, chunk_size=64),
+        attention=AttentionConfig(n_heads=4, n_kv_heads=4, head_dim=32, rotary_dim=32, scale=1 / 4),
+        shared_blocks=SharedBlockConfig(n_blocks=1, d_intermediate=128, adapter_rank=8, attention_adapters=True),
+        tie_embeddings=True,
+    )
+
+
+# Zamba2-2.7B (Zamba2ForCausalLM): 54 layers of Mamba-2 (80 heads of 64, state 64, 1 group, conv 4,
+# chunk 256), 9 of them hybrid (layers 6, 12, 18, 24, 30, 36, 42, 47, 51), each of those a use of
+# one of 2 shared blocks (attention over [h | embeddings] of width 5120, 32 heads of 160, and a
+# GELU MLP of width 10240) before its Mamba-2 layer; per-use MLP adapters of rank 128 (no
+# attention adapters); vocabulary 32000 (Mistral v0.1), tied. Source: Zyphra/Zamba2-2.7B-Instruct-v2
+# config.json (huggingface.co). Whether the shared attention uses RoPE does not change shapes.
+ZAMBA2_2_7B_HYBRID = (6, 12, 18, 24, 30, 36, 42, 47, 51)
+
+
+def _zamba2_2_7b() -> ModelConfig:
+    layers = []
+    for i in range(54):
+        layers += ["attention", "mamba"] if i in ZAMBA2_2_7B_HYBRID else ["mamba"]
+    return ModelConfig(
+        vocab_size=32000, d_model=2560, layers=layers,
+        mamba=MambaConfig(n_heads=80, head_dim=64, d_state=64, n_groups=1, conv_kernel=4, chunk_size=256,
+                          dt_min=0.001),
+        attention=AttentionConfig(n_heads=32, n_kv_heads=32, head_dim=160, rotary_dim=0, scale=80 ** -0.5),
+        shared_blocks=SharedBlockConfig(n_blocks=2, d_intermediate=10240, activation="gelu", adapter_rank=128),
+        norm_eps=1e-5, tie_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+
+
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny": _tiny,
     "tiny-hybrid": _tiny_hybrid,
@@ -164,6 +198,8 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "granite-4.0-h-small": _granite_4_h(4096, 32, 8, experts=72, top_k=10, d_expert=768, d_shared=1536),
     "tiny-parallel-hybrid": _tiny_parallel_hybrid,
     "falcon-h1-7b": _falcon_h1_7b,
+    "tiny-shared-hybrid": _tiny_shared_hybrid,
+    "zamba2-2.7b": _zamba2_2_7b,
 }
 
 # Presets at real sizes pad a given vocabulary up to a multiple of 16, as mamba_ssm does, so the

@@ -59,6 +59,8 @@ def effective_config_dict(cfg: ModelConfig) -> dict:
         d.pop("embedding_multiplier")
     if not d["parallel_layers"]:
         d.pop("parallel_layers")
+    if d["shared_blocks"] is None:
+        d.pop("shared_blocks")
     if "mamba" in d and d["mamba"]["gate_norm"]:
         d["mamba"].pop("gate_norm")
     if "attention" in d and d["attention"]["scale"] is None:

@@ -1,4 +1,4 @@
-"""transformers' hybrid formats (NemotronH, Bamba, GraniteMoeHybrid, FalconH1): their config.json and tensor names onto ours."""
+"""transformers' hybrid formats (NemotronH, Bamba, GraniteMoeHybrid, FalconH1, Zamba2): their config.json and tensor names onto ours."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import math
 import torch
 
 from ...errors import ModelLoadError
-from ..config import AttentionConfig, MambaConfig, MLPConfig, ModelConfig, MoEConfig
+from ..config import AttentionConfig, MambaConfig, MLPConfig, ModelConfig, MoEConfig, SharedBlockConfig
 from .common import Renamer, dt_limit, prefix_renamer, require_silu, special_ids
 
 
@@ -380,6 +380,139 @@ def config_falcon_h1(c: dict) -> tuple[ModelConfig, Renamer]:
         if part in offsets:
             scale = scales.get((part, rest))
             return [(f"layers.{base + offsets[part]}.mixer.{rest}", tensor if scale is None else scale(tensor))]
+        return [(name, tensor)]
+
+    return cfg, rename
+
+
+_ZAMBA2_MAMBA = ("mamba", "linear_attention")
+
+
+def config_zamba2(c: dict) -> tuple[ModelConfig, Renamer]:
+    """Zamba2Config onto ours. A mamba layer is one Mamba-2 sublayer; a hybrid layer is a use of a
+    shared transformer block (an attention sublayer, ModelConfig.shared_blocks) followed by its
+    Mamba-2 sublayer, whose input gets the use's output added.
+
+    Zamba2 ties each block's weights across its uses (num_mem_blocks blocks, used in turn), as
+    transformers does when the checkpoint has tied embeddings; a checkpoint whose uses of one
+    block hold different weights is refused.
+    """
+    fmt = "Zamba2"
+    hidden = c.get("hidden_size", 2560)
+    blocks = c.get("layers_block_type") or c.get("layer_types")
+    if not blocks:
+        raise ModelLoadError(f"{fmt} config needs layers_block_type")
+    unknown = sorted({b for b in blocks if b not in _ZAMBA2_MAMBA + ("hybrid",)})
+    if unknown:
+        raise ModelLoadError(f"{fmt} config has unknown layer types {unknown}")
+    if c.get("add_bias_linear", False):
+        raise ModelLoadError(f"{fmt} config has add_bias_linear true; ssmspec reads Zamba2 without linear biases")
+    if c.get("use_long_context", False):
+        raise ModelLoadError(f"{fmt} config has use_long_context true (rescaled RoPE); ssmspec reads it off only")
+    rope = c.get("rope_parameters") or {}
+    if c.get("use_mem_rope", False) and rope.get("rope_type", "default") != "default":
+        raise ModelLoadError(f"{fmt} config uses rope_type {rope['rope_type']!r}; only default RoPE is supported")
+    heads = c.get("num_attention_heads", 32)
+    kv_heads = c.get("num_key_value_heads") or heads
+    head_dim = 2 * hidden // heads
+    attention_adapters = bool(c.get("use_shared_attention_adapter", False))
+    if attention_adapters and kv_heads != heads:
+        raise ModelLoadError(f"{fmt} config: attention adapters need num_key_value_heads equal to num_attention_heads")
+    m_heads = c.get("n_mamba_heads", 8)
+    expand = c.get("mamba_expand", 2)
+    n_blocks = c.get("num_mem_blocks", 1)
+    eps = c.get("rms_norm_eps", 1e-5)
+    layers, sublayer_of = [], {}  # sublayer_of: decoder layer -> (its first sublayer, use index or None)
+    uses = 0
+    for i, b in enumerate(blocks):
+        if b == "hybrid":
+            sublayer_of[i] = (len(layers), uses)
+            uses += 1
+            layers += ["attention", "mamba"]
+        else:
+            sublayer_of[i] = (len(layers), None)
+            layers.append("mamba")
+    use_sublayer = {use: first for first, use in sublayer_of.values() if use is not None}
+    cfg = ModelConfig(
+        vocab_size=c.get("vocab_size", 32000),
+        d_model=hidden,
+        layers=layers,
+        mamba=MambaConfig(
+            n_heads=m_heads, head_dim=expand * hidden // m_heads, d_state=c.get("mamba_d_state", 64),
+            n_groups=c.get("mamba_ngroups", 1), conv_kernel=c.get("mamba_d_conv", 4), conv_bias=True,
+            proj_bias=False, chunk_size=c.get("chunk_size", 256),
+            # Zamba2's mixer clamps the time step to (time_step_min, inf); its gated norm's eps is 1e-5.
+            dt_min=float(c.get("time_step_min", 0.001)), dt_max=math.inf, norm_eps=1e-5,
+        ),
+        attention=AttentionConfig(
+            n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim,
+            rotary_dim=head_dim if c.get("use_mem_rope", False) else 0,
+            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+            scale=(head_dim / 2) ** -0.5,  # Zamba2 scales by sqrt(head_dim / 2)
+        ),
+        shared_blocks=SharedBlockConfig(
+            n_blocks=n_blocks, d_intermediate=c.get("intermediate_size") or 4 * hidden,
+            activation=c.get("hidden_act", "gelu"), adapter_rank=c.get("adapter_rank", 128),
+            attention_adapters=attention_adapters,
+        ),
+        norm_eps=eps,
+        tie_embeddings=c.get("tie_word_embeddings", True),
+        **special_ids(c, (1, 2, 0)),
+    )
+    shared_parts = {
+        "input_layernorm.weight": "input_norm.weight", "pre_ff_layernorm.weight": "ff_norm.weight",
+        "feed_forward.gate_up_proj.weight": "gate_up_proj.weight", "feed_forward.down_proj.weight": "down_proj.weight",
+        **{f"self_attn.{p}_proj.weight": f"attention.{p}_proj.weight" for p in "qkvo"},
+    }
+    adapter_lists = {
+        "self_attn.linear_q_adapter_list": "q_adapter", "self_attn.linear_k_adapter_list": "k_adapter",
+        "self_attn.linear_v_adapter_list": "v_adapter", "feed_forward.gate_up_proj_adapter_list": "gate_up_adapter",
+    }
+    seen: dict[str, torch.Tensor] = {}
+
+    def once(ours: str, tensor: torch.Tensor):
+        """A tied tensor stored under several uses: emitted once, after checking the copies agree."""
+        if ours in seen:
+            if not torch.equal(seen[ours], tensor):
+                raise ModelLoadError(
+                    f"{fmt} checkpoint holds different weights for {ours} in two uses of one shared block; "
+                    "ssmspec reads Zamba2 with its shared blocks tied (as transformers ties them)")
+            return []
+        seen[ours] = tensor
+        return [(ours, tensor)]
+
+    def rename(name, tensor):
+        if name == "model.embed_tokens.weight":
+            return [("embeddings.weight", tensor)]
+        if name == "model.final_layernorm.weight":
+            return [("norm_f.weight", tensor)]
+        if not name.startswith("model.layers."):
+            return [(name, tensor)]  # lm_head.weight, or an unexpected name that the strict check reports
+        _, _, idx, rest = name.split(".", 3)
+        first, use = sublayer_of.get(int(idx), (None, None))
+        if first is None:
+            return [(name, tensor)]
+        if use is None:  # a mamba layer
+            if rest == "input_layernorm.weight":
+                return [(f"layers.{first}.norm.weight", tensor)]
+            if rest.startswith("mamba."):
+                return [(f"layers.{first}.mixer.{rest.removeprefix('mamba.')}", tensor)]
+            return [(name, tensor)]
+        if rest == "linear.weight":
+            return [(f"layers.{first}.mixer.out_proj.weight", tensor)]
+        if rest == "mamba_decoder.input_layernorm.weight":
+            return [(f"layers.{first + 1}.norm.weight", tensor)]
+        if rest.startswith("mamba_decoder.mamba."):
+            return [(f"layers.{first + 1}.mixer.{rest.removeprefix('mamba_decoder.mamba.')}", tensor)]
+        part = rest.removeprefix("shared_transformer.")
+        if part in shared_parts:
+            return once(f"shared_blocks.{use % n_blocks}.{shared_parts[part]}", tensor)
+        for prefix, ours in adapter_lists.items():
+            if part.startswith(prefix + "."):
+                k, tail = part[len(prefix) + 1:].split(".", 1)  # adapter of use k: "0.weight" / "1.weight"
+                if int(k) not in use_sublayer:
+                    return [(name, tensor)]
+                return once(f"layers.{use_sublayer[int(k)]}.mixer.{ours}.{tail}", tensor)
         return [(name, tensor)]
 
     return cfg, rename
