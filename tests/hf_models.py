@@ -66,6 +66,30 @@ def nemotron_h(clamp: bool = True, seed: int = 2):
     return model
 
 
+def nemotron_h_moe(clamp: bool = True, seed: int = 7, latent: int | None = 24):
+    """NemotronH with MoE blocks (Nemotron 3): 8 plain squared-ReLU experts in 4 groups, top 3
+    from the best 2 groups by sigmoid scores plus their correction bias, routed scaling, a
+    shared expert and (latent) a down/up projection around the experts."""
+    cfg = transformers.NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=32,
+        layers_block_type=["linear_attention", "moe", "full_attention", "moe", "linear_attention", "mlp"],
+        mamba_num_heads=8, mamba_head_dim=6, ssm_state_size=8, n_groups=2, conv_kernel=4, chunk_size=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=40,
+        n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=24, moe_latent_size=latent, routed_scaling_factor=1.7,
+        norm_topk_prob=True, mlp_hidden_act="relu2", time_step_min=0.01 if clamp else 1e-6,
+        layer_norm_epsilon=1e-5, tie_word_embeddings=False, num_nextn_predict_layers=0,
+    )
+    model = transformers.NemotronHForCausalLM(cfg)
+    randomize(model, seed=seed, dt_floor=0.01 if clamp else None)
+    with torch.no_grad():  # the choice bias matters: spread it like the router's own scores
+        gen = torch.Generator().manual_seed(seed)
+        for layer in model.model.layers:
+            if hasattr(layer.mixer, "gate"):
+                layer.mixer.gate.e_score_correction_bias.copy_(0.3 * torch.randn(8, generator=gen))
+    return model
+
+
 def bamba(clamp: bool = True, seed: int = 3, intermediate_size: int = 40):
     cfg = transformers.BambaConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, attn_layer_indices=[1],

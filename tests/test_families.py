@@ -1,9 +1,10 @@
-"""Hybrid families beyond NemotronH and Bamba (GraniteMoeHybrid, FalconH1, Zamba2), loaded from their transformers checkpoints.
+"""Hybrid families beyond NemotronH and Bamba (GraniteMoeHybrid, FalconH1, Zamba2, NemotronH's MoE), loaded from their transformers checkpoints.
 
 tests/test_transformers_equivalence.py and tests/test_generate_vs_transformers.py cover each
 family's main tiny config (forward, prefill + step, verify on trees, greedy generate); here are
 its variants (dense, no RoPE, tied embeddings, no gated norm, one shared block without attention
-adapters), replay against stepping, the native round trip, the MoE layer against a per-row
+adapters) and NemotronH with MoE blocks (with greedy generate against transformers' own),
+replay against stepping, the native round trip, the MoE layer against a per-row
 reference, and the refusal of untied Zamba2 blocks.
 """
 from __future__ import annotations
@@ -32,6 +33,8 @@ VARIANTS = {
     "falcon-h1-tied": lambda: _tied(hf_models.falcon_h1(seed=9)),
     "falcon-h1-no-gate-norm": lambda: hf_models.falcon_h1(seed=10, gate_norm=False),
     "zamba2-one-block-nope": lambda: hf_models.zamba2(seed=11, blocks=1, attention_adapters=False, rope=False),
+    "nemotron-h-moe-latent": lambda: hf_models.nemotron_h_moe(),
+    "nemotron-h-moe": lambda: hf_models.nemotron_h_moe(seed=13, latent=None),
 }
 
 
@@ -202,3 +205,26 @@ def test_native_presets_verify_equals_stepping_each_path(preset):
         for n in tree.path(node):
             out = model.step(tokens[:, n:n + 1], path_cache)
         assert_close(logits[:, node], out[:, 0], atol=1e-4, name=f"{preset} node {node}")
+
+
+@pytest.mark.parametrize("latent", [24, None], ids=["latent", "no-latent"])
+def test_nemotron_h_moe_greedy_generate_equals_transformers(tmp_path, latent):
+    """NemotronH with MoE blocks: greedy chain and static-tree ids equal transformers' greedy
+    `generate`, with an unrelated drafter and with n-gram (no binding time-step clamp, which
+    transformers' cached path skips)."""
+    from helpers import tiny_model
+    from ssmspec.decoding import GenerationConfig, ModelDrafter, NgramDrafter, generate
+
+    ref = hf_models.nemotron_h_moe(clamp=False, seed=14, latent=latent)
+    ref.save_pretrained(tmp_path)
+    ours = load_model(tmp_path).model
+    unrelated = tiny_model(("mamba",), vocab_size=VOCAB, seed=123)
+    ids = _ids(1, 9, seed=15)[0].tolist()
+    with torch.no_grad():
+        expected = ref.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    for method, tree in [("chain", Tree.chain(3)), ("stree", Tree.from_config((3, 2, 1)))]:
+        for drafter in (ModelDrafter(unrelated), NgramDrafter()):
+            got = generate(ours, ids, drafter=drafter,
+                           config=GenerationConfig(method=method, tree=tree, max_new_tokens=16))
+            assert got.token_ids == expected, f"{method} with {type(drafter).__name__}"

@@ -74,17 +74,30 @@ class MLPConfig:
 
 @dataclass
 class MoEConfig:
-    """A mixture-of-experts feed-forward layer: per-token top-k routing over gated (SwiGLU)
-    experts, plus an always-on gated shared expert (GraniteMoeHybrid's block_sparse_moe + shared_mlp)."""
+    """A mixture-of-experts feed-forward layer: per-token top-k routing over experts, plus an
+    always-on shared expert (GraniteMoeHybrid's block_sparse_moe + shared_mlp, NemotronH's moe)."""
 
     n_experts: int = 8
     top_k: int = 2
-    """Experts per token; their router weights are the softmax of their top-k router logits."""
+    """Experts per token."""
     d_intermediate: int = 64
     """Hidden width of each routed expert."""
     shared_intermediate: int = 64
     """Hidden width of the shared expert (0: none)."""
     activation: str = "silu"
+    gated: bool = True
+    """Experts (and the shared expert) gated, act(gate) * up (GraniteMoeHybrid), or act(up) (NemotronH)."""
+    router: str = "softmax"
+    """softmax: the chosen experts' weights are the softmax of their top-k logits (Granite).
+    sigmoid: DeepSeek-V3 style (NemotronH): sigmoid scores, a per-expert bias for the choice
+    only, the top-k among the topk_group best of n_group expert groups, weights the chosen
+    scores (normalised when norm_topk_prob) times routed_scaling."""
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling: float = 1.0
+    latent_size: int = 0
+    """Width the routed experts run at, projected down from d_model and back (0: d_model)."""
 
 
 @dataclass
@@ -168,6 +181,11 @@ class ModelConfig:
                 raise ValueError("shared_blocks and parallel_layers do not combine")
         if "moe" in self.layers and not 1 <= self.moe.top_k <= self.moe.n_experts:
             raise ValueError("moe.top_k must be between 1 and moe.n_experts")
+        if "moe" in self.layers and self.moe.router not in ("softmax", "sigmoid"):
+            raise ValueError(f"moe.router must be softmax or sigmoid, not {self.moe.router!r}")
+        if "moe" in self.layers and self.moe.router == "sigmoid" and (
+                self.moe.n_experts % self.moe.n_group or not 1 <= self.moe.topk_group <= self.moe.n_group):
+            raise ValueError("moe.n_group must divide moe.n_experts and moe.topk_group be between 1 and moe.n_group")
 
     @property
     def is_hybrid(self) -> bool:
@@ -199,7 +217,11 @@ class ModelConfig:
         attn = dm * (a.n_heads + 2 * a.n_kv_heads) * a.head_dim + a.n_heads * a.head_dim * dm
         mlp = dm * f.d_intermediate * (3 if f.gated else 2)
         e = self.moe
-        moe = dm * e.n_experts + 3 * dm * (e.n_experts * e.d_intermediate + e.shared_intermediate)
+        mats = 3 if e.gated else 2
+        d_expert = e.latent_size or dm
+        moe = dm * e.n_experts + mats * (d_expert * e.n_experts * e.d_intermediate + dm * e.shared_intermediate)
+        moe += e.n_experts if e.router == "sigmoid" else 0  # the choice bias
+        moe += 2 * dm * e.latent_size
         per = {"mamba": mamba, "attention": attn, "mlp": mlp, "moe": moe}
         total = sum(per[k] + dm for k in self.layers) + dm
         if self.shared_blocks is not None:  # attention sublayers are uses of the shared blocks

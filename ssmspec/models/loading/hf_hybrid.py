@@ -15,22 +15,22 @@ _NEMOTRON_KINDS = {
     "mamba": "mamba", "linear_attention": "mamba", "M": "mamba",
     "attention": "attention", "full_attention": "attention", "*": "attention",
     "mlp": "mlp", "-": "mlp",
+    "moe": "moe", "E": "moe",
 }
 
 
 def config_nemotron_h(c: dict) -> tuple[ModelConfig, Renamer]:
-    """NemotronHConfig (dense: mamba, attention and mlp blocks) onto ours, one sublayer per block."""
+    """NemotronHConfig onto ours, one sublayer per block: mamba, attention, mlp, or moe (Nemotron 3:
+    DeepSeek-V3 routing over plain experts, models/moe.py; the hub's per-expert tensors are
+    stacked on load)."""
     fmt = "NemotronH"
     blocks = c.get("layers_block_type") or c.get("layer_types")
     if blocks is None and c.get("hybrid_override_pattern") is not None:
         blocks = list(c["hybrid_override_pattern"])  # legacy string: M mamba, * attention, - mlp, E moe
     if not blocks:
         raise ModelLoadError(f"{fmt} config needs layers_block_type (or the legacy hybrid_override_pattern)")
-    if any(b in ("moe", "E") for b in blocks):
-        raise ModelLoadError(
-            f"{fmt} config has mixture-of-experts layers (moe / E); ssmspec supports only mamba, attention "
-            "and dense mlp layers, so use a dense Nemotron-H checkpoint"
-        )
+    if c.get("mlp_bias", False) and any(b in ("moe", "E") for b in blocks):
+        raise ModelLoadError(f"{fmt} config has mlp_bias with mixture-of-experts layers; ssmspec reads them without")
     unknown = sorted({b for b in blocks if b not in _NEMOTRON_KINDS})
     if unknown:
         raise ModelLoadError(f"{fmt} config has unknown layer types {unknown}")
@@ -65,18 +65,49 @@ def config_nemotron_h(c: dict) -> tuple[ModelConfig, Renamer]:
             d_intermediate=c.get("intermediate_size", 21504), gated=False,
             activation=c.get("mlp_hidden_act", "relu2"), bias=c.get("mlp_bias", False),
         ),
+        # MoE blocks (Nemotron 3): DeepSeek-V3 routing over plain (non-gated) experts.
+        moe=MoEConfig(
+            n_experts=c.get("n_routed_experts", c.get("num_local_experts", 128)), top_k=c.get("num_experts_per_tok", 2),
+            d_intermediate=c.get("moe_intermediate_size", 7688),
+            shared_intermediate=c.get("moe_shared_expert_intermediate_size", 7688),
+            activation=c.get("mlp_hidden_act", "relu2"), gated=False, router="sigmoid",
+            n_group=c.get("n_group", 1), topk_group=c.get("topk_group", 1),
+            norm_topk_prob=c.get("norm_topk_prob", True), routed_scaling=float(c.get("routed_scaling_factor", 1.0)),
+            latent_size=c.get("moe_latent_size") or 0,
+        ),
         norm_eps=eps,
         tie_embeddings=c.get("tie_word_embeddings", False),
         **special_ids(c, (1, 2, 0)),
     )
+    moe_parts = {"gate.weight": "router.weight", "gate.e_score_correction_bias": "score_bias",
+                 "shared_experts.up_proj.weight": "shared.up_proj.weight",
+                 "shared_experts.down_proj.weight": "shared.down_proj.weight"}
+    n_experts = cfg.moe.n_experts
+    per_expert: dict[str, dict[int, torch.Tensor]] = {}
 
-    def mapping(name):
+    def rename(name, tensor):
         for prefix in ("model.", "backbone."):  # remote-code checkpoints call the body "backbone"
             if name.startswith(prefix):
-                return name[len(prefix):]
-        return name
+                name = name[len(prefix):]
+                break
+        if not name.startswith("layers.") or ".mixer." not in name:
+            return [(name, tensor)]
+        layer, rest = name.split(".mixer.", 1)
+        if rest in moe_parts:
+            return [(f"{layer}.mixer.{moe_parts[rest]}", tensor)]
+        if rest.startswith("experts.") and rest.count(".") == 3:
+            # the hub's layout: one tensor per expert (experts.{j}.up_proj.weight), stacked here
+            # once all of a layer's experts have come
+            _, j, proj, _ = rest.split(".")
+            key = f"{layer}.mixer.experts.{proj}"
+            got = per_expert.setdefault(key, {})
+            got[int(j)] = tensor
+            if len(got) < n_experts:
+                return []
+            return [(key, torch.stack([got[e] for e in range(n_experts)]))]
+        return [(name, tensor)]
 
-    return cfg, prefix_renamer(mapping)
+    return cfg, rename
 
 
 def config_bamba(c: dict) -> tuple[ModelConfig, Renamer]:
