@@ -228,3 +228,22 @@ def test_nemotron_h_moe_greedy_generate_equals_transformers(tmp_path, latent):
             got = generate(ours, ids, drafter=drafter,
                            config=GenerationConfig(method=method, tree=tree, max_new_tokens=16))
             assert got.token_ids == expected, f"{method} with {type(drafter).__name__}"
+
+
+@pytest.mark.parametrize("name", ["granite-moe", "falcon-h1-no-gate-norm", "zamba2-one-block-nope", "nemotron-h-moe"])
+@torch.no_grad()
+def test_bf16_family_runs_every_path(name, tmp_path):
+    """In bf16 (loading converts), every path runs and the SSM states stay fp32; the logits stay
+    near the fp32 model's."""
+    VARIANTS[name]().save_pretrained(tmp_path)
+    full = load_model(tmp_path).model
+    half = load_model(tmp_path, dtype="bf16").model
+    ids, tree = _ids(1, 7, seed=16), Tree.from_config((2, 2))
+    cache = half.new_cache(1, 32, pending=2)
+    logits = half(ids, cache)
+    assert_close(logits, full(ids), atol=0.15, rtol=0.1, name="bf16 vs fp32 forward")
+    assert all(c.ssm_state.dtype == torch.float32 for c in cache.layers if isinstance(c, MambaLayerCache))
+    out, acts = half.verify(_ids(1, tree.num_nodes, seed=17), tree, cache)
+    half.replay(cache, acts, torch.tensor([[0, 2, 6]]), torch.tensor([3]))
+    step = half.step(_ids(1, 1, seed=18), cache)
+    assert torch.isfinite(out).all() and torch.isfinite(step).all() and int(cache.seqlen) == 11
