@@ -110,7 +110,7 @@ def cache_bytes(cfg: ModelConfig, rows: int, max_len: int, itemsize: int, pendin
     attention = 2 * a.n_kv_heads * max_len * a.head_dim * itemsize
     mamba = m.conv_dim * (m.conv_kernel - 1) * itemsize + m.n_heads * m.head_dim * m.d_state * FP32
     mamba += pending * (m.n_heads * m.head_dim * itemsize + m.n_heads * FP32 + m.n_groups * m.d_state * itemsize)
-    per = {"attention": attention, "mamba": mamba, "mlp": 0}
+    per = {"attention": attention, "mamba": mamba, "mlp": 0, "moe": 0}
     return rows * sum(per[kind] for kind in cfg.layers)
 
 
@@ -131,6 +131,9 @@ def prefill_bytes(cfg: ModelConfig, tokens: int, itemsize: int, cached: int = 0)
            + 2 * m.n_heads * m.head_dim * m.d_state // m.chunk_size + 3 * m.d_inner) * FP32,
         "attention": 3 * (a.n_heads + 2 * a.n_kv_heads) * a.head_dim * itemsize,
         "mlp": (3 if cfg.mlp.gated else 2) * cfg.mlp.d_intermediate * itemsize,
+        # the routed experts' hidden rows (top_k per token) and the shared expert's
+        "moe": (3 * cfg.moe.top_k * cfg.moe.d_intermediate + 3 * cfg.moe.shared_intermediate + cfg.moe.n_experts)
+        * itemsize,
     }
     largest = max(per_token[kind] * tokens for kind in cfg.layers)
     if "attention" in cfg.layers:

@@ -16,7 +16,7 @@ VOCAB = hf_models.VOCAB
 NEW_TOKENS = 20
 
 
-@pytest.fixture(scope="module", params=["mamba2", "nemotron_h", "bamba"])
+@pytest.fixture(scope="module", params=["mamba2", "nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "zamba2"])
 def checkpoint(request, tmp_path_factory):
     # No binding time-step clamp: transformers' cached single-token path skips it, so with one
     # its own generate would disagree with its own full forward.

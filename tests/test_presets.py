@@ -11,8 +11,9 @@ from ssmspec.models import LanguageModel
 from ssmspec.models.loading import load_model
 from ssmspec.models.presets import PRESETS, build_model, describe_preset, preset_config
 
-SMALL = ("tiny", "tiny-hybrid", "drafter-2l")
-# name -> (low, high) parameter count: the published sizes of the mamba2 family and Nemotron-H-8B.
+SMALL = ("tiny", "tiny-hybrid", "tiny-moe-hybrid", "tiny-parallel-hybrid", "tiny-shared-hybrid", "drafter-2l")
+# name -> (low, high) parameter count: the published sizes of the mamba2 family, Nemotron-H-8B
+# Granite 4.0-H (Tiny 7B, Small 32.2B), Falcon-H1-7B (7.59B) and Zamba2-2.7B.
 EXPECTED_PARAMS = {
     "mamba2-130m": (1.2e8, 1.4e8),
     "mamba2-370m": (3.5e8, 3.9e8),
@@ -20,6 +21,10 @@ EXPECTED_PARAMS = {
     "mamba2-1.3b": (1.25e9, 1.4e9),
     "mamba2-2.7b": (2.6e9, 2.8e9),
     "hybrid-8b": (7.8e9, 8.3e9),
+    "granite-4.0-h-tiny": (6.8e9, 7.1e9),
+    "granite-4.0-h-small": (3.2e10, 3.25e10),
+    "falcon-h1-7b": (7.4e9, 7.7e9),
+    "zamba2-2.7b": (2.6e9, 2.8e9),
 }
 
 

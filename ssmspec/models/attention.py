@@ -40,12 +40,14 @@ class AttentionTreeActivations:
 class Attention(nn.Module):
     """q/k/v/o projections (transformers naming). Positions come from the cache's per-row length."""
 
-    def __init__(self, d_model: int, cfg: AttentionConfig):
+    def __init__(self, d_model: int, cfg: AttentionConfig, d_in: int | None = None):
+        """d_in: width of the input when it is not d_model (Zamba2's shared blocks read 2 * d_model)."""
         super().__init__()
         self.cfg = cfg
-        self.q_proj = nn.Linear(d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        d_in = d_in or d_model
+        self.q_proj = nn.Linear(d_in, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d_in, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d_in, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, d_model, bias=cfg.out_bias)
         if cfg.rotary_dim:
             inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float32) / cfg.rotary_dim))
@@ -66,11 +68,16 @@ class Attention(nn.Module):
         rot, rest = t[..., :rd], t[..., rd:]
         return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
 
-    def _project(self, h: torch.Tensor, positions: torch.Tensor):
+    def _project(self, h: torch.Tensor, positions: torch.Tensor, adapters=None):
+        """q, k, v (B, heads, N, D) after RoPE; adapters: (q, k, v) modules whose outputs are
+        added to the projections (a Zamba2 shared block's per-use adapters), or None."""
         c = self.cfg
-        q = _project_rows(self.q_proj, h).unflatten(-1, (c.n_heads, c.head_dim)).transpose(1, 2)  # (B, H, N, D)
-        k = _project_rows(self.k_proj, h).unflatten(-1, (c.n_kv_heads, c.head_dim)).transpose(1, 2)
-        v = _project_rows(self.v_proj, h).unflatten(-1, (c.n_kv_heads, c.head_dim)).transpose(1, 2)
+        q, k, v = (_project_rows(proj, h) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if adapters is not None:
+            q, k, v = q + adapters[0](h), k + adapters[1](h), v + adapters[2](h)
+        q = q.unflatten(-1, (c.n_heads, c.head_dim)).transpose(1, 2)  # (B, H, N, D)
+        k = k.unflatten(-1, (c.n_kv_heads, c.head_dim)).transpose(1, 2)
+        v = v.unflatten(-1, (c.n_kv_heads, c.head_dim)).transpose(1, 2)
         return self._rope(q, positions), self._rope(k, positions), v
 
     def _attend(self, q, k_new, v_new, cache, seqlen, new_mask):
@@ -91,7 +98,7 @@ class Attention(nn.Module):
         groups = self.cfg.n_heads // self.cfg.n_kv_heads
         keys = keys.repeat_interleave(groups, dim=1)
         values = values.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=self.cfg.scale)
         return _project_rows(self.o_proj, out.transpose(1, 2).flatten(-2))
 
     def _write(self, cache: AttentionLayerCache, seqlen, k, v, count=None):
@@ -115,13 +122,15 @@ class Attention(nn.Module):
         cache.keys.scatter_(2, index, k.to(cache.keys.dtype))
         cache.values.scatter_(2, index, v.to(cache.values.dtype))
 
-    def forward(self, h: torch.Tensor, cache: AttentionLayerCache | None = None, seqlen: torch.Tensor | None = None):
-        """Causal attention over h (B, T, D) after the cached prefix; writes the new keys/values."""
+    def forward(self, h: torch.Tensor, cache: AttentionLayerCache | None = None, seqlen: torch.Tensor | None = None,
+                adapters=None):
+        """Causal attention over h (B, T, D) after the cached prefix; writes the new keys/values.
+        adapters: see `_project`."""
         batch, steps = h.shape[:2]
         if seqlen is None:
             seqlen = torch.zeros(batch, dtype=torch.long, device=h.device)
         positions = seqlen[:, None] + torch.arange(steps, device=h.device)[None, :]
-        q, k, v = self._project(h, positions)
+        q, k, v = self._project(h, positions, adapters)
         keys = steps + (0 if cache is None else cache.keys.shape[2])
         # Inference only: under autograd each chunk's probabilities are kept for the backward
         # anyway (and the GPU's fused kernels never hold the scores). A single step (what CUDA
@@ -164,21 +173,21 @@ class Attention(nn.Module):
             reach = offset + end  # no query of this chunk sees a key past it
             mask = key_pos[None, None, :reach] <= query_pos[:, start:end, None]  # (B, c, reach)
             out.append(F.scaled_dot_product_attention(q[:, :, start:end], keys[:, :, :reach], values[:, :, :reach],
-                                                      attn_mask=mask[:, None]))
+                                                      attn_mask=mask[:, None], scale=self.cfg.scale))
         out = torch.cat(out, dim=2)  # (B, H, T, D)
         return _project_rows(self.o_proj, out.transpose(1, 2).flatten(-2))
 
-    def step(self, h: torch.Tensor, cache: AttentionLayerCache, seqlen: torch.Tensor):
-        return self.forward(h, cache, seqlen)
+    def step(self, h: torch.Tensor, cache: AttentionLayerCache, seqlen: torch.Tensor, adapters=None):
+        return self.forward(h, cache, seqlen, adapters)
 
-    def verify(self, h, cache, seqlen, depth, tree_mask):
+    def verify(self, h, cache, seqlen, depth, tree_mask, adapters=None):
         """Attention of the packed tree nodes under the tree mask; writes nothing.
 
         Args:
             h: (B, N, D); depth: (N,) node depths (root 0); tree_mask: (N, N) bool ancestor mask.
         """
         positions = seqlen[:, None] + depth[None, :]  # RoPE follows depth, not packed index
-        q, k, v = self._project(h, positions)
+        q, k, v = self._project(h, positions, adapters)
         return self._attend(q, k, v, cache, seqlen, tree_mask), AttentionTreeActivations(k, v)
 
     def replay(self, cache, acts: AttentionTreeActivations, seqlen, path, path_len):

@@ -28,7 +28,8 @@ def fold_norm_weights_(model: nn.Module) -> nn.Module:
         for layer in model.layers:
             if layer.kind == "mamba":
                 folded |= _fold(layer.norm, [layer.mixer.in_proj])
-                folded |= _fold(layer.mixer.norm, [layer.mixer.out_proj])
+                if layer.mixer.norm is not None:  # no gated norm (MambaConfig.gate_norm): nothing to fold
+                    folded |= _fold(layer.mixer.norm, [layer.mixer.out_proj])
             elif layer.kind == "mlp":
                 mlp = layer.mixer
                 folded |= _fold(layer.norm, [mlp.up_proj] + ([mlp.gate_proj] if mlp.cfg.gated else []))

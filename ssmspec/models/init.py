@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from .lm import LanguageModel
+from .moe import Experts, MoE
 
 
 @torch.no_grad()
@@ -33,6 +34,11 @@ def init_weights(model: LanguageModel, seed: int = 0, std: float = 0.02) -> Lang
                 module.bias.zero_()
         elif isinstance(module, nn.Embedding):
             normal_(module.weight, std)
+        elif isinstance(module, Experts):
+            normal_(module.w_in, std)
+            normal_(module.down_proj, std / math.sqrt(2 * n_layers))
+        elif isinstance(module, MoE) and hasattr(module, "score_bias"):
+            module.score_bias.zero_()
         elif isinstance(module, nn.Conv1d):
             bound = 1.0 / math.sqrt(module.kernel_size[0])
             module.weight.copy_((torch.rand(module.weight.shape, generator=gen, device=device) * 2 - 1) * bound)

@@ -1,4 +1,4 @@
-"""A language model of pre-norm residual sublayers (Mamba-2, attention, MLP) in any pattern."""
+"""A language model of pre-norm residual sublayers (Mamba-2, attention, MLP, MoE) in any pattern."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,16 +13,27 @@ from .config import ModelConfig
 from .fold import is_folded
 from .mamba2 import Mamba2Mixer
 from .mlp import MLP
+from .moe import MoE
+from .shared_block import SharedBlock, SharedBlockUse
 
 
 class Embedding(nn.Embedding):
     """nn.Embedding that leaves a meta-device weight uninitialised: loading builds the model on
     the meta device and overwrites every weight, and `normal_` on a meta tensor imports
-    torch._dynamo (5-8 s on a slow CPU) for nothing."""
+    torch._dynamo (5-8 s on a slow CPU) for nothing.
+
+    multiplier scales the looked-up rows (ModelConfig.embedding_multiplier); a tied LM head reads
+    the unscaled table."""
+
+    multiplier: float = 1.0
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:
             super().reset_parameters()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = super().forward(input_ids)
+        return h if self.multiplier == 1.0 else h * self.multiplier
 
 
 class RMSNorm(nn.Module):
@@ -65,25 +76,40 @@ def _folded_mlp_residual(mlp: MLP, h: torch.Tensor, eps: float, h_sq: torch.Tens
 
 
 class Sublayer(nn.Module):
-    """h + mixer(norm(h)); `kind` is mamba, attention or mlp."""
+    """h + mixer(norm(h)); `kind` is mamba, attention, mlp or moe."""
 
     def __init__(self, kind: str, cfg: ModelConfig):
         super().__init__()
         self.kind = kind
+        self.parallel = False
+        """Whether it reads the residual stream the previous sublayer read (ModelConfig.parallel_layers)."""
+        self.injects = False
+        """Whether its output goes into the next sublayer's input instead of the residual stream
+        (a use of a Zamba2 shared block, ModelConfig.shared_blocks)."""
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if kind == "mamba":
             self.mixer = Mamba2Mixer(cfg.d_model, cfg.mamba)
         elif kind == "attention":
             self.mixer = Attention(cfg.d_model, cfg.attention)
+        elif kind == "moe":
+            self.mixer = MoE(cfg.d_model, cfg.moe)
         else:
             self.mixer = MLP(cfg.d_model, cfg.mlp)
+
+    def input(self, h: torch.Tensor, embeddings: torch.Tensor, injected: torch.Tensor | None) -> torch.Tensor:
+        """What the mixer reads: norm(h), or norm(h + injected) after a sublayer that injects;
+        a shared-block use reads [h | token embeddings] and normalises it itself."""
+        if self.injects:
+            return torch.cat([h, embeddings], dim=-1)
+        return self.norm(h if injected is None else h + injected)
 
     @property
     def norms_folded(self) -> bool:
         """Whether this sublayer's norm weights are folded into its projections (models/fold.py),
         so that the kernel paths run it as h -> h + sublayer(h) with the norms inside them."""
         if self.kind == "mamba":
-            return is_folded(self.norm) and is_folded(self.mixer.norm)
+            # a mixer without its gated norm (MambaConfig.gate_norm) never runs the folded kernels
+            return is_folded(self.norm) and self.mixer.norm is not None and is_folded(self.mixer.norm)
         return self.kind == "mlp" and is_folded(self.norm)
 
 
@@ -101,7 +127,19 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.embeddings = Embedding(cfg.vocab_size, cfg.d_model)
+        self.embeddings.multiplier = cfg.embedding_multiplier
         self.layers = nn.ModuleList(Sublayer(kind, cfg) for kind in cfg.layers)
+        for i in cfg.parallel_layers:
+            self.layers[i].parallel = True
+        if cfg.shared_blocks is not None:
+            # Zamba2: the weights shared by a block's uses live here, once; each attention
+            # sublayer becomes a use of block (use index mod n_blocks), with no norm of its own.
+            self.shared_blocks = nn.ModuleList(SharedBlock(cfg, RMSNorm) for _ in range(cfg.shared_blocks.n_blocks))
+            uses = [layer for layer in self.layers if layer.kind == "attention"]
+            for j, layer in enumerate(uses):
+                layer.mixer = SharedBlockUse(self.shared_blocks[j % cfg.shared_blocks.n_blocks], cfg)
+                layer.norm = None
+                layer.injects = True
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -206,15 +244,22 @@ class LanguageModel(nn.Module):
         if cache is not None:
             self.settle(cache)
         h = self.embeddings(input_ids)
+        embeddings, injected = h, None  # injected: a shared-block use's output, for the next input
+        block_input = h  # what a parallel sublayer reads: the previous sublayer's input
         for i, layer in enumerate(self.layers):
-            x = layer.norm(h)
+            if not layer.parallel:
+                block_input = h
+            x, injected = layer.input(block_input, embeddings, injected), None
             if layer.kind == "mamba":
                 x = layer.mixer(x, None if cache is None else cache.layers[i])
             elif layer.kind == "attention":
                 x = layer.mixer(x, None if cache is None else cache.layers[i], None if cache is None else cache.seqlen)
             else:
                 x = layer.mixer(x)
-            h = h + x
+            if layer.injects:
+                injected = x
+            else:
+                h = h + x
         if cache is not None:
             cache.seqlen += input_ids.shape[1]
         return self._logits(h[:, -1:] if last_only else h)
@@ -222,20 +267,34 @@ class LanguageModel(nn.Module):
     def step(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor:
         """One token per row: input_ids (B, 1) -> logits (B, 1, V); cache advanced by one."""
         self.settle(cache)
-        if not torch.is_grad_enabled() and paths.fused_layers(self.config.d_model, input_ids.device):
+        if not torch.is_grad_enabled() and self._fusable(input_ids.device):
             return self._fused_step(input_ids, cache)
         h = self.embeddings(input_ids)
+        embeddings, injected = h, None  # injected: a shared-block use's output, for the next input
+        block_input = h  # what a parallel sublayer reads: the previous sublayer's input
         for i, layer in enumerate(self.layers):
-            x = layer.norm(h)
+            if not layer.parallel:
+                block_input = h
+            x, injected = layer.input(block_input, embeddings, injected), None
             if layer.kind == "mamba":
                 x = layer.mixer.step(x, cache.layers[i])
             elif layer.kind == "attention":
                 x = layer.mixer.step(x, cache.layers[i], cache.seqlen)
             else:
                 x = layer.mixer(x)
-            h = h + x
+            if layer.injects:
+                injected = x
+            else:
+                h = h + x
         cache.seqlen += 1
         return self._logits(h)
+
+    def _fusable(self, device: torch.device) -> bool:
+        """Whether step and verify run on the kernel path (`_fused_stack`): where ops/paths.py
+        says so, and for a stack without parallel sublayers or shared blocks, whose inputs are
+        not the plain residual stream that the kernel path's deferred adds assume."""
+        return (paths.fused_layers(self.config.d_model, device) and not self.config.parallel_layers
+                and self.config.shared_blocks is None)
 
     def _fused_stack(self, h: torch.Tensor, run_mixer, run_folded, float_logits: bool = True):
         """The sublayers on the kernel path: each residual add runs inside the next sublayer's
@@ -287,6 +346,8 @@ class LanguageModel(nn.Module):
                 return layer.mixer.step(normed, cache.layers[i]), None
             if layer.kind == "attention":
                 return layer.mixer.step(normed, cache.layers[i], cache.seqlen), None
+            if layer.kind == "moe":
+                return layer.mixer(normed), None
             return _mlp_through_dispatch(layer.mixer, normed), None
 
         def run_folded(i, layer, h, h_sq):
@@ -313,15 +374,19 @@ class LanguageModel(nn.Module):
             for `replay`.
         """
         device = tokens.device
-        if not torch.is_grad_enabled() and paths.fused_layers(self.config.d_model, device):
+        if not torch.is_grad_enabled() and self._fusable(device):
             return self._fused_verify(tokens, tree, cache, float_logits)
         parents = tree.parents_tensor(device)
         depth = tree.depth_tensor(device)
         mask = tree.mask_tensor(device)
         h = self.embeddings(tokens)
         acts = []
+        embeddings, injected = h, None  # injected: a shared-block use's output, for the next input
+        block_input = h  # what a parallel sublayer reads: the previous sublayer's input
         for i, layer in enumerate(self.layers):
-            x = layer.norm(h)
+            if not layer.parallel:
+                block_input = h
+            x, injected = layer.input(block_input, embeddings, injected), None
             if layer.kind == "mamba":
                 x, a = layer.mixer.verify(x, cache.layers[i], parents, cache.pending_inputs(i))
             elif layer.kind == "attention":
@@ -329,13 +394,16 @@ class LanguageModel(nn.Module):
             else:
                 x, a = layer.mixer(x), None
             acts.append(a)
-            h = h + x
+            if layer.injects:
+                injected = x
+            else:
+                h = h + x
         return self._logits(h), TreeActivations(acts)
 
     def verify_splits_in_proj(self, nodes: int, batch: int = 1) -> bool:
         """Whether `verify` (without autograd) of `nodes`-node trees at `batch` rows splits the
         folded Mamba layers' in_proj and runs z's GEMM beside the conv and the scan (ops/overlap.py)."""
-        if not paths.fused_layers(self.config.d_model, self.device):
+        if not self._fusable(self.device):
             return False  # the plain verify loop, which never splits
         return any(layer.kind == "mamba" and layer.norms_folded
                    and layer.mixer.verify_splits_in_proj(batch * nodes, batch, self.device) for layer in self.layers)
@@ -355,6 +423,8 @@ class LanguageModel(nn.Module):
                 return layer.mixer.verify(normed, cache.layers[i], parents, cache.pending_inputs(i))
             if layer.kind == "attention":
                 return layer.mixer.verify(normed, cache.layers[i], cache.seqlen, depth, mask)
+            if layer.kind == "moe":
+                return layer.mixer(normed), None
             return _mlp_through_dispatch(layer.mixer, normed), None
 
         def run_folded(i, layer, h, h_sq):

@@ -55,7 +55,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(cfg.n_heads))
         self.A_log = nn.Parameter(torch.zeros(cfg.n_heads))
         self.D = nn.Parameter(torch.ones(cfg.n_heads))
-        self.norm = GatedRMSNorm(cfg.d_inner, cfg.d_inner // cfg.n_groups, cfg.norm_eps)
+        self.norm = GatedRMSNorm(cfg.d_inner, cfg.d_inner // cfg.n_groups, cfg.norm_eps) if cfg.gate_norm else None
         self.out_proj = nn.Linear(cfg.d_inner, d_model, bias=cfg.proj_bias)
 
     # -- shared pieces ----------------------------------------------------------------------
@@ -107,6 +107,11 @@ class Mamba2Mixer(nn.Module):
         return x, B, C
 
     def _output(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if self.norm is None:  # no norm: out_proj(y * silu(z)), the product in fp32
+            gated = (y.flatten(-2).float() * F.silu(z.float())).to(z.dtype)
+            if not torch.is_grad_enabled() and dispatch.uses_kernel("linear", y.device):
+                return dispatch.linear(gated, self.out_proj.weight, self.out_proj.bias)
+            return self.out_proj(gated)
         if not torch.is_grad_enabled() and dispatch.uses_kernel("gated_rms_norm", y.device):
             # one launch: the kernel rounds y to z's dtype itself, as the line below does
             normed = dispatch.gated_rms_norm(y.flatten(-2), z, self.norm.weight, self.norm.group_size, self.norm.eps)
@@ -143,7 +148,7 @@ class Mamba2Mixer(nn.Module):
     # -- one token ---------------------------------------------------------------------------
     def step(self, h: torch.Tensor, cache: MambaLayerCache) -> torch.Tensor:
         """Args: h (B, 1, D); cache updated in place. Returns (B, 1, D)."""
-        if dispatch.uses_kernel("mamba_step", h.device):
+        if self.norm is not None and dispatch.uses_kernel("mamba_step", h.device):  # the kernel has the norm inside
             return self._fused_step(h, cache)
         z, xBC, dt_raw = self._split_projection(h)
         window = torch.cat([cache.conv_state.to(xBC.dtype), xBC.transpose(1, 2)], dim=-1)  # (B, C, K)

@@ -26,7 +26,7 @@ class LoadedModel:
     model: LanguageModel
     tokenizer: Any | None
     source_format: str
-    """One of mamba2, nemotron_h, bamba, mamba_ssm, ssmspec."""
+    """One of mamba2, nemotron_h, bamba, granitemoehybrid, falcon_h1, zamba2, mamba_ssm, ssmspec."""
     path: Path
 
 

@@ -50,9 +50,21 @@ def check_same_vocab(a, b, what_a: str = "target", what_b: str = "drafter") -> N
 def effective_config_dict(cfg: ModelConfig) -> dict:
     """cfg.to_dict() without the sub-configs of layer kinds the model does not use."""
     d = cfg.to_dict()
-    for kind in ("mamba", "attention", "mlp"):
+    for kind in ("mamba", "attention", "mlp", "moe"):
         if kind not in cfg.layers:
             d.pop(kind)
+    # Fields added with later families, left out at their defaults so that earlier models keep
+    # their fingerprints.
+    if d["embedding_multiplier"] == 1.0:
+        d.pop("embedding_multiplier")
+    if not d["parallel_layers"]:
+        d.pop("parallel_layers")
+    if d["shared_blocks"] is None:
+        d.pop("shared_blocks")
+    if "mamba" in d and d["mamba"]["gate_norm"]:
+        d["mamba"].pop("gate_norm")
+    if "attention" in d and d["attention"]["scale"] is None:
+        d["attention"].pop("scale")
     return d
 
 

@@ -5,20 +5,20 @@ from ...errors import ModelLoadError
 from ..config import ModelConfig
 from ..mlp import ACTIVATIONS
 from .common import Renamer
-from .hf_hybrid import config_bamba, config_nemotron_h
+from .hf_hybrid import config_bamba, config_falcon_h1, config_granitemoehybrid, config_nemotron_h, config_zamba2
 from .hf_mamba2 import config_mamba2
 from .mamba_ssm import config_mamba_ssm
 from .native import NATIVE_MODEL_TYPE, config_native
 
 
 def detect_format(cfg: dict) -> str:
-    """mamba2, nemotron_h, bamba, mamba_ssm or ssmspec, from a parsed config.json."""
+    """mamba2, nemotron_h, bamba, granitemoehybrid, falcon_h1, zamba2, mamba_ssm or ssmspec, from a parsed config.json."""
     model_type = cfg.get("model_type")
-    if model_type in ("mamba2", "nemotron_h", "bamba", NATIVE_MODEL_TYPE):
+    if model_type in FORMATS and model_type != "mamba_ssm":
         return model_type
     if model_type is None and {"d_model", "n_layer"} <= cfg.keys():
         return "mamba_ssm"
-    known = "mamba2 (Mamba2ForCausalLM), nemotron_h, bamba, mamba_ssm MambaLMHeadModel, ssmspec"
+    known = "mamba2 (Mamba2ForCausalLM), nemotron_h, bamba, granitemoehybrid, falcon_h1, zamba2, mamba_ssm MambaLMHeadModel, ssmspec"
     if model_type is None:
         raise ModelLoadError(f"config.json has no model_type and is not a mamba_ssm config; ssmspec reads {known}")
     raise ModelLoadError(f"model_type {model_type!r} is not supported; ssmspec reads {known}")
@@ -29,6 +29,9 @@ FORMATS = {
     "mamba2": config_mamba2,
     "nemotron_h": config_nemotron_h,
     "bamba": config_bamba,
+    "granitemoehybrid": config_granitemoehybrid,
+    "falcon_h1": config_falcon_h1,
+    "zamba2": config_zamba2,
     "mamba_ssm": config_mamba_ssm,
     NATIVE_MODEL_TYPE: config_native,
 }
@@ -43,10 +46,14 @@ def parse_config(cfg: dict) -> tuple[ModelConfig, str, Renamer]:
         raise
     except (TypeError, ValueError, KeyError) as e:
         raise ModelLoadError(f"{fmt} config.json cannot be mapped onto an ssmspec model: {e!r}") from e
-    if "mlp" in model_cfg.layers and model_cfg.mlp.activation not in ACTIVATIONS:
-        raise ModelLoadError(
-            f"{fmt} config uses MLP activation {model_cfg.mlp.activation!r}; ssmspec implements {', '.join(sorted(ACTIVATIONS))}"
-        )
+    used = ([model_cfg.mlp.activation] if "mlp" in model_cfg.layers else []) + (
+        [model_cfg.moe.activation] if "moe" in model_cfg.layers else []) + (
+        [model_cfg.shared_blocks.activation] if model_cfg.shared_blocks is not None else [])
+    for activation in used:
+        if activation not in ACTIVATIONS:
+            raise ModelLoadError(
+                f"{fmt} config uses MLP activation {activation!r}; ssmspec implements {', '.join(sorted(ACTIVATIONS))}"
+            )
     return model_cfg, fmt, rename
 
 
