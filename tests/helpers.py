@@ -100,3 +100,33 @@ def run_cli(args, monkeypatch, capsys, stdin: str = ""):
         code = e.code if isinstance(e.code, int) else 1
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def scan_training_step_grads(scan: str, reference: str, precision: str, device: str = "cuda"):
+    """One training step of a 2-layer Mamba-2 model (d_model 256, 8 heads of 64, d_state 128)
+    through the training scan `scan` and through `reference`, under the run's autocast:
+    (scan's reported name, loss, grads, reference loss, reference grads)."""
+    import dataclasses
+
+    from ssmspec.models import LanguageModel, MambaConfig
+    from ssmspec.models.init import init_weights
+    from ssmspec.training.losses import cross_entropy
+    from ssmspec.training.scan import training_scan
+
+    cfg = dataclasses.replace(tiny_config(("mamba", "mamba")), d_model=256,
+                              mamba=MambaConfig(n_heads=8, head_dim=64, d_state=128, n_groups=1, chunk_size=256))
+    model = init_weights(LanguageModel(cfg), seed=0, std=0.05).to(device)
+    ids = torch.randint(0, cfg.vocab_size, (2, 301), device=device)
+    mask = torch.ones(2, 300, dtype=torch.bool, device=device)
+
+    def loss_and_grads(choice):
+        model.zero_grad(set_to_none=True)
+        with training_scan(choice, torch.device(device)) as picked, \
+                torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = cross_entropy(model(ids[:, :-1]), ids[:, 1:], mask)
+        loss.backward()
+        return picked.name, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    name, loss, grads = loss_and_grads(scan)
+    _, loss_ref, grads_ref = loss_and_grads(reference)
+    return name, loss, grads, loss_ref, grads_ref

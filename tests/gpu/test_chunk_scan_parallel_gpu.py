@@ -66,31 +66,10 @@ def test_mamba2_130m_sized_scan_equals_naive(scan_name, precision):
 @pytest.mark.parametrize("scan_name", ["parallel", "parallel-compiled"])
 def test_a_training_step_through_parallel_equals_the_plain_torch_one(scan_name, precision):
     """The whole model under the run's autocast: loss and every parameter's gradient, parallel vs the naive scan."""
-    import dataclasses
+    from helpers import scan_training_step_grads
 
-    from helpers import tiny_config
-    from ssmspec.models import LanguageModel, MambaConfig
-    from ssmspec.models.init import init_weights
-    from ssmspec.training.losses import cross_entropy
-    from ssmspec.training.scan import training_scan
-
-    cfg = dataclasses.replace(tiny_config(("mamba", "mamba")), d_model=256,
-                              mamba=MambaConfig(n_heads=8, head_dim=64, d_state=128, n_groups=1, chunk_size=256))
-    model = init_weights(LanguageModel(cfg), seed=0, std=0.05).to(DEV)
-    ids = torch.randint(0, cfg.vocab_size, (2, 301), device=DEV)
-    mask = torch.ones(2, 300, dtype=torch.bool, device=DEV)
-
-    def loss_and_grads(choice):
-        model.zero_grad(set_to_none=True)
-        with training_scan(choice, torch.device(DEV)) as picked, \
-                torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = cross_entropy(model(ids[:, :-1]), ids[:, 1:], mask)
-        loss.backward()
-        return picked.name, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    name, loss, grads = loss_and_grads(scan_name)
+    name, loss, grads, loss_ref, grads_ref = scan_training_step_grads(scan_name, "ssmspec", precision)
     assert "parallel_chunk_scan" in name
-    _, loss_ref, grads_ref = loss_and_grads("ssmspec")
     tol = TOL[torch.float32 if precision == "fp32" else torch.bfloat16]
     _close(loss, loss_ref, tol, "loss")
     for n in grads_ref:

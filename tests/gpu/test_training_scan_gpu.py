@@ -56,32 +56,11 @@ def test_fla_scan_equals_naive(dstate, headdim, groups, chunk, steps, dtype):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_training_step_through_fla_equals_the_plain_torch_one(precision):
     """The whole model under the run's autocast: loss and every parameter's gradient, fla vs plain torch."""
-    import dataclasses
-
-    from helpers import tiny_config
-    from ssmspec.models import LanguageModel, MambaConfig
-    from ssmspec.models.init import init_weights
-    from ssmspec.training.losses import cross_entropy
-    from ssmspec.training.scan import training_scan
+    from helpers import scan_training_step_grads
 
     _fla()
-    cfg = dataclasses.replace(tiny_config(("mamba", "mamba")), d_model=256,
-                              mamba=MambaConfig(n_heads=8, head_dim=64, d_state=128, n_groups=1, chunk_size=256))
-    model = init_weights(LanguageModel(cfg), seed=0, std=0.05).to(DEV)
-    ids = torch.randint(0, cfg.vocab_size, (2, 301), device=DEV)
-    mask = torch.ones(2, 300, dtype=torch.bool, device=DEV)
-
-    def loss_and_grads(choice):
-        model.zero_grad(set_to_none=True)
-        with training_scan(choice, torch.device(DEV)) as picked, \
-                torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = cross_entropy(model(ids[:, :-1]), ids[:, 1:], mask)
-        loss.backward()
-        return picked.name, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    name, loss, grads = loss_and_grads("fla")
+    name, loss, grads, loss_ref, grads_ref = scan_training_step_grads("fla", "ssmspec", precision)
     assert name.startswith("fla:")
-    _, loss_ref, grads_ref = loss_and_grads("ssmspec")
     tol = TOL[torch.float32 if precision == "fp32" else torch.bfloat16]
     _close(loss, loss_ref, tol, "loss")
     for n in grads_ref:

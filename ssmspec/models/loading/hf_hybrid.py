@@ -19,6 +19,19 @@ _NEMOTRON_KINDS = {
 }
 
 
+
+def _mamba_config(c: dict, heads: int, head_dim: int, dt_min: float, dt_max: float, eps: float,
+                  **overrides) -> MambaConfig:
+    """The Mamba-2 mixer of a Bamba-style config (`mamba_*` keys: Bamba, GraniteMoeHybrid,
+    FalconH1), with `overrides` for what a family spells differently."""
+    fields = dict(
+        n_heads=heads, head_dim=head_dim, d_state=c.get("mamba_d_state", 256), n_groups=c.get("mamba_n_groups", 1),
+        conv_kernel=c.get("mamba_d_conv", 4), conv_bias=c.get("mamba_conv_bias", True),
+        proj_bias=c.get("mamba_proj_bias", False), chunk_size=c.get("mamba_chunk_size", 256),
+        dt_min=dt_min, dt_max=dt_max, norm_eps=eps,
+    )
+    return MambaConfig(**{**fields, **overrides})
+
 def config_nemotron_h(c: dict) -> tuple[ModelConfig, Renamer]:
     """NemotronHConfig onto ours, one sublayer per block: mamba, attention, mlp, or moe (Nemotron 3:
     DeepSeek-V3 routing over plain experts, models/moe.py; the hub's per-expert tensors are
@@ -139,12 +152,7 @@ def config_bamba(c: dict) -> tuple[ModelConfig, Renamer]:
         vocab_size=c.get("vocab_size", 128000),
         d_model=hidden,
         layers=layers,
-        mamba=MambaConfig(
-            n_heads=m_heads, head_dim=m_head_dim, d_state=c.get("mamba_d_state", 256),
-            n_groups=c.get("mamba_n_groups", 1), conv_kernel=c.get("mamba_d_conv", 4),
-            conv_bias=c.get("mamba_conv_bias", True), proj_bias=c.get("mamba_proj_bias", False),
-            chunk_size=c.get("mamba_chunk_size", 256), dt_min=lo, dt_max=hi, norm_eps=eps,
-        ),
+        mamba=_mamba_config(c, m_heads, m_head_dim, lo, hi, eps),
         # Bamba hard-codes partial_rotary_factor = 0.5: RoPE on the first half of each head.
         attention=AttentionConfig(
             n_heads=heads, n_kv_heads=c.get("num_key_value_heads") or heads, head_dim=head_dim,
@@ -232,12 +240,7 @@ def config_granitemoehybrid(c: dict) -> tuple[ModelConfig, Renamer]:
         vocab_size=c.get("vocab_size", 32000),
         d_model=hidden,
         layers=layers,
-        mamba=MambaConfig(
-            n_heads=m_heads, head_dim=m_head_dim, d_state=c.get("mamba_d_state", 256),
-            n_groups=c.get("mamba_n_groups", 1), conv_kernel=c.get("mamba_d_conv", 4),
-            conv_bias=c.get("mamba_conv_bias", True), proj_bias=c.get("mamba_proj_bias", False),
-            chunk_size=c.get("mamba_chunk_size", 256), dt_min=lo, dt_max=hi, norm_eps=eps,
-        ),
+        mamba=_mamba_config(c, m_heads, m_head_dim, lo, hi, eps),
         attention=AttentionConfig(
             n_heads=heads, n_kv_heads=c.get("num_key_value_heads") or heads, head_dim=head_dim,
             rotary_dim=head_dim if position == "rope" else 0,
@@ -347,12 +350,8 @@ def config_falcon_h1(c: dict) -> tuple[ModelConfig, Renamer]:
         d_model=hidden,
         layers=["mamba", "attention", "mlp"] * n_layers,
         parallel_layers=[3 * i + 1 for i in range(n_layers)],
-        mamba=MambaConfig(
-            n_heads=m_heads, head_dim=m_head_dim, d_state=d_state, n_groups=groups,
-            conv_kernel=c.get("mamba_d_conv", 4), conv_bias=c.get("mamba_conv_bias", True),
-            proj_bias=c.get("mamba_proj_bias", False), chunk_size=c.get("mamba_chunk_size", 256),
-            dt_min=lo, dt_max=hi, norm_eps=eps, gate_norm=gate_norm,
-        ),
+        mamba=_mamba_config(c, m_heads, m_head_dim, lo, hi, eps, d_state=d_state, n_groups=groups,
+                            gate_norm=gate_norm),
         attention=AttentionConfig(
             n_heads=heads, n_kv_heads=c.get("num_key_value_heads") or heads, head_dim=head_dim,
             rotary_dim=head_dim, rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
