@@ -130,3 +130,18 @@ def scan_training_step_grads(scan: str, reference: str, precision: str, device: 
     name, loss, grads = loss_and_grads(scan)
     _, loss_ref, grads_ref = loss_and_grads(reference)
     return name, loss, grads, loss_ref, grads_ref
+
+
+def assert_caches_equal(a, b):
+    """Two caches hold the same states (attention: the valid prefix of each row)."""
+    from ssmspec.models import AttentionLayerCache, MambaLayerCache
+
+    assert a.seqlen.tolist() == b.seqlen.tolist()
+    for i, (ca, cb) in enumerate(zip(a.layers, b.layers)):
+        if isinstance(ca, MambaLayerCache):
+            assert_close(ca.conv_state, cb.conv_state, atol=1e-5, name=f"layer {i} conv state")
+            assert_close(ca.ssm_state, cb.ssm_state, atol=1e-5, name=f"layer {i} ssm state")
+        elif isinstance(ca, AttentionLayerCache):
+            for row, length in enumerate(a.seqlen.tolist()):  # only the valid prefix is meaningful
+                assert_close(ca.keys[row, :, :length], cb.keys[row, :, :length], atol=1e-5, name=f"layer {i} keys")
+                assert_close(ca.values[row, :, :length], cb.values[row, :, :length], atol=1e-5, name=f"layer {i} values")

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_close
-from ssmspec.models import AttentionLayerCache, MambaLayerCache
+from helpers import assert_caches_equal, assert_close
+from ssmspec.models import MambaLayerCache
 from ssmspec.models.config import MoEConfig
 from ssmspec.models.loading import load_model
 from ssmspec.models.loading.save import save_model
@@ -97,19 +97,6 @@ def test_variant_forward_and_verify_match_transformers(pair):
         assert_close(logits[:, node], want, atol=ATOL, rtol=RTOL, name=f"verify node {node}")
 
 
-def _assert_caches_equal(a, b):
-    assert a.seqlen.tolist() == b.seqlen.tolist()
-    for i, (ca, cb) in enumerate(zip(a.layers, b.layers)):
-        if isinstance(ca, MambaLayerCache):
-            assert_close(ca.conv_state, cb.conv_state, atol=1e-5, name=f"layer {i} conv state")
-            assert_close(ca.ssm_state, cb.ssm_state, atol=1e-5, name=f"layer {i} ssm state")
-        elif isinstance(ca, AttentionLayerCache):
-            for row, length in enumerate(a.seqlen.tolist()):
-                assert_close(ca.keys[row, :, :length], cb.keys[row, :, :length], atol=1e-5, name=f"layer {i} keys")
-                assert_close(ca.values[row, :, :length], cb.values[row, :, :length], atol=1e-5,
-                             name=f"layer {i} values")
-
-
 @pytest.mark.parametrize("pending", [0, 4], ids=["state", "pending-slots"])
 @torch.no_grad()
 def test_replay_equals_stepping(pair, pending):
@@ -130,7 +117,7 @@ def test_replay_equals_stepping(pair, pending):
         row_cache = stepped.select(torch.tensor([row]))
         for n in p:
             ours.step(tokens[row:row + 1, n:n + 1], row_cache)
-        _assert_caches_equal(cache.select(torch.tensor([row])), row_cache)
+        assert_caches_equal(cache.select(torch.tensor([row])), row_cache)
     nxt = _ids(batch, 1, seed=5)
     out = ours.step(nxt, cache)
     for row, p in enumerate(paths):

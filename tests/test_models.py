@@ -4,8 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_close, tiny_model
-from ssmspec.models import AttentionLayerCache, MambaLayerCache
+from helpers import assert_caches_equal, assert_close, tiny_model
 from ssmspec.trees import Tree
 
 ARCHS = {
@@ -46,18 +45,6 @@ def test_verify_equals_decoding_each_path_alone(arch, tree):
             out = model.step(tokens[:, n:n + 1], path_cache)
         assert_close(logits[:, node], out[:, 0], atol=1e-5, name=f"node {node}")
     assert_caches_equal(cache, before)  # verify wrote nothing
-
-
-def assert_caches_equal(a, b):
-    assert a.seqlen.tolist() == b.seqlen.tolist()
-    for i, (ca, cb) in enumerate(zip(a.layers, b.layers)):
-        if isinstance(ca, MambaLayerCache):
-            assert_close(ca.conv_state, cb.conv_state, atol=1e-5, name=f"layer {i} conv state")
-            assert_close(ca.ssm_state, cb.ssm_state, atol=1e-5, name=f"layer {i} ssm state")
-        elif isinstance(ca, AttentionLayerCache):
-            for row, length in enumerate(a.seqlen.tolist()):  # only the valid prefix is meaningful
-                assert_close(ca.keys[row, :, :length], cb.keys[row, :, :length], atol=1e-5, name=f"layer {i} keys")
-                assert_close(ca.values[row, :, :length], cb.values[row, :, :length], atol=1e-5, name=f"layer {i} values")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
