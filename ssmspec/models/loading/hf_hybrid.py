@@ -20,6 +20,18 @@ _NEMOTRON_KINDS = {
 
 
 
+def _mamba_heads(c: dict, hidden: int, fmt: str) -> tuple[int, int]:
+    """(heads, head dim) of a Bamba-style config's mixer: `mamba_d_head` "auto" is expand * hidden / heads."""
+    expand = c.get("mamba_expand", 2)
+    heads = c.get("mamba_n_heads", 128)
+    head_dim = c.get("mamba_d_head", "auto")
+    if head_dim in (None, "auto"):
+        head_dim = expand * hidden // heads
+    if head_dim * heads != expand * hidden:
+        raise ModelLoadError(f"{fmt} config: mamba_n_heads * mamba_d_head must equal mamba_expand * hidden_size")
+    return heads, head_dim
+
+
 def _mamba_config(c: dict, heads: int, head_dim: int, dt_min: float, dt_max: float, eps: float,
                   **overrides) -> MambaConfig:
     """The Mamba-2 mixer of a Bamba-style config (`mamba_*` keys: Bamba, GraniteMoeHybrid,
@@ -130,13 +142,7 @@ def config_bamba(c: dict) -> tuple[ModelConfig, Renamer]:
     hidden = c.get("hidden_size", 4096)
     n_layers = c.get("num_hidden_layers", 32)
     attn_idx = set(c.get("attn_layer_indices") or [])
-    expand = c.get("mamba_expand", 2)
-    m_heads = c.get("mamba_n_heads", 128)
-    m_head_dim = c.get("mamba_d_head", "auto")
-    if m_head_dim in (None, "auto"):
-        m_head_dim = expand * hidden // m_heads
-    if m_head_dim * m_heads != expand * hidden:
-        raise ModelLoadError(f"{fmt} config: mamba_n_heads * mamba_d_head must equal mamba_expand * hidden_size")
+    m_heads, m_head_dim = _mamba_heads(c, hidden, fmt)
     rope = c.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise ModelLoadError(f"{fmt} config uses rope_type {rope['rope_type']!r}; only default RoPE is supported")
@@ -213,13 +219,7 @@ def config_granitemoehybrid(c: dict) -> tuple[ModelConfig, Renamer]:
         raise ModelLoadError(f"{fmt} config has unknown layer types {unknown}")
     if len(blocks) != n_layers:
         raise ModelLoadError(f"{fmt} config lists {len(blocks)} layer types for {n_layers} layers")
-    expand = c.get("mamba_expand", 2)
-    m_heads = c.get("mamba_n_heads", 128)
-    m_head_dim = c.get("mamba_d_head", "auto")
-    if m_head_dim in (None, "auto"):
-        m_head_dim = expand * hidden // m_heads
-    if m_head_dim * m_heads != expand * hidden:
-        raise ModelLoadError(f"{fmt} config: mamba_n_heads * mamba_d_head must equal mamba_expand * hidden_size")
+    m_heads, m_head_dim = _mamba_heads(c, hidden, fmt)
     position = c.get("position_embedding_type")
     if position not in (None, "nope", "rope"):
         raise ModelLoadError(f"{fmt} config has position_embedding_type {position!r}; ssmspec reads rope or none")
