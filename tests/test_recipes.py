@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from ssmspec.trees import Tree
+
 ROOT = Path(__file__).resolve().parents[1]
 HUMANEVAL = "ssmspec/data/humaneval/HumanEval.jsonl.gz"
 
@@ -34,7 +36,8 @@ def test_cpu_smoke_recipe(tmp_path):
     assert tree["mode"] == "static" and "tree" in tree
     ar, tuned = (json.loads((tmp_path / f"{m}.json").read_text()) for m in ("ar", "tuned"))
     assert tuned["token_ids"] == ar["token_ids"] and len(ar["token_ids"]) == 32
-    assert tuned["stats"]["method"] == "stree"
+    # the tuned tree drove the call (tune-tree may pick a chain on a loaded machine: its timings decide)
+    assert tuned["stats"]["method"] in ("chain", "stree") and tuned["stats"]["tree"] == Tree.from_json(tree["tree"]).spec()
     summary = json.loads((tmp_path / "bench" / "summary.json").read_text())
     assert summary["lossless"]["failures"] == 0 and not summary["interrupted"]
     assert {m.split()[0] for m in summary["methods"]} == {"ar", "chain", "stree"}
