@@ -12,7 +12,7 @@ import typer
 from ssmspec.errors import SsmspecError
 from ssmspec.trees import TreeSpecError
 
-from . import bench, generate, new_model, profile, train, tune_tree
+from . import bench, generate, new_model, prepare, profile, train, tune_tree
 
 app = typer.Typer(
     name="ssmspec",
@@ -32,6 +32,7 @@ COMMANDS = [
     ("generate", generate.generate_command),
     ("tune-tree", tune_tree.tune_tree_command),
     ("bench", bench.bench_command),
+    ("prepare", prepare.prepare_command),
 ]
 for _name, _function in COMMANDS:
     app.command(_name)(_function)
