@@ -110,3 +110,25 @@ def test_adamw_is_fused_only_when_every_parameter_is_a_cuda_float():
     assert adamw_implementation([cuda, cuda]) == {"fused": True}
     assert adamw_implementation([cuda, cpu[0]]) == {}
     assert adamw_implementation([]) == {}
+
+
+def test_batches_draw_each_epochs_permutation_once_and_keep_the_seeded_order(tmp_path, monkeypatch):
+    import json
+
+    from ssmspec.training import data
+    from ssmspec.training.config import DataConfig
+    from ssmspec.training.data import BadRecords, Blocks, Tokenize
+
+    f = tmp_path / "ids.jsonl"
+    f.write_text(json.dumps({"input_ids": [(j * 7) % 50 for j in range(205)]}) + "\n")
+    blocks = Blocks(DataConfig(spec=str(f), seq_len=4, held_out_fraction=0.0), Tokenize(None, 64), 5, BadRecords())
+    n = blocks.num_train
+    drawn = []
+    randperm = torch.randperm
+    monkeypatch.setattr(data.torch, "randperm", lambda *a, **k: drawn.append(a[0]) or randperm(*a, **k))
+    got = [blocks.batch(pos, 3)[0] for pos in range(0, 3 * n, 3)]  # three epochs, batches across their ends
+    assert len(drawn) <= 4  # once per epoch (and once more where a batch spans two), not once per batch
+    # The order is the seeded one: epoch e visits the blocks in randperm(seed * 1_000_003 + e).
+    want = torch.cat([blocks.train[0][randperm(n, generator=torch.Generator().manual_seed(5 * 1_000_003 + e))]
+                      for e in range(4)])
+    assert torch.equal(torch.cat(got), want[: 3 * len(got)])
