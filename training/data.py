@@ -439,6 +439,7 @@ class Blocks:
         self.bad = bad
         self._stream = None
         self._stream_pos = 0
+        self._perm_epoch, self._perm_order = None, None
         if cfg.streaming:
             # Held-out blocks come from a first partial pass; training re-reads the stream lazily.
             held = list(_split_stream(cfg, tokenize, bad, "held_out"))
@@ -463,8 +464,12 @@ class Blocks:
 
     # -- in memory --
     def _perm(self, epoch: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.num_train, generator=gen)
+        """Epoch `epoch`'s order of the training blocks, drawn once per epoch (not per batch: a
+        permutation of millions of blocks takes tens of milliseconds)."""
+        if self._perm_epoch != epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm_order, self._perm_epoch = torch.randperm(self.num_train, generator=gen), epoch
+        return self._perm_order
 
     def _take_in_memory(self, start: int, count: int) -> list[int]:
         out, perms = [], {}

@@ -216,7 +216,16 @@ def make_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
         # Matrices decay; norms, biases, the conv filter and the SSM's A_log / D / dt_bias do not.
         (decay if p.ndim >= 2 and "conv1d" not in name else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2))
+    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2),
+                             **adamw_implementation(decay + no_decay))
+
+
+def adamw_implementation(params: list) -> dict:
+    """AdamW's implementation: fused (a few launches for every parameter) when all are floating-point
+    CUDA tensors, else torch's default (foreach on CUDA, one parameter at a time on the CPU)."""
+    if params and all(p.is_cuda and p.is_floating_point() for p in params):
+        return {"fused": True}
+    return {}
 
 
 # -- output directory and checkpoints ----------------------------------------------------------------------
@@ -538,27 +547,35 @@ def open_log(run: _Run, scan) -> None:
     run.run_start_step = run.step
 
 
-def optimizer_step(run: _Run) -> tuple[float, dict, float | None, float]:
-    """One optimizer step over grad_accum micro-batches; returns (loss, loss parts, grad norm, lr used)."""
+def optimizer_step(run: _Run) -> tuple[torch.Tensor, dict, torch.Tensor | None, float]:
+    """One optimizer step over grad_accum micro-batches; returns (loss, loss parts, grad norm, lr used).
+
+    Loss, parts and grad norm stay on the device (0-dim tensors): reading them (`.item()`) waits
+    for the GPU, so only logged steps read them (report_step) and the host queues the next step
+    while this one runs.
+    """
     cfg, accelerator, model = run.cfg, run.accelerator, run.model
     rank, world = accelerator.process_index, accelerator.num_processes
-    parts_sum: dict[str, float] = {}
-    loss_sum = 0.0
+    parts_sum: dict[str, torch.Tensor] = {}
+    loss_sum = None
     for micro in range(cfg.optim.grad_accum):
         ids, mask, run.position = run.blocks.batch(run.position, cfg.optim.batch_size, rank, world)
-        ids, mask = ids.to(run.device), mask.to(run.device)
+        ids, mask = to_device(ids, run.device), to_device(mask, run.device)
         sync = micro == cfg.optim.grad_accum - 1
         with contextlib.nullcontext() if sync else accelerator.no_sync(model):
             with accelerator.autocast():
                 loss, parts = _loss(model, run.target, ids, mask, cfg)
             accelerator.backward(loss / cfg.optim.grad_accum)
-        loss_sum += loss.detach().float().item() / cfg.optim.grad_accum
+        # float64, as Python floats summed them before: the logged values are the same to the bit
+        term = loss.detach().double() / cfg.optim.grad_accum
+        loss_sum = term if loss_sum is None else loss_sum + term
         for k, v in parts.items():
-            parts_sum[k] = parts_sum.get(k, 0.0) + float(v) / cfg.optim.grad_accum
+            v = v.detach().double() / cfg.optim.grad_accum
+            parts_sum[k] = v if k not in parts_sum else parts_sum[k] + v
     grad_norm = None
     if cfg.optim.max_grad_norm > 0:
-        grad_norm = float(accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
-                                                      cfg.optim.max_grad_norm))
+        grad_norm = accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                                cfg.optim.max_grad_norm)
     lr = run.scheduler.get_last_lr()[0]
     run.optimizer.step()
     run.scheduler.step()
@@ -570,11 +587,23 @@ def optimizer_step(run: _Run) -> tuple[float, dict, float | None, float]:
     return loss_sum, parts_sum, grad_norm, lr
 
 
-def report_step(run: _Run, loss_sum: float, parts_sum: dict, grad_norm, lr: float) -> None:
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU batch on the device; to a GPU through pinned memory, without waiting for the GPU.
+
+    A copy from pageable memory waits until the GPU has run everything queued before it; from
+    pinned memory it is queued behind that work (the batch is a fresh tensor, never reused).
+    """
+    if device.type != "cuda":
+        return batch.to(device)
+    return batch.pin_memory().to(device, non_blocking=True)
+
+
+def report_step(run: _Run, loss_sum: torch.Tensor, parts_sum: dict, grad_norm, lr: float) -> None:
     """Loss, throughput (tokens/s, MFU) and ETA to log.jsonl and the callbacks."""
     cfg, step = run.cfg, run.step
     loss_mean = _mean_across(run.accelerator, loss_sum, run.device)
     parts_mean = {k: _mean_across(run.accelerator, v, run.device) for k, v in parts_sum.items()}
+    grad_norm = None if grad_norm is None else float(grad_norm)
     if run.device.type == "cuda":
         torch.cuda.synchronize(run.device)  # the window's time includes its queued GPU work
     now = time.perf_counter()
@@ -619,7 +648,7 @@ def checkpoint(run: _Run, at_step: int, position: int, rng: dict) -> None:
     run.accelerator.wait_for_everyone()
 
 
-def after_step(run: _Run, loss_sum: float, parts_sum: dict, grad_norm, lr: float) -> None:
+def after_step(run: _Run, loss_sum: torch.Tensor, parts_sum: dict, grad_norm, lr: float) -> None:
     """What a finished step triggers: a log line, an evaluation, a checkpoint, each on its cadence."""
     cfg, step, last = run.cfg, run.step, run.step == run.cfg.optim.steps
     if step % cfg.checkpoint.log_every == 0 or last:
@@ -704,11 +733,11 @@ def _loss(model, target, ids, mask, cfg: RunConfig):
                         cfg.loss.chunk_positions)
 
 
-def _mean_across(accelerator, value: float, device) -> float:
+def _mean_across(accelerator, value: torch.Tensor, device) -> float:
+    """A 0-dim device tensor averaged over processes, as a Python float (one host sync)."""
     if accelerator.num_processes == 1:
-        return value
-    t = torch.tensor([value], device=device, dtype=torch.float32)
-    return float(accelerator.reduce(t, reduction="mean").item())
+        return value.item()
+    return accelerator.reduce(value.reshape(1).to(device=device, dtype=torch.float32), reduction="mean").item()
 
 
 def _eval_prompts(cfg: RunConfig, blocks: Blocks, tokenizer, vocab_size: int, bad: BadRecords) -> list[list[int]]:
