@@ -1,7 +1,6 @@
 """`ssmspec prepare`: build and compile ahead of time what decoding a model will need on this machine."""
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -14,10 +13,18 @@ from . import options
 
 
 def _cache_dirs() -> list[str]:
-    """Where the compiled work is kept between processes (Triton's kernels, torch's CUDA extensions)."""
-    triton = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
-    extensions = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "torch_extensions")
-    return [f"Triton kernels: {triton}", f"CUDA extensions: {extensions}"]
+    """Where the compiled work is kept between processes, as Triton and torch resolve it."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    try:
+        from triton import knobs  # triton >= 3.4
+
+        triton_dir = knobs.cache.dir
+    except ImportError:
+        from triton.runtime.cache import default_cache_dir
+
+        triton_dir = default_cache_dir()
+    return [f"Triton kernels: {triton_dir}", f"CUDA extensions: {get_default_build_root()}"]
 
 
 def prepare_command(

@@ -48,3 +48,11 @@ def test_prepare_refuses_with_one_line(target_dir, capsys, args, mentions):
     assert run(["prepare", "--target", str(target_dir), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and mentions in err[0]
+
+
+def test_the_cache_locations_come_from_triton_and_torch():
+    from cli.prepare import _cache_dirs
+
+    lines = _cache_dirs()
+    assert [line.split(":")[0] for line in lines] == ["Triton kernels", "CUDA extensions"]
+    assert all(line.split(": ", 1)[1] for line in lines)
