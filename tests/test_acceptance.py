@@ -115,12 +115,13 @@ def test_top_p_and_top_k_processing():
     assert greedy[0].tolist() == [1, 0, 0, 0, 0]
 
 
-# -- speculative_accept_on_device: SpecInfer for every node at once -----------------------------
+# -- sampled_accept: SpecInfer on the device (the dispatched op) --------------------------------------
 
 from scipy.stats import chi2_contingency, chisquare  # noqa: E402
 
 from ssmspec.ops.sampled_accept import naive as sampled_accept_naive  # noqa: E402
-from ssmspec.decoding.acceptance import children_table, speculative_accept_on_device  # noqa: E402
+from ssmspec.decoding.acceptance import children_table  # noqa: E402
+from ssmspec.ops.dispatch import sampled_accept  # noqa: E402
 
 SV = 4  # vocabulary of the exactness checks: every sequence of D + 1 tokens is a cell
 
@@ -162,7 +163,7 @@ def _device_iteration(tree, p_tables, q_tables, rows, seed, shared_uniform=False
     paths = torch.zeros(n, tree.max_depth + 1, dtype=torch.long)
     for i in range(n):
         paths[i, :len(tree.path(i))] = torch.tensor(tree.path(i))
-    path, path_len, out, last = speculative_accept_on_device(p, q, tokens, children, uniforms, noise, paths, depth)
+    path, path_len, out, last = sampled_accept(p, q, tokens, children, uniforms, noise, paths, depth)
     # the outputs are consistent with the walk: path = root-to-last, out = its tokens then the bonus
     for r in range(0, rows, max(1, rows // 50)):
         nodes = tree.path(int(last[r]))
@@ -214,7 +215,7 @@ little elsewhere; the power checks below and one exactness case run here."""
     (Tree.chain(2), False, 1.5, DEVICE_ROWS), (Tree.from_config((2, 2)), True, 1.5, DEVICE_ROWS),
     (Tree.from_config((3, 1)), True, 1.5, DEVICE_ROWS), (POWER["tree"], False, POWER["scale"], POWER["rows"]),
 ], ids=["2,2", "3,1", "chain2", "2,2-zeros", "3,1-zeros", "power-setting"])
-def test_speculative_accept_on_device_is_exact(tree, zeros, scale, rows):
+def test_sampled_accept_is_exact(tree, zeros, scale, rows):
     # Many independent rows: draft from q, accept on the device, complete with the target:
     # the sequences of D + 1 tokens must follow the target's exact joint (chi-square, 64 cells).
     p_tables = _prefix_tables(1, tree.max_depth, zeros, scale)
@@ -226,7 +227,7 @@ def test_speculative_accept_on_device_is_exact(tree, zeros, scale, rows):
 
 
 @pytest.mark.parametrize("wrong", ["no-residual", "shared-uniform", "drafter-as-target"])
-def test_speculative_accept_on_device_check_has_power(monkeypatch, wrong):
+def test_sampled_accept_check_has_power(monkeypatch, wrong):
     # Accepting later siblings against p instead of the residual, one uniform for all siblings,
     # or completing with the drafter: the same check must reject each.
     tree, rows = POWER["tree"], POWER["rows"]
@@ -240,7 +241,7 @@ def test_speculative_accept_on_device_check_has_power(monkeypatch, wrong):
     assert _joint_pvalue(counts, p_tables, tree.max_depth + 1, rows) < 1e-3
 
 
-def test_speculative_accept_on_device_matches_accept_sampled():
+def test_sampled_accept_matches_accept_sampled():
     # The host reference and the vectorised rule on the same fixed p, q and drafts (one per
     # children draw): the laws of (accepted path, bonus) must agree (two-sample chi-square).
     tree = Tree.from_config((2, 1))
@@ -261,7 +262,7 @@ def test_speculative_accept_on_device_matches_accept_sampled():
     paths = torch.zeros(n, tree.max_depth + 1, dtype=torch.long)
     for i in range(n):
         paths[i, :len(tree.path(i))] = torch.tensor(tree.path(i))
-    _, path_len, out, last = speculative_accept_on_device(
+    _, path_len, out, last = sampled_accept(
         p.expand(draws, -1, -1), q_by_parent.expand(draws, -1, -1), tokens, children,
         torch.rand(draws, n, children.shape[1], generator=g), torch.empty(draws, n, SV).exponential_(generator=g),
         paths, tree.depth_tensor())

@@ -1,8 +1,8 @@
 """Verification rules: which drafted nodes the target accepts, and the token it adds after them.
 
 The host rules walk the tree from the root and return the accepted path (root first) and the
-bonus token; `speculative_accept_on_device` is `accept_sampled` for every node at once, on the
-device (the fast path's rule for sampled children). All keep the output exactly the target's:
+bonus token; ops/sampled_accept is `accept_sampled` on the device (the fast path's rule for
+sampled children). All keep the output exactly the target's:
 greedy output for temperature 0, and samples distributed exactly as the target's (processed)
 distribution otherwise.
 """
@@ -12,7 +12,6 @@ import torch
 
 from ssmspec.trees import Tree
 
-from ..ops import dispatch
 from ..ops.sampled_accept.naive import rejection_residual
 from .sampling import sample
 
@@ -79,14 +78,6 @@ def accept_sampled(tree: Tree, tokens: list[int], p: torch.Tensor, q: torch.Tens
             residual = rejection_residual(residual, qc)
         else:
             return path, sample(residual, generator)
-
-
-def speculative_accept_on_device(p, q, tokens, children, uniforms, noise, paths, depth):
-    """`accept_sampled` for every batch row at once, on the device, with no host sync:
-    (path, path_len, out, last) as ops/greedy_accept returns them. The rule, its arguments and
-    why deciding on the device is exact: ops/sampled_accept/naive.py (one Triton launch on the
-    kernel backend)."""
-    return dispatch.sampled_accept(p, q, tokens, children, uniforms, noise, paths, depth)
 
 
 def children_table(tree: Tree, device=None) -> torch.Tensor:

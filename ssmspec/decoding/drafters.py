@@ -97,7 +97,7 @@ class ModelDrafter:
         self.model = model
         self.sample_children = sample_children
         """At temperature > 0, draw children i.i.d. from the drafter (exact via multi-step
-        speculative sampling, on the host or, on the fast path, acceptance.speculative_accept_on_device);
+        speculative sampling, on the host or, on the fast path, ops/sampled_accept);
         if False, take the top-k (exact via the naive rule). Sampled children are accepted far more
         often at high temperature: the naive rule accepts a child only when the target's own draw
         happens to be one of the top-k."""
@@ -328,7 +328,7 @@ class FusedGreedyDraft:
     With sampling `params`, each node's children are drawn i.i.d. from its processed drafter
     distribution q (`probabilities`, the target's SamplingParams) by exponential races over a
     noise buffer that `draw_noise` refills eagerly before each run (no RNG inside a graph), and
-    `q` (N, V) keeps every non-leaf node's q for the acceptance (speculative_accept_on_device).
+    `q` (N, V) keeps every non-leaf node's q for the acceptance (ops/sampled_accept).
     """
 
     def __init__(self, drafter: "ModelDrafter", shape: Tree, buffers: FusedDraftBuffers | None = None,

@@ -13,7 +13,7 @@ their KV capacity allocated before capture (`new_cache(batch, max_len)` with max
 Sampling (temperature > 0) takes the same graphs: every argmax the captured work takes (the
 step's next token, greedy acceptance) is taken over `sampling.race_scores`, whose argmax is a
 draw from the processed distribution; drafts with sampled children are accepted by
-multi-step speculative sampling (acceptance.speculative_accept_on_device) instead. The noise
+multi-step speculative sampling (ops/sampled_accept) instead. The noise
 they read (Exp(1) draws, uniforms) lives in static buffers refilled eagerly before each replay
 from the caller's generator: no RNG runs inside a captured graph.
 """
@@ -24,7 +24,7 @@ import torch
 from ..models.cache import ModelCache
 from ..models.lm import LanguageModel
 from ..ops import dispatch, graph_tables
-from .acceptance import children_table, speculative_accept_on_device
+from .acceptance import children_table
 from .sampling import SamplingParams, probabilities, race_noise_, race_scores
 
 GREEDY = SamplingParams()
@@ -126,8 +126,8 @@ class GreedyTreeGraph:
 
     Sampled children (`draft_q`: the static (N, V) buffer where the draft keeps, per node, the
     drafter distribution its children were drawn from i.i.d.) take multi-step speculative
-    sampling instead (acceptance.speculative_accept_on_device: every node's SpecInfer decision
-    up front, then the walk), with per-node-and-sibling uniforms and the bonus races as noise.
+    sampling instead (ops/sampled_accept: acceptance.accept_sampled on the device, one launch on
+    the kernels), with per-node-and-sibling uniforms and the bonus races as noise.
 
     Usage: `g = GreedyTreeGraph(model, cache, tree)`; `tokens, n = g(tree_tokens)` with
     tree_tokens (B, N) advances the cache over root + accepted nodes and returns the static
@@ -166,7 +166,7 @@ class GreedyTreeGraph:
             # `probabilities` casts to fp32 when sampling)
             logits, acts = model.verify(self.tokens_in, tree, cache, float_logits=False)
             if self.draft_q is not None:
-                path, path_len, out, last = speculative_accept_on_device(
+                path, path_len, out, last = dispatch.sampled_accept(
                     probabilities(logits, params), self.draft_q.expand(batch, -1, -1), self.tokens_in,
                     self.children, self.uniforms, self.noise, self.paths, self.depth)
             else:
@@ -210,12 +210,10 @@ class ChainPrefill:
     CHUNK = 64
 
     def __init__(self, model: LanguageModel, cache: ModelCache, capture: bool = True):
-        if cache.pending_count is not None:
-            # The prompt goes straight into the SSM states, through a view of the cache without
-            # its pending slots (their count is 0 after a reset, and stays 0): the slots pay off
-            # for short accepted paths, not for chains of 64 (0.6 ms of a 130-token prefill at
-            # the mamba2-130m shape on the H100 with them).
-            cache = ModelCache(cache.layers, cache.seqlen)
+        # The prompt goes straight into the SSM states (the cache is fresh: no pending inputs): the
+        # pending slots pay off for short accepted paths, not for chains of 64 (0.6 ms of a
+        # 130-token prefill at the mamba2-130m shape on the H100 through them).
+        cache = cache.without_pending()
         self.model, self.cache, self.capture = model, cache, capture
         self._chains: dict[int, tuple] = {}
 

@@ -204,18 +204,22 @@ class ModelCache:
 
     def reset_(self) -> None:
         """Empty the cache in place (tensors keep their storage, so captured graphs stay valid)."""
-        if self.packed_rows is not None:  # the Mamba states and seqlen are views of it: one zero
-            tensors = [self.packed_rows] + [t for layer in self.layers if not isinstance(layer, MambaLayerCache)
-                                            and layer is not None for t in vars(layer).values() if t is not None]
-        else:
-            tensors = [t for layer in self.layers if layer is not None for t in vars(layer).values() if t is not None]
-            tensors.append(self.seqlen)
+        packed = self.packed_rows is not None  # the Mamba states and seqlen are views of it: one zero
+        tensors = [t for layer in self.layers if layer is not None and not (packed and isinstance(layer, MambaLayerCache))
+                   for t in vars(layer).values() if t is not None]
+        tensors.append(self.packed_rows if packed else self.seqlen)
         if self.pending_count is not None:
             tensors.append(self.pending_count)
         # one multi-tensor launch per dtype instead of one per tensor (~60 for a 24-layer target:
         # 0.4 ms of a prefill on the H100)
         torch._foreach_zero_(tensors)
         self.pending_dirty = False
+
+    def without_pending(self) -> "ModelCache":
+        """A view of this cache whose replays write the SSM states directly, as if it kept no
+        pending slots. Its pending count must be 0 (after a reset, or `LanguageModel.settle`):
+        the view neither reads nor advances it."""
+        return ModelCache(self.layers, self.seqlen, packed_rows=self.packed_rows)
 
     def clone(self) -> "ModelCache":
         return self.select(torch.arange(self.batch_size, device=self.seqlen.device))

@@ -1,5 +1,5 @@
 """Triton helpers that several ops share: the PDL launch arguments and wait/launch primitives
-(ops/pdl.py), softplus, and the one-launch RMSNorm (step_update's norms and gemv's norm-then-cuBLAS
+(ops/pdl.py), softplus, a vocabulary-wide argmax with torch's tie rule, and the one-launch RMSNorm (step_update's norms and gemv's norm-then-cuBLAS
 route both run it). Every op's `triton.py` imports these from here, never from another op.
 """
 from __future__ import annotations
@@ -11,7 +11,8 @@ import triton.language as tl
 from . import pdl
 from .pdl import gdc_launch_dependents, gdc_wait
 
-__all__ = ["gdc_launch_dependents", "gdc_wait", "pdl_args", "rms_norm", "softplus"]
+__all__ = ["NO_INDEX", "argmax_pick", "argmax_step", "gdc_launch_dependents", "gdc_wait", "pdl_args", "rms_norm",
+           "softplus"]
 
 
 def pdl_args(device: torch.device) -> dict:
@@ -20,6 +21,26 @@ def pdl_args(device: torch.device) -> dict:
     if not pdl.enabled(device):
         return {}
     return {"USE_PDL": True, "launch_pdl": True}
+
+
+NO_INDEX = tl.constexpr(2**31 - 1)
+"""An argmax lane's "no index yet": larger than every vocabulary index."""
+
+
+@triton.jit
+def argmax_step(v, offs, eligible, best, arg):
+    """One tile of a per-lane running argmax over a row (best values, their indices): a lane takes
+    an eligible value strictly above its best, or its first eligible one (so -inf values still
+    rank); strictly above keeps the earlier index among equals."""
+    take = eligible & ((v > best) | (arg == NO_INDEX))
+    return tl.where(take, v, best), tl.where(take, offs, arg)
+
+
+@triton.jit
+def argmax_pick(best, arg):
+    """The row's (max, first index holding it) from argmax_step's lanes: torch.argmax's choice."""
+    top = tl.max(best, axis=0)
+    return top, tl.min(tl.where((best == top) & (arg != NO_INDEX), arg, NO_INDEX), axis=0)
 
 
 @triton.jit

@@ -13,9 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_common import gdc_launch_dependents, gdc_wait, pdl_args
-
-_NO_INDEX = tl.constexpr(2**31 - 1)  # "no index yet": larger than every vocabulary index
+from ..triton_common import NO_INDEX, argmax_pick, argmax_step, gdc_launch_dependents, gdc_wait, pdl_args
 BLOCK_V = 4096
 """Vocabulary tile of one pass step (8 warps: 16 values per thread)."""
 
@@ -37,19 +35,13 @@ def _ranked_tokens_kernel(
     prev_i = tl.full([], -1, tl.int32)
     for _ in range(0, rank + 1):
         best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        arg = tl.full([BLOCK_V], _NO_INDEX, tl.int32)
+        arg = tl.full([BLOCK_V], NO_INDEX, tl.int32)
         for start in range(0, V, BLOCK_V):
             offs = start + tl.arange(0, BLOCK_V)
             v = tl.load(base + offs * slv, mask=offs < V, other=float("-inf")).to(tl.float32)
             below = (offs < V) & ((v < prev_v) | ((v == prev_v) & (offs > prev_i)))
-            # Per lane, strictly greater keeps the earlier index; a lane's first eligible value
-            # always lands, so -inf logits still rank (in index order).
-            take = below & ((v > best) | (arg == _NO_INDEX))
-            best = tl.where(take, v, best)
-            arg = tl.where(take, offs, arg)
-        top = tl.max(best, axis=0)
-        prev_i = tl.min(tl.where((best == top) & (arg != _NO_INDEX), arg, _NO_INDEX), axis=0)
-        prev_v = top
+            best, arg = argmax_step(v, offs, below, best, arg)  # -inf logits still rank, in index order
+        prev_v, prev_i = argmax_pick(best, arg)
     tl.store(out_ptr + i * sout, prev_i.to(tl.int64))
 
 
@@ -87,16 +79,13 @@ def _race_tokens_kernel(
     base = probs_ptr + tl.load(rows_ptr + i).to(tl.int64) * spr
     noise = noise_ptr + i.to(tl.int64) * snr
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    arg = tl.full([BLOCK_V], _NO_INDEX, tl.int32)
+    arg = tl.full([BLOCK_V], NO_INDEX, tl.int32)
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         mask = offs < V
         s = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32) / tl.load(noise + offs, mask=mask, other=1.0)
-        take = mask & ((s > best) | (arg == _NO_INDEX))  # strictly greater: a lane keeps its earlier index
-        best = tl.where(take, s, best)
-        arg = tl.where(take, offs, arg)
-    top = tl.max(best, axis=0)
-    pick = tl.min(tl.where((best == top) & (arg != _NO_INDEX), arg, _NO_INDEX), axis=0)
+        best, arg = argmax_step(s, offs, mask, best, arg)
+    _, pick = argmax_pick(best, arg)
     tl.store(out_ptr + i * sout, pick.to(tl.int64))
 
 

@@ -16,9 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_common import gdc_launch_dependents, gdc_wait, pdl_args
+from ..triton_common import NO_INDEX, argmax_pick, argmax_step, gdc_launch_dependents, gdc_wait, pdl_args
 
-_NO_INDEX = tl.constexpr(2**31 - 1)
 BLOCK_V = 2048
 
 
@@ -93,17 +92,14 @@ def _sampled_accept_kernel(
     p_row = p_ptr + b * spb + u * spn
     noise_row = noise_ptr + b * snb + u * snn
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    arg = tl.full([BLOCK_V], _NO_INDEX, tl.int32)
+    arg = tl.full([BLOCK_V], NO_INDEX, tl.int32)
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         mask = offs < V
         r = _residual_at(p_row, scratch_row, src, buf, total, offs, V, mask)
-        s = r / tl.load(noise_row + offs, mask=mask, other=1.0)
-        take = mask & ((s > best) | (arg == _NO_INDEX))
-        best = tl.where(take, s, best)
-        arg = tl.where(take, offs, arg)
-    top = tl.max(best, axis=0)
-    bonus = tl.min(tl.where((best == top) & (arg != _NO_INDEX), arg, _NO_INDEX), axis=0).to(tl.int64)
+        best, arg = argmax_step(r / tl.load(noise_row + offs, mask=mask, other=1.0), offs, mask, best, arg)
+    _, bonus = argmax_pick(best, arg)
+    bonus = bonus.to(tl.int64)
     # Outputs, as the reference builds them: path = paths[u], out = its drafted tokens, the bonus, 0s.
     ks = tl.arange(0, BLOCK_D)
     in_row = ks <= D
