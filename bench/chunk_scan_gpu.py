@@ -1,11 +1,10 @@
 """The training scans alone on a GPU: forward + backward time and peak memory of one Mamba-2 layer's chunked SSD.
 
-naive_chunk_scan (the reference, a loop over chunks), parallel_chunk_scan (every chunk at once) and
-compiled_chunk_scan (the same under torch.compile) at a mamba2-130m layer (24 heads of 64, d_state
-128, one group, 16 x 512 tokens: `sft`'s batch) and a mamba2-780m layer (48 heads, 2 x 2048), under
-bf16 autocast, for each chunk length given. CUDA-event medians after warm-up (which takes the compile;
-each shape and chunk is compiled on its own). Run on a CUDA machine from the repository root, with
-ssmspec installed:
+naive_chunk_scan (the reference, a loop over chunks) and parallel_chunk_scan (every chunk at once)
+at a mamba2-130m layer (24 heads of 64, d_state 128, one group, 16 x 512 tokens: `sft`'s batch) and
+a mamba2-780m layer (48 heads, 2 x 2048), under bf16 autocast, for each chunk length given.
+CUDA-event medians after warm-up. Run on a CUDA machine from the repository root, with ssmspec
+installed:
 
     python bench/chunk_scan_gpu.py --chunks 64,128,256 --out chunk_scan_gpu.json
 """
@@ -69,9 +68,8 @@ def main() -> None:
         sys.exit("chunk_scan_gpu.py needs a CUDA device")
 
     from ssmspec.ops.chunk_scan import naive_chunk_scan, parallel_chunk_scan
-    from ssmspec.ops.chunk_scan.parallel import compiled_chunk_scan
 
-    scans = {"parallel": parallel_chunk_scan, "parallel-compiled": compiled_chunk_scan()}
+    scans = {"parallel": parallel_chunk_scan}
     if not args.skip_naive:
         scans = {"naive": naive_chunk_scan, **scans}
     rows = []
@@ -82,7 +80,6 @@ def main() -> None:
         tokens = shape[0] * shape[1]
         for chunk in (int(c) for c in args.chunks.split(",")):
             for scan_name, fn in scans.items():
-                torch._dynamo.reset()  # each shape and chunk compiled for itself, never as a dynamic-shape graph
                 ms, peak = time_scan(fn, args_, chunk, args.iters)
                 rows.append({"shape": shape_name, "chunk": chunk, "scan": scan_name, "ms": ms, "peak_gb": peak,
                              "tokens_per_s": tokens / ms * 1e3})
@@ -90,11 +87,9 @@ def main() -> None:
                       flush=True)
                 for t in args_:
                     t.grad = None
-    failure = scans["parallel-compiled"].compile_failure
-    print("torch.compile:", f"FAILED, ran eager ({failure[0]})" if failure else "compiled")
     if args.out:
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                        "compile_failure": failure, "rows": rows}, indent=1))
+                                        "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ LORA_ALPHA = options.real(_LORA.alpha, "--lora-alpha", above=True, help="LoRA al
 LORA_TARGETS = typer.Option(",".join(_LORA.targets), "--lora-targets", help="Linear layers given adapters, where present.")
 SCAN = typer.Option(_RUN.scan, "--scan", metavar="NAME", callback=options.one_of(SCAN_BACKENDS),
                     help="Training scan, one of: auto (fla, then mamba_ssm, when importable on a GPU, else parallel), fla, mamba_ssm, "
-                         "parallel, parallel-compiled (torch.compile), ssmspec (the reference).")
+                         "parallel, ssmspec (the reference).")
 LOSS_CHUNK = options.count(_LOSS.chunk_positions, "--loss-chunk", max=1 << 24,
                            help="Positions whose logits the loss turns into fp32 at once (0 = as many as fit 32M values).")
 MODEL_DIR = dict(exists=True, file_okay=False)

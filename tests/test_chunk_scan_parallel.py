@@ -113,29 +113,15 @@ def test_long_strong_decay_stays_finite():
         _close(got, want, FP32_TOL, f"d{name}")
 
 
-def test_compiled_scan_on_the_cpu_runs_eager_and_is_built_once():
-    from ssmspec.ops.chunk_scan import parallel_chunk_scan
-    from ssmspec.ops.chunk_scan.parallel import compiled_chunk_scan
-
-    scan = compiled_chunk_scan()
-    assert compiled_chunk_scan() is scan
-    inputs = scan_inputs(1, 40, 4, 8, 2, 16)
-    y_ref, f_ref = parallel_chunk_scan(*inputs[:6], 16, inputs[6])
-    y, f = scan(*inputs[:6], 16, inputs[6])
-    assert torch.equal(y, y_ref) and torch.equal(f, f_ref)
-    assert scan.compile_failure == []
-
-
-@pytest.mark.parametrize("choice", ["parallel", "parallel-compiled"])
-def test_parallel_choices_are_picked_and_routed(choice):
+def test_parallel_is_picked_and_routed():
     from ssmspec.ops import dispatch
     from ssmspec.training.scan import pick_training_scan, training_scan
 
-    picked = pick_training_scan(choice, torch.device("cpu"))
-    assert picked.name.startswith("ssmspec:ssmspec.ops.chunk_scan.parallel.parallel_chunk_scan")
+    picked = pick_training_scan("parallel", torch.device("cpu"))
+    assert picked.name == "ssmspec:ssmspec.ops.chunk_scan.parallel.parallel_chunk_scan"
     assert picked.reason == "asked for"
     before = dispatch.chunk_scan
-    with training_scan(choice, torch.device("cpu")):
+    with training_scan("parallel", torch.device("cpu")):
         assert dispatch.chunk_scan is picked.fn
     assert dispatch.chunk_scan is before
 

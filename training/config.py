@@ -12,7 +12,7 @@ SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 DATA_FORMATS = ("auto", "text", "chat", "tokens")
 BAD_RECORD_POLICIES = ("error", "skip")
-SCAN_BACKENDS = ("auto", "fla", "mamba_ssm", "parallel", "parallel-compiled", "ssmspec")
+SCAN_BACKENDS = ("auto", "fla", "mamba_ssm", "parallel", "ssmspec")
 LORA_TARGETS = ("in_proj", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -152,8 +152,7 @@ class RunConfig:
     overwrite: bool = False
     scan: str = "auto"
     """Chunked-scan implementation for training: fla (fla-core), mamba_ssm, parallel (chunk-parallel plain torch),
-    parallel-compiled (the same under torch.compile on CUDA), ssmspec (the plain-torch reference, a loop over chunks),
-    or auto (on a GPU the first of fla, mamba_ssm importable, else parallel; on the CPU ssmspec)."""
+    ssmspec (the plain-torch reference, a loop over chunks), or auto (on a GPU the first of fla, mamba_ssm importable, else parallel; on the CPU ssmspec)."""
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)

@@ -45,8 +45,7 @@ def pick_training_scan(choice: str, device: torch.device) -> TrainingScan:
     auto: on a CUDA device fla (fla-core's chunked simple-GLA) when usable, else mamba_ssm's fused SSD
     when importable, else parallel; on the CPU ssmspec (the dispatcher's chunk_scan: the plain-torch
     `naive_chunk_scan`). parallel is `parallel_chunk_scan` (every chunk at once, plain torch, any
-    device); parallel-compiled the same under torch.compile (on CUDA; eager elsewhere or if compiling
-    fails). fla and mamba_ssm asked for by name must be usable.
+    device). fla and mamba_ssm asked for by name must be usable.
     """
     from ssmspec.ops import dispatch
     from ssmspec.ops.chunk_scan.fla import fla_available, fla_chunk_scan, fla_refusal
@@ -67,15 +66,11 @@ def pick_training_scan(choice: str, device: torch.device) -> TrainingScan:
             return TrainingScan("mamba_ssm:mamba_chunk_scan_combined", "mamba_ssm imports and the device is CUDA", scan)
         if choice == "mamba_ssm":
             raise InputError("--scan mamba_ssm asked for, but mamba_ssm is not importable on a GPU here; use --scan parallel or ssmspec")
-    if choice in ("parallel", "parallel-compiled") or (choice == "auto" and on_cuda):
-        from ssmspec.ops.chunk_scan.parallel import compiled_chunk_scan, parallel_chunk_scan
+    if choice == "parallel" or (choice == "auto" and on_cuda):
+        from ssmspec.ops.chunk_scan.parallel import parallel_chunk_scan
 
         reason = "asked for" if choice != "auto" else "neither fla-core nor mamba_ssm can train here"
-        name = "ssmspec:ssmspec.ops.chunk_scan.parallel.parallel_chunk_scan"
-        if choice == "parallel-compiled":  # the compiled function lives for the process (compiled_chunk_scan)
-            return TrainingScan(name + (" (torch.compile)" if on_cuda else " (eager: torch.compile only on CUDA)"),
-                                reason, compiled_chunk_scan())
-        return TrainingScan(name, reason, parallel_chunk_scan)
+        return TrainingScan("ssmspec:ssmspec.ops.chunk_scan.parallel.parallel_chunk_scan", reason, parallel_chunk_scan)
     impl = dispatch.resolve("chunk_scan", device)
     reason = "asked for" if choice == "ssmspec" else "no CUDA device"
     return TrainingScan(f"ssmspec:{impl.__module__}.{impl.__name__}", reason, impl)

@@ -1,4 +1,4 @@
-"""parallel_chunk_scan (eager and under torch.compile) against naive_chunk_scan on a GPU, at real sizes (opt in: --run-gpu).
+"""parallel_chunk_scan against naive_chunk_scan on a GPU, at real sizes (opt in: --run-gpu).
 
 Tolerances as in test_training_scan_gpu.py, relative to each tensor's RMS: fp32 5e-3 (allows TF32
 products), bf16 3e-2 under autocast (every product's inputs rounded to bf16), against the fp32 reference.
@@ -22,22 +22,12 @@ def _close(got, want, tol, name):
     assert rel_rms < tol, f"{name}: rel RMS err {rel_rms:.3e}"
 
 
-def _scan(name):
-    from ssmspec.ops.chunk_scan import parallel_chunk_scan
-    from ssmspec.ops.chunk_scan.parallel import compiled_chunk_scan
-
-    return parallel_chunk_scan if name == "parallel" else compiled_chunk_scan()
-
-
-def _compare(scan_name, inputs, chunk, precision):
-    from ssmspec.ops.chunk_scan import naive_chunk_scan
+def _compare(inputs, chunk, precision):
+    from ssmspec.ops.chunk_scan import naive_chunk_scan, parallel_chunk_scan
 
     y_ref, f_ref, g_ref = scan_grads(naive_chunk_scan, inputs, chunk)
-    scan = _scan(scan_name)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
-        y, f, g = scan_grads(scan, inputs, chunk)
-    if scan_name == "parallel-compiled":
-        assert scan.compile_failure == [], scan.compile_failure
+        y, f, g = scan_grads(parallel_chunk_scan, inputs, chunk)
     tol = TOL[torch.float32 if precision == "fp32" else torch.bfloat16]
     _close(y, y_ref, tol, "y")
     _close(f, f_ref, tol, "final_state")
@@ -52,23 +42,21 @@ def _compare(scan_name, inputs, chunk, precision):
 @pytest.mark.parametrize("headdim", [32, 64])
 @pytest.mark.parametrize("dstate", [64, 128])
 def test_parallel_scan_equals_naive(dstate, headdim, groups, chunk, steps, precision):
-    _compare("parallel", scan_inputs(2, steps, 16, headdim, groups, dstate, device=DEV), chunk, precision)
+    _compare(scan_inputs(2, steps, 16, headdim, groups, dstate, device=DEV), chunk, precision)
 
 
-@pytest.mark.parametrize("scan_name", ["parallel", "parallel-compiled"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_mamba2_130m_sized_scan_equals_naive(scan_name, precision):
+def test_mamba2_130m_sized_scan_equals_naive(precision):
     """mamba2-130m's Mamba layer: 24 heads of 64, d_state 128, one group, chunk 256, 2 x 2048 tokens."""
-    _compare(scan_name, scan_inputs(2, 2048, 24, 64, 1, 128, device=DEV), 256, precision)
+    _compare(scan_inputs(2, 2048, 24, 64, 1, 128, device=DEV), 256, precision)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("scan_name", ["parallel", "parallel-compiled"])
-def test_a_training_step_through_parallel_equals_the_plain_torch_one(scan_name, precision):
+def test_a_training_step_through_parallel_equals_the_plain_torch_one(precision):
     """The whole model under the run's autocast: loss and every parameter's gradient, parallel vs the naive scan."""
     from helpers import scan_training_step_grads
 
-    name, loss, grads, loss_ref, grads_ref = scan_training_step_grads(scan_name, "ssmspec", precision)
+    name, loss, grads, loss_ref, grads_ref = scan_training_step_grads("parallel", "ssmspec", precision)
     assert "parallel_chunk_scan" in name
     tol = TOL[torch.float32 if precision == "fp32" else torch.bfloat16]
     _close(loss, loss_ref, tol, "loss")

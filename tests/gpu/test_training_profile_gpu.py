@@ -57,7 +57,7 @@ def _run(tmp_path: Path, scan: str, chunk: int, batch: int = 16, seq_len: int = 
     with training_scan(cfg.scan, run.device) as picked:
         open_log(run, picked)
         run.model.train()
-        for _ in range(3):  # allocator, cuBLAS and (parallel-compiled) compilation warm-up
+        for _ in range(3):  # allocator and cuBLAS warm-up
             optimizer_step(run)
         torch.cuda.synchronize()
         start = time.perf_counter()

@@ -17,17 +17,11 @@ stages, each one batched product over all chunks at once:
 The products run in the matmul dtype (the autocast dtype under autocast, else x's dtype: bf16 on the
 tensor cores in training); cumsums, exps, the state passing and the outputs are fp32. B and C stay
 per group (G), never repeated to heads: heads are split as H = G x R and contract with their group.
-`compiled_chunk_scan` is the same function with its body under torch.compile (CUDA only).
 """
 from __future__ import annotations
 
-import functools
-import logging
-
 import torch
 import torch.nn.functional as F
-
-log = logging.getLogger(__name__)
 
 
 def _segsum_diff(a: torch.Tensor) -> torch.Tensor:
@@ -125,31 +119,3 @@ def parallel_chunk_scan(x, dt, A, B, C, D, chunk_size: int = 64, initial_state=N
     with torch.autocast(x.device.type, enabled=False):
         return _ssd(x, dt, A, B, C, D, chunk_size, initial_state, dtype)
 
-
-@functools.cache
-def compiled_chunk_scan():
-    """`parallel_chunk_scan` with its body compiled by torch.compile on CUDA, built once per process.
-
-    Compiled: calls on CUDA with autograd on (training steps: one shape per run, compiled once). Eager:
-    CPU tensors, and calls without grad (evaluation prefills of every prompt length would each
-    recompile; the distillation target's forward). If compiling fails (no working Triton or inductor),
-    the failure is logged once and every later call runs eager: the same result, only slower.
-    """
-    compiled = torch.compile(_ssd)
-    failed: list[str] = []
-
-    def scan(x, dt, A, B, C, D, chunk_size: int = 64, initial_state=None):
-        dtype = _matmul_dtype(x)
-        with torch.autocast(x.device.type, enabled=False):
-            if x.device.type == "cuda" and torch.is_grad_enabled() and not failed:
-                try:
-                    return compiled(x, dt, A, B, C, D, chunk_size, initial_state, dtype)
-                except torch.OutOfMemoryError:
-                    raise
-                except Exception as err:  # compilation failed: fall back for the rest of the process
-                    failed.append(f"{type(err).__name__}: {err}")
-                    log.warning("torch.compile of the parallel chunk scan failed, running it eager: %s", failed[0])
-            return _ssd(x, dt, A, B, C, D, chunk_size, initial_state, dtype)
-
-    scan.compile_failure = failed  # empty while compiled code runs (tests and run logs read it)
-    return scan
