@@ -114,6 +114,7 @@ else:
         "binary depth 3": Tree.from_config((2, 2, 2)),
         "wide 9": Tree.from_config((9,)),
         "uneven": Tree.from_parents([-1, 0, 0, 1, 3, 3, 2, 6, 0, 4]),
+        "three levels of 3 (40 nodes)": Tree.from_config((3, 3, 3)),
     }
     # (batch, heads, head_dim, d_state, groups): odd head counts, several groups, sizes off powers of two
     SHAPES = [(1, 3, 8, 16, 1), (2, 6, 12, 10, 3)]
@@ -138,6 +139,28 @@ else:
         x, dt, A, B, C, D, h0 = _scan_inputs(shape[0], tree.num_nodes, *shape[1:])
         want = naive_tree_scan(x, dt, A, B, C, D, parents, h0)
         assert_close(TS.tree_scan(x, dt, A, B, C, D, parents, h0), want, atol=1e-4, rtol=1e-4, name=f"tree_scan {tree_name}")
+
+
+    @pytest.mark.parametrize("tree_name", ["one node", "uneven", "binary depth 3", "chain of 63"])
+    def test_tree_scan_ancestors_by_doubling_match_the_walk(tree_name, nan_outputs, monkeypatch):
+        """The ancestor mask by matrix squarings (ANCESTORS_BY_DOUBLING_FROM, taken by 64-node
+        trees and prefill chains) gives the walk's outputs on every tree size, plain and gated."""
+        from ssmspec.ops.tree_scan.naive import naive_tree_scan_gated
+
+        tree = TREES[tree_name]
+        parents = tree.parents_tensor()
+        x, dt, A, B, C, D, h0 = _scan_inputs(1, tree.num_nodes, 3, 8, 16, 1)
+        z, bias = torch.randn(1, tree.num_nodes, 24), torch.randn(3)
+        outputs = {}
+        for threshold in (16, 1 << 20):  # every block size by doubling, then none
+            monkeypatch.setattr(TS, "ANCESTORS_BY_DOUBLING_FROM", threshold)
+            outputs[threshold] = (TS.tree_scan(x, dt, A, B, C, D, parents, h0),
+                                  TS.tree_scan_gated(x, dt, bias, 0.01, 5.0, A, B, C, D, z, parents, h0)[0])
+        want = naive_tree_scan(x, dt, A, B, C, D, parents, h0)
+        want_gated = naive_tree_scan_gated(x, dt, bias, 0.01, 5.0, A, B, C, D, z, parents, h0)[0]
+        for threshold, (plain, gated) in outputs.items():
+            assert_close(plain, want, atol=1e-4, rtol=1e-4, name=f"doubling from {threshold}")
+            assert_close(gated, want_gated, atol=1e-4, rtol=1e-4, name=f"gated, doubling from {threshold}")
 
 
     @pytest.mark.parametrize("block_s", [16, 32], ids=["3-chunks", "2-chunks"])

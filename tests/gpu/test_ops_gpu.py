@@ -13,7 +13,8 @@ pytestmark = pytest.mark.requires_cuda
 DEV = "cuda"
 H, P, S, K = 80, 64, 128, 4
 TREES = {"one": Tree.from_parents([-1]), "chain63": Tree.chain(63), "binary31": Tree.from_config((2, 2, 2, 2)),
-         "wide40": Tree.from_config((40,)), "3421": Tree.from_config((3, 4, 2, 1))}
+         "wide40": Tree.from_config((40,)), "3421": Tree.from_config((3, 4, 2, 1)),
+         "three-of-3-40": Tree.from_config((3, 3, 3))}
 
 
 def _poison(nbytes):
