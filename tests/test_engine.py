@@ -205,3 +205,41 @@ def test_folding_drops_the_one_launch_decisions_made_unfolded():
     again = target.one_launch
     target.fold_norm_weights_()  # nothing folded: the decisions stand
     assert target.one_launch is again
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 4, 9, 30])
+@pytest.mark.parametrize("temperature, drafting", [(0.0, "other"), (1.0, "other"), (0.0, "self")])
+def test_iterations_queued_one_ahead_give_the_ids_of_reading_each_first(max_new_tokens, temperature, drafting,
+                                                                        monkeypatch):
+    """The fused loop queues iteration k + 1 before reading iteration k (generate.py
+    _speculate_one_ahead); timing=True reads each iteration before queueing the next. Same ids,
+    calls and accepted counts, at every length (the look-ahead stops before the last), greedy
+    and sampled with a seed, drafted by another model or by the target itself, with an EOS in
+    the way or not."""
+    target = tiny_model(("mamba", "attention", "mamba"), seed=3)
+    # self-drafting accepts whole paths: iterations of depth + 1 tokens reach the length exactly
+    drafter_model = target if drafting == "self" else tiny_model(("mamba",), seed=4)
+    tree = Tree.from_config((2, 1, 1))
+    prompt = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(1))
+    from ssmspec.decoding.graphs import SpeculativeIterationGraph
+
+    runs = []
+    original = SpeculativeIterationGraph.__call__
+    monkeypatch.setattr(SpeculativeIterationGraph, "__call__", lambda self, g=None: runs.append(1) or original(self, g))
+    results = {}
+    for eos in (None, "seen"):
+        for timing in (False, True):
+            runs.clear()
+            engine = Engine(target, ModelDrafter(drafter_model, graphs=True))
+            cfg = GenerationConfig(method="stree", tree=tree, max_new_tokens=max_new_tokens, graphs=True,
+                                   temperature=temperature, seed=5, timing=timing)
+            if eos == "seen":  # the 4th token of the plain run ends the next ones early
+                seen = results[(None, False)][0]
+                cfg.eos_token_id = seen[min(3, len(seen) - 1)]
+            out = engine.generate(prompt, cfg)
+            results[(eos, timing)] = (out.token_ids, out.stats["target_calls"], out.accepted_per_call)
+            if eos is None:  # ended by length: no iteration ran past the last one read
+                assert len(runs) == out.stats["target_calls"]
+    for eos in (None, "seen"):
+        assert results[(eos, False)] == results[(eos, True)], eos
+    assert len(results[(None, False)][0]) == max_new_tokens

@@ -382,6 +382,101 @@ def generate(
                        fast_paths={})
 
 
+class _Readback:
+    """Two host slots for an iteration's (count, tokens): each copy is queued on the stream
+    behind its iteration, so the host can queue the next iteration before reading this one."""
+
+    def __init__(self, device: torch.device, width: int):
+        pinned = device.type == "cuda"
+        self.slots = [torch.empty(1 + width, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self.events = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        self.next = 0
+
+    def queue(self, tokens: torch.Tensor, count: torch.Tensor) -> int:
+        """Queue the copy of tokens (1, width) and their count (1,), as an iteration returns them;
+        returns the slot to `read`."""
+        i, self.next = self.next, self.next ^ 1
+        self.slots[i][:1].copy_(count, non_blocking=True)
+        self.slots[i][1:].copy_(tokens[0], non_blocking=True)
+        if self.events[i] is not None:
+            self.events[i].record()
+        return i
+
+    def read(self, i: int) -> list[int]:
+        """The produced tokens of the iteration queued into slot i (waits for it)."""
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        packed = self.slots[i].tolist()
+        return packed[1:1 + packed[0]]
+
+
+def _speculate_one_ahead(fast: "_FastPath", drafter: ModelDrafter, cfg: GenerationConfig, root: int, out: _Output,
+                         generator: torch.Generator | None) -> list[int]:
+    """The fused speculative iterations on one tree, each queued before the previous one is read.
+
+    An iteration depends on the last one through device buffers only (the drafter's root and
+    commit row, the caches), so the host queues iteration k + 1 and then waits for iteration k's
+    tokens: the GPU does not idle through the host's read-back, bookkeeping and graph launch.
+    Iteration k + 1 is queued only if iteration k cannot reach max_new_tokens (it produces at
+    most depth + 1 tokens); an end by EOS or a stop string leaves one queued iteration unread,
+    whose caches nobody reads (the next generation resets them). The produced tokens, their
+    order and the random draws are those of reading each iteration before queueing the next.
+    Returns the tokens produced per read iteration."""
+    if out.done:
+        return []
+    tree = cfg.tree
+    draft = drafter.fused_draft(tree, cfg.sampling)
+    iteration = fast.speculation(draft, cfg.sampling)
+    draft.start(root)
+    most = tree.max_depth + 1
+    reads = _Readback(fast.target.device, most)
+    accepted_per_call: list[int] = []
+    queued = reads.queue(*iteration(generator)[:2])
+    while True:
+        ahead = None
+        if len(out.tokens) + most < cfg.max_new_tokens:
+            ahead = reads.queue(*iteration(generator)[:2])
+        produced = reads.read(queued)
+        drafter.steps += tree.max_depth + 1
+        out.emit(produced)
+        accepted_per_call.append(len(produced))
+        if out.done:
+            return accepted_per_call
+        queued = ahead if ahead is not None else reads.queue(*iteration(generator)[:2])
+
+
+def _speculate_one_at_a_time(fast: "_FastPath", drafter: ModelDrafter, cfg: GenerationConfig, root: int,
+                             out: _Output, generator: torch.Generator | None, clock: _PhaseClock) -> list[int]:
+    """The fused speculative iterations, each read before the next is queued: for a tree policy
+    (a bandit chooses the next tree from this iteration's result) and for timed runs. Returns
+    the tokens produced per iteration."""
+    policy = cfg.tree_policy
+    if policy is not None:
+        policy.begin_request()
+    accepted_per_call: list[int] = []
+    current = None
+    while not out.done:
+        tree = policy.choose() if policy is not None else cfg.tree
+        draft = drafter.fused_draft(tree, cfg.sampling)
+        iteration = fast.speculation(draft, cfg.sampling)
+        if current is None:
+            draft.start(root)
+        elif current is not draft:  # the bandit switched trees: the state moves to the new buffers
+            current.hand_over(draft)
+        current = draft
+        tokens, n, _ = iteration(generator)
+        packed = torch.cat([n, tokens[0]]).tolist()
+        count, produced = packed[0], packed[1:1 + packed[0]]
+        clock.mark("verify_s")
+        drafter.steps += tree.max_depth + 1
+        if policy is not None:
+            policy.observe(tree, count)
+        out.emit(produced)
+        accepted_per_call.append(count)
+        clock.mark("host_s")
+    return accepted_per_call
+
+
 @torch.no_grad()
 def decode_loop(
     target: LanguageModel,
@@ -446,29 +541,10 @@ def decode_loop(
         # When sampling, the children are drawn from the drafter and accepted by speculative
         # sampling on the device, or (sample_children=False) are its top-k, accepted by the naive
         # rule's races (graphs.GreedyTreeGraph); both exact.
-        policy = cfg.tree_policy
-        if policy is not None:
-            policy.begin_request()
-        current = None
-        while not out.done:
-            tree = policy.choose() if policy is not None else cfg.tree
-            draft = drafter.fused_draft(tree, cfg.sampling)
-            iteration = fast.speculation(draft, cfg.sampling)
-            if current is None:
-                draft.start(root)
-            elif current is not draft:  # the bandit switched trees: the state moves to the new buffers
-                current.hand_over(draft)
-            current = draft
-            tokens, n, _ = iteration(fast_generator)
-            packed = torch.cat([n, tokens[0]]).tolist()
-            count, produced = packed[0], packed[1:1 + packed[0]]
-            clock.mark("verify_s")
-            drafter.steps += tree.max_depth + 1
-            if policy is not None:
-                policy.observe(tree, count)
-            out.emit(produced)
-            accepted_per_call.append(count)
-            clock.mark("host_s")
+        if cfg.tree_policy is None and not cfg.timing:
+            accepted_per_call = _speculate_one_ahead(fast, drafter, cfg, root, out, fast_generator)
+        else:  # a bandit picks each tree after the last result; timing syncs around each phase
+            accepted_per_call = _speculate_one_at_a_time(fast, drafter, cfg, root, out, fast_generator, clock)
     else:
         policy = cfg.tree_policy
         if policy is not None:
