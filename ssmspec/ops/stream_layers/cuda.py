@@ -10,11 +10,10 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import sys
 
 import torch
 
-from .. import pdl
+from .. import cuda_build, pdl
 
 SLOTS = 5          # ring slots (5 measured faster than 2, 3 or 4)
 SLOT_SEGMENTS = 8  # d_model-wide rows per slot: kernel.cu's SLOT_SEGS
@@ -120,17 +119,13 @@ def nvcc_flags(d_model: int, n_heads: int, head_dim: int, conv_k: int, param_fp3
 @functools.cache
 def _module(d_model: int, n_heads: int, head_dim: int, conv_k: int, param_fp32: bool):
     """The extension for one shape (built once per shape and machine, then loaded from cache)."""
-    from torch.utils.cpp_extension import load_inline
-
     with open(os.path.join(os.path.dirname(__file__), "kernel.cu")) as f:
         source = f.read() + _LAUNCHER
     flags = nvcc_flags(d_model, n_heads, head_dim, conv_k, param_fp32)
     name = f"ssmspec_stream_layers_{d_model}_{n_heads}_{head_dim}_{conv_k}_{'f32' if param_fp32 else 'bf16'}"
-    # A first build takes about a minute with no output of its own: say what the wait is.
-    print(f"ssmspec: loading the one-launch decode kernel {name} (built on first use on this machine, ~1 min; "
-          "cached under TORCH_EXTENSIONS_DIR)", file=sys.stderr, flush=True)
-    return load_inline(name=name, cpp_sources=_DECLARATION, cuda_sources=source, functions=["launch"],
-                       extra_cuda_cflags=flags, extra_include_paths=[os.path.dirname(os.path.abspath(__file__))])
+    return cuda_build.load_inline(name, "the one-launch decode kernel", cpp_sources=_DECLARATION,
+                                  cuda_sources=source, functions=["launch"], extra_cuda_cflags=flags,
+                                  extra_include_paths=[os.path.dirname(os.path.abspath(__file__))])
 
 
 def build(model):

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 
 import torch
 
-from .. import pdl
+from .. import cuda_build, pdl
 from ..stream_layers.cuda import machine_reason, width_reason
 
 MAX_NODES = 16
@@ -100,18 +99,14 @@ def nvcc_flags(d_model: int, d_inner: int, n_in: int, slots: int, in_flight: int
 @functools.cache
 def _module(d_model: int, d_inner: int, n_in: int, slots: int, in_flight: int):
     """The extension for one shape (built once per shape and machine, then loaded from cache)."""
-    from torch.utils.cpp_extension import load_inline
-
     here = os.path.dirname(os.path.abspath(__file__))
     with open(os.path.join(here, "kernel.cu")) as f:
         source = f.read() + _LAUNCHER
     flags = nvcc_flags(d_model, d_inner, n_in, slots, in_flight)
     name = f"ssmspec_stream_proj_{d_model}_{d_inner}_{n_in}_{slots}_{in_flight}"
-    print(f"ssmspec: loading the tree verify's weight-stream projections {name} (built on first use on this "
-          "machine, ~1 min; cached under TORCH_EXTENSIONS_DIR)", file=sys.stderr, flush=True)
-    return load_inline(name=name, cpp_sources=_DECLARATION, cuda_sources=source, functions=["launch"],
-                       extra_cuda_cflags=flags,
-                       extra_include_paths=[here, os.path.join(os.path.dirname(here), "stream_layers")])
+    return cuda_build.load_inline(name, "the tree verify's weight-stream projections", cpp_sources=_DECLARATION,
+                                  cuda_sources=source, functions=["launch"], extra_cuda_cflags=flags,
+                                  extra_include_paths=[here, os.path.join(os.path.dirname(here), "stream_layers")])
 
 
 def build(model):
