@@ -243,3 +243,30 @@ def test_iterations_queued_one_ahead_give_the_ids_of_reading_each_first(max_new_
     for eos in (None, "seen"):
         assert results[(eos, False)] == results[(eos, True)], eos
     assert len(results[(None, False)][0]) == max_new_tokens
+
+
+@pytest.mark.parametrize("max_new_tokens", [3, 30])
+def test_a_bandit_queued_one_ahead_keeps_the_greedy_ids(max_new_tokens, monkeypatch):
+    """With a tree policy the fused loop queues iteration k + 1 (its tree chosen before iteration
+    k is seen) before reading iteration k: the greedy ids are those of reading each first, every
+    read iteration is observed by the policy, and none runs past a length end."""
+    from ssmspec.decoding.graphs import SpeculativeIterationGraph
+    from ssmspec.trees.tree import parse_tree_spec
+
+    runs = []
+    original = SpeculativeIterationGraph.__call__
+    monkeypatch.setattr(SpeculativeIterationGraph, "__call__", lambda self, g=None: runs.append(1) or original(self, g))
+    target = tiny_model(("mamba", "mamba"), seed=3)
+    drafter_model = tiny_model(("mamba",), seed=4)
+    prompt = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(2))
+    ids = {}
+    for timing in (False, True):
+        runs.clear()
+        engine = Engine(target, ModelDrafter(drafter_model, graphs=True))
+        cfg = GenerationConfig(method="stree", tree=parse_tree_spec("bandit:2,1;1,1,1,1;3,2"), max_new_tokens=max_new_tokens,
+                               graphs=True, timing=timing)
+        out = engine.generate(prompt, cfg)
+        ids[timing] = out.token_ids
+        assert sum(out.stats["tree_policy"]["pulls"]) == out.stats["target_calls"] == len(runs)
+    assert ids[False] == ids[True]
+    assert ids[False] == Engine(target).generate(prompt, GenerationConfig(method="ar", max_new_tokens=max_new_tokens)).token_ids

@@ -493,13 +493,16 @@ def test_bandit_on_the_device_side_iteration_equals_the_host_loop(arch):
     arms = parse_tree_spec("bandit:2,1;1,1,1;3,2")
     ids = prompts(1, 10, 64)[0]
     runs = []
-    for graphs in (False, True):
-        cfg = GenerationConfig(method="stree", tree=arms, max_new_tokens=30, graphs=graphs)
+    # the host loop, the device loop reading each iteration first (timing), and the device loop
+    # queueing one ahead, whose bandit sees each result a step late (so picks other trees)
+    for graphs, timing in ((False, False), (True, True), (True, False)):
+        cfg = GenerationConfig(method="stree", tree=arms, max_new_tokens=30, graphs=graphs, timing=timing)
         runs.append(generate(target, ids, drafter=ModelDrafter(perturbed, graphs=graphs), config=cfg))
     ar = generate(target, ids, config=GenerationConfig(method="ar", max_new_tokens=30, graphs=False))
-    assert runs[0].token_ids == runs[1].token_ids == ar.token_ids
-    assert runs[0].accepted_per_call == runs[1].accepted_per_call
-    assert min(runs[1].stats["tree_policy"]["pulls"]) >= 1 and sum(runs[1].stats["tree_policy"]["pulls"]) == runs[1].stats["target_calls"]
+    assert runs[0].token_ids == runs[1].token_ids == runs[2].token_ids == ar.token_ids
+    assert runs[0].accepted_per_call == runs[1].accepted_per_call  # same trees: the same acceptance
+    for run in runs[1:]:
+        assert min(run.stats["tree_policy"]["pulls"]) >= 1 and sum(run.stats["tree_policy"]["pulls"]) == run.stats["target_calls"]
 
 
 def test_warm_up_prepares_every_prefill_chain_and_tree(monkeypatch):

@@ -393,11 +393,11 @@ class _Readback:
         self.next = 0
 
     def queue(self, tokens: torch.Tensor, count: torch.Tensor) -> int:
-        """Queue the copy of tokens (1, width) and their count (1,), as an iteration returns them;
-        returns the slot to `read`."""
+        """Queue the copy of tokens (1, up to width) and their count (1,), as an iteration returns
+        them; returns the slot to `read`."""
         i, self.next = self.next, self.next ^ 1
         self.slots[i][:1].copy_(count, non_blocking=True)
-        self.slots[i][1:].copy_(tokens[0], non_blocking=True)
+        self.slots[i][1:1 + tokens.shape[1]].copy_(tokens[0], non_blocking=True)
         if self.events[i] is not None:
             self.events[i].record()
         return i
@@ -412,44 +412,58 @@ class _Readback:
 
 def _speculate_one_ahead(fast: "_FastPath", drafter: ModelDrafter, cfg: GenerationConfig, root: int, out: _Output,
                          generator: torch.Generator | None) -> list[int]:
-    """The fused speculative iterations on one tree, each queued before the previous one is read.
+    """The fused speculative iterations, each queued before the previous one is read.
 
     An iteration depends on the last one through device buffers only (the drafter's root and
-    commit row, the caches), so the host queues iteration k + 1 and then waits for iteration k's
-    tokens: the GPU does not idle through the host's read-back, bookkeeping and graph launch.
-    Iteration k + 1 is queued only if iteration k cannot reach max_new_tokens (it produces at
-    most depth + 1 tokens); an end by EOS or a stop string leaves one queued iteration unread,
-    whose caches nobody reads (the next generation resets them). The produced tokens, their
-    order and the random draws are those of reading each iteration before queueing the next.
+    commit row, the caches; a tree switch's hand-over is device work too), so the host queues
+    iteration k + 1 and then waits for iteration k's tokens: the GPU does not idle through the
+    host's read-back, bookkeeping and graph launch. Iteration k + 1 is queued only if iteration
+    k cannot reach max_new_tokens (it produces at most its depth + 1 tokens); an end by EOS or a
+    stop string leaves one queued iteration unread, whose caches nobody reads (the next
+    generation resets them). With one tree the produced tokens, their order and the random draws
+    are those of reading each iteration first; a tree policy (the bandit) chooses iteration
+    k + 1's tree before it has seen iteration k's result (its feedback comes one step late).
     Returns the tokens produced per read iteration."""
     if out.done:
         return []
-    tree = cfg.tree
-    draft = drafter.fused_draft(tree, cfg.sampling)
-    iteration = fast.speculation(draft, cfg.sampling)
-    draft.start(root)
-    most = tree.max_depth + 1
-    reads = _Readback(fast.target.device, most)
+    policy = cfg.tree_policy
+    if policy is not None:
+        policy.begin_request()
+    reads = _Readback(fast.target.device, max(tree.max_depth for tree in drafted_trees(cfg)) + 1)
+    current = None
+
+    def queue_next() -> tuple[Tree, int]:
+        nonlocal current
+        tree = policy.choose() if policy is not None else cfg.tree
+        draft = drafter.fused_draft(tree, cfg.sampling)
+        iteration = fast.speculation(draft, cfg.sampling)
+        if current is None:
+            draft.start(root)
+        elif current is not draft:  # the bandit switched trees: the state moves to the new buffers
+            current.hand_over(draft)
+        current = draft
+        return tree, reads.queue(*iteration(generator)[:2])
+
     accepted_per_call: list[int] = []
-    queued = reads.queue(*iteration(generator)[:2])
+    queued = queue_next()
     while True:
-        ahead = None
-        if len(out.tokens) + most < cfg.max_new_tokens:
-            ahead = reads.queue(*iteration(generator)[:2])
-        produced = reads.read(queued)
+        tree, slot = queued
+        ahead = queue_next() if len(out.tokens) + tree.max_depth + 1 < cfg.max_new_tokens else None
+        produced = reads.read(slot)
         drafter.steps += tree.max_depth + 1
+        if policy is not None:
+            policy.observe(tree, len(produced))
         out.emit(produced)
         accepted_per_call.append(len(produced))
         if out.done:
             return accepted_per_call
-        queued = ahead if ahead is not None else reads.queue(*iteration(generator)[:2])
+        queued = ahead if ahead is not None else queue_next()
 
 
 def _speculate_one_at_a_time(fast: "_FastPath", drafter: ModelDrafter, cfg: GenerationConfig, root: int,
                              out: _Output, generator: torch.Generator | None, clock: _PhaseClock) -> list[int]:
-    """The fused speculative iterations, each read before the next is queued: for a tree policy
-    (a bandit chooses the next tree from this iteration's result) and for timed runs. Returns
-    the tokens produced per iteration."""
+    """The fused speculative iterations, each read before the next is queued, for timed runs
+    (`_PhaseClock` syncs around each phase). Returns the tokens produced per iteration."""
     policy = cfg.tree_policy
     if policy is not None:
         policy.begin_request()
@@ -541,9 +555,9 @@ def decode_loop(
         # When sampling, the children are drawn from the drafter and accepted by speculative
         # sampling on the device, or (sample_children=False) are its top-k, accepted by the naive
         # rule's races (graphs.GreedyTreeGraph); both exact.
-        if cfg.tree_policy is None and not cfg.timing:
+        if not cfg.timing:
             accepted_per_call = _speculate_one_ahead(fast, drafter, cfg, root, out, fast_generator)
-        else:  # a bandit picks each tree after the last result; timing syncs around each phase
+        else:  # timing syncs around each phase
             accepted_per_call = _speculate_one_at_a_time(fast, drafter, cfg, root, out, fast_generator, clock)
     else:
         policy = cfg.tree_policy

@@ -31,7 +31,8 @@ class UCBTreePolicy:
     This is the object `GenerationConfig.tree_policy` carries. Ties go to the arm pulled least,
     then to the earlier arm; arms never pulled are tried first, in order. `history` keeps
     (round, arm, tokens, reward) for plots; `begin_request` resets the statistics when `state`
-    is "request".
+    is "request". The decode loop queues each iteration before reading the last, so a step's
+    `observe` comes after the next step's `choose` (the feedback is one step late).
     """
 
     arms: tuple[Tree, ...]
