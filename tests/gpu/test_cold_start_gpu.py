@@ -24,15 +24,19 @@ def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 
 
 def test_generate_answers_within_2_s_of_loading_after_prepare(tmp_path):
-    _cli("new-model", "--preset", "mamba2-130m", "--out", str(tmp_path / "target"), "--dtype", "bf16")
-    _cli("new-model", "--preset", "drafter-2l", "--vocab-from", str(tmp_path / "target"), "--out",
-         str(tmp_path / "drafter"), "--dtype", "bf16")
+    from test_loading import make_tokenizer
+
+    # both models share a word-level tokenizer of 8k words (new-model's presets carry none of their own)
+    make_tokenizer(8000).save_pretrained(tmp_path / "tok")
+    for name, preset in (("target", "mamba2-130m"), ("drafter", "drafter-2l")):
+        _cli("new-model", "--preset", preset, "--vocab-from", str(tmp_path / "tok"), "--out", str(tmp_path / name),
+             "--dtype", "bf16")
     models = ["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter")]
     started = time.perf_counter()
     prepared = _cli("prepare", *models, "--tree", "3,2,1")
     print(f"prepare: {time.perf_counter() - started:.1f} s\n{prepared.stdout}")
     started = time.perf_counter()
-    out = _cli("generate", *models, "--tree", "3,2,1", "--prompt", "def fibonacci(n):", "--max-new-tokens", "64",
+    out = _cli("generate", *models, "--tree", "3,2,1", "--prompt", " ".join(f"w{i}" for i in range(40)), "--max-new-tokens", "64",
                "--json", timeout=300)
     wall = time.perf_counter() - started
     stats = json.loads(out.stdout)["stats"]
