@@ -270,3 +270,37 @@ def test_a_bandit_queued_one_ahead_keeps_the_greedy_ids(max_new_tokens, monkeypa
         assert sum(out.stats["tree_policy"]["pulls"]) == out.stats["target_calls"] == len(runs)
     assert ids[False] == ids[True]
     assert ids[False] == Engine(target).generate(prompt, GenerationConfig(method="ar", max_new_tokens=max_new_tokens)).token_ids
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 17])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_autoregressive_steps_queued_one_ahead_give_the_ids_of_reading_each_first(max_new_tokens, temperature,
+                                                                                  monkeypatch):
+    """The fast AR loop chains its steps on the device (StepGraph.advance) and reads token k
+    while step k + 1 runs; timing=True reads each token before the next step. Same ids, greedy
+    and sampled with a seed, with an EOS in the way or not; no step past a length end."""
+    from ssmspec.decoding.graphs import StepGraph
+
+    steps = []
+    original = StepGraph.advance
+    monkeypatch.setattr(StepGraph, "advance", lambda self, g=None: steps.append(1) or original(self, g))
+    target = tiny_model(("mamba", "attention", "mamba"), seed=5)
+    prompt = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(3))
+    results = {}
+    for eos in (None, "seen"):
+        for timing in (False, True):
+            steps.clear()
+            cfg = GenerationConfig(method="ar", max_new_tokens=max_new_tokens, graphs=True, temperature=temperature,
+                                   seed=9, timing=timing)
+            if eos == "seen":
+                seen = results[(None, False)]
+                cfg.eos_token_id = seen[min(3, len(seen) - 1)]
+            out = Engine(target).generate(prompt, cfg)
+            results[(eos, timing)] = out.token_ids
+            if eos is None and not timing:
+                assert len(steps) == out.stats["target_calls"] == max_new_tokens - 1
+    for eos in (None, "seen"):
+        assert results[(eos, False)] == results[(eos, True)], eos
+    if temperature == 0.0:  # and the eager reference loop's
+        assert results[(None, False)] == Engine(target).generate(
+            prompt, GenerationConfig(method="ar", max_new_tokens=max_new_tokens, graphs=False)).token_ids

@@ -203,12 +203,17 @@ class _FastPath:
         self.step_graphs = {key: g for key, g in self.step_graphs.items() if key.greedy}
         self.tree_graphs = {key: g for key, g in self.tree_graphs.items() if key[-1].greedy}
 
-    def step(self, token: int, params: SamplingParams, generator: torch.Generator | None) -> int:
-        """One target step on `token`; returns the next token (argmax, or a draw when sampling)."""
-        ids = torch.tensor([[token]], device=self.target.device)
+    def step_graph(self, params: SamplingParams) -> StepGraph:
+        """The target's step graph for `params`, captured on first use."""
         graph = self.step_graphs.get(params)
         if graph is None:
             graph = self.step_graphs[params] = StepGraph(self.target, self.cache, params, capture=self.capture)
+        return graph
+
+    def step(self, token: int, params: SamplingParams, generator: torch.Generator | None) -> int:
+        """One target step on `token`; returns the next token (argmax, or a draw when sampling)."""
+        ids = torch.tensor([[token]], device=self.target.device)
+        graph = self.step_graph(params)
         logits = graph(ids, generator)
         # sampling: the step graph drew the token on the device (its race); one read-back either way
         return int(logits[0, -1].argmax()) if params.greedy else int(graph.drawn[0, 0])
@@ -392,11 +397,15 @@ class _Readback:
         self.events = [torch.cuda.Event() if pinned else None for _ in range(2)]
         self.next = 0
 
-    def queue(self, tokens: torch.Tensor, count: torch.Tensor) -> int:
+    def queue(self, tokens: torch.Tensor, count: torch.Tensor | None = None) -> int:
         """Queue the copy of tokens (1, up to width) and their count (1,), as an iteration returns
-        them; returns the slot to `read`."""
+        them (count None: all of them); returns the slot to `read`. A slot is written again two
+        queues later, after its read."""
         i, self.next = self.next, self.next ^ 1
-        self.slots[i][:1].copy_(count, non_blocking=True)
+        if count is None:
+            self.slots[i][0] = tokens.shape[1]
+        else:
+            self.slots[i][:1].copy_(count, non_blocking=True)
         self.slots[i][1:1 + tokens.shape[1]].copy_(tokens[0], non_blocking=True)
         if self.events[i] is not None:
             self.events[i].record()
@@ -408,6 +417,29 @@ class _Readback:
             self.events[i].synchronize()
         packed = self.slots[i].tolist()
         return packed[1:1 + packed[0]]
+
+
+def _step_one_ahead(fast: "_FastPath", cfg: GenerationConfig, root: int, out: _Output,
+                    generator: torch.Generator | None) -> list[int]:
+    """Autoregressive steps on the step graph, each queued before the previous token is read:
+    the graph leaves its next input (the argmax or the draw) on the device, so the host reads
+    token k while step k + 1 runs. Step k + 1 is queued only if token k cannot be the last by
+    length; an EOS or a stop string leaves one step unread. The tokens and the draws are those of
+    reading each first. Returns the tokens per call (all 1)."""
+    if out.done:
+        return []
+    graph = fast.step_graph(cfg.sampling)
+    graph.ids.fill_(root)
+    reads = _Readback(fast.target.device, 1)
+    calls: list[int] = []
+    queued = reads.queue(graph.advance(generator))
+    while True:
+        ahead = reads.queue(graph.advance(generator)) if len(out.tokens) + 1 < cfg.max_new_tokens else None
+        out.emit(reads.read(queued))
+        calls.append(1)
+        if out.done:
+            return calls
+        queued = ahead if ahead is not None else reads.queue(graph.advance(generator))
 
 
 def _speculate_one_ahead(fast: "_FastPath", drafter: ModelDrafter, cfg: GenerationConfig, root: int, out: _Output,
@@ -538,7 +570,9 @@ def decode_loop(
     out.emit([root])
     accepted_per_call: list[int] = []
 
-    if cfg.method == "ar":
+    if cfg.method == "ar" and fast is not None and not cfg.timing:
+        accepted_per_call = _step_one_ahead(fast, cfg, root, out, fast_generator)
+    elif cfg.method == "ar":
         while not out.done:
             if fast is not None:
                 root = fast.step(root, cfg.sampling, fast_generator)

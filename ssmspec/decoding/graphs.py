@@ -106,6 +106,21 @@ class StepGraph:
             self.graph.replay()
         return self.logits
 
+    def advance(self, generator: torch.Generator | None = None) -> torch.Tensor:
+        """One step on the tokens in `ids`, which then hold the next tokens (the argmax of the new
+        logits, or the draw when sampling), all on the device: steps chain without the host.
+        Returns `ids` (B, 1), the static buffer the next call reads and overwrites."""
+        self.model.settle(self.cache)
+        if self.noise is not None:
+            race_noise_(self.noise, generator)
+        if self.graph is None:
+            with torch.inference_mode():
+                self._step()
+        else:
+            self.graph.replay()
+        self.ids.copy_(self.logits.argmax(-1) if self.noise is None else self.drawn)
+        return self.ids
+
 
 class GreedyTreeGraph:
     """One speculative iteration on a fixed tree with greedy acceptance, captured: verify, accept, replay.
