@@ -66,6 +66,21 @@ def test_unpulled_arms_first_then_ties_go_to_the_least_pulled():
         tied.observe(Tree.from_config((5,)), 1)
 
 
+def test_a_choice_before_the_last_is_observed_tries_another_new_arm():
+    """The decode loop chooses step k + 1's tree before it observes step k: the arms chosen and
+    not yet observed count as tried, so the unpulled arms are still tried once each, in order;
+    a new request forgets a choice the last one never observed."""
+    policy = UCBTreePolicy(ARMS, lambda_ucb=0.0, state="keep")
+    first, second = policy.choose(), policy.choose()
+    assert (first, second) == (ARMS[0], ARMS[1])
+    policy.observe(first, 2)
+    assert policy.choose() == ARMS[2]
+    policy.observe(second, 2)
+    policy.begin_request()  # the third choice was never observed (its generation ended first)
+    assert policy._in_flight == [0, 0, 0] and policy.pulls == [1, 1, 0]
+    assert policy.choose() == ARMS[2]
+
+
 def test_ucb_regret_grows_logarithmically_while_uniform_grows_linearly():
     means = _expected_rewards()
     best = int(np.argmax(means))

@@ -44,6 +44,7 @@ class UCBTreePolicy:
     token_sums: list[int] = field(default_factory=list)
     history: list[tuple[int, int, int, float]] = field(default_factory=list)
     _index: dict = field(default_factory=dict, repr=False)
+    _in_flight: list[int] = field(default_factory=list, repr=False)  # chosen, not yet observed
 
     def __post_init__(self):
         # Validates the arms and options the same way a spec does.
@@ -66,12 +67,15 @@ class UCBTreePolicy:
     def reset(self) -> None:
         k = len(self.arms)
         self.pulls, self.reward_sums, self.token_sums = [0] * k, [0.0] * k, [0] * k
+        self._in_flight = [0] * k
         self.history = []
 
     def begin_request(self) -> None:
-        """Called by `generate` at the start of each generation."""
+        """Called by `generate` at the start of each generation. A step the last generation chose
+        but never read (it ended first) will not be observed: nothing is in flight any more."""
         if self.state == "request":
             self.reset()
+        self._in_flight = [0] * len(self.arms)
 
     @property
     def rounds(self) -> int:
@@ -87,17 +91,22 @@ class UCBTreePolicy:
                 for s, n in zip(self.reward_sums, self.pulls)]
 
     def choose_index(self) -> int:
+        # Ties (every unpulled arm's inf among them) go to the arm least pulled or in flight, so
+        # that a step chosen before the last one is observed does not try the same new arm twice.
         scores = self.scores()
-        return max(range(len(self.arms)), key=lambda k: (scores[k], -self.pulls[k], -k))
+        return max(range(len(self.arms)), key=lambda k: (scores[k], -(self.pulls[k] + self._in_flight[k]), -k))
 
     def choose(self) -> Tree:
-        return self.arms[self.choose_index()]
+        k = self.choose_index()
+        self._in_flight[k] += 1
+        return self.arms[k]
 
     def observe(self, tree: Tree, produced_tokens: int) -> None:
         """The step drafted `tree` and produced `produced_tokens` (accepted drafts + the bonus)."""
         k = self._index.get(tree.parents)
         if k is None:
             raise ValueError(f"tree {tree.spec()} is not one of the bandit's arms")
+        self._in_flight[k] = max(0, self._in_flight[k] - 1)
         self.update(k, produced_tokens)
 
     def update(self, k: int, produced_tokens: int) -> float:
