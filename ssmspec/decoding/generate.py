@@ -419,6 +419,30 @@ class _Readback:
         return packed[1:1 + packed[0]]
 
 
+class _FusedSteps:
+    """Runs the fused speculative iteration of each step: on the configured tree, or on the tree
+    policy's choice (the drafter's state handed over to the new tree's buffers on a switch)."""
+
+    def __init__(self, fast: "_FastPath", drafter: ModelDrafter, cfg: GenerationConfig, root: int):
+        self.fast, self.drafter, self.cfg, self.root = fast, drafter, cfg, root
+        self.current = None  # the draft of the last step
+        if cfg.tree_policy is not None:
+            cfg.tree_policy.begin_request()
+
+    def run(self, generator: torch.Generator | None):
+        """Queue the next step's iteration; returns (its tree, (tokens, n, last) static buffers)."""
+        cfg = self.cfg
+        tree = cfg.tree_policy.choose() if cfg.tree_policy is not None else cfg.tree
+        draft = self.drafter.fused_draft(tree, cfg.sampling)
+        iteration = self.fast.speculation(draft, cfg.sampling)
+        if self.current is None:
+            draft.start(self.root)
+        elif self.current is not draft:  # the bandit switched trees: the state moves to the new buffers
+            self.current.hand_over(draft)
+        self.current = draft
+        return tree, iteration(generator)
+
+
 def _step_one_ahead(fast: "_FastPath", cfg: GenerationConfig, root: int, out: _Output,
                     generator: torch.Generator | None) -> list[int]:
     """Autoregressive steps on the step graph, each queued before the previous token is read:
@@ -458,23 +482,12 @@ def _speculate_one_ahead(fast: "_FastPath", drafter: ModelDrafter, cfg: Generati
     Returns the tokens produced per read iteration."""
     if out.done:
         return []
-    policy = cfg.tree_policy
-    if policy is not None:
-        policy.begin_request()
+    steps = _FusedSteps(fast, drafter, cfg, root)
     reads = _Readback(fast.target.device, max(tree.max_depth for tree in drafted_trees(cfg)) + 1)
-    current = None
 
     def queue_next() -> tuple[Tree, int]:
-        nonlocal current
-        tree = policy.choose() if policy is not None else cfg.tree
-        draft = drafter.fused_draft(tree, cfg.sampling)
-        iteration = fast.speculation(draft, cfg.sampling)
-        if current is None:
-            draft.start(root)
-        elif current is not draft:  # the bandit switched trees: the state moves to the new buffers
-            current.hand_over(draft)
-        current = draft
-        return tree, reads.queue(*iteration(generator)[:2])
+        tree, (tokens, n, _) = steps.run(generator)
+        return tree, reads.queue(tokens, n)
 
     accepted_per_call: list[int] = []
     queued = queue_next()
@@ -483,8 +496,8 @@ def _speculate_one_ahead(fast: "_FastPath", drafter: ModelDrafter, cfg: Generati
         ahead = queue_next() if len(out.tokens) + tree.max_depth + 1 < cfg.max_new_tokens else None
         produced = reads.read(slot)
         drafter.steps += tree.max_depth + 1
-        if policy is not None:
-            policy.observe(tree, len(produced))
+        if cfg.tree_policy is not None:
+            cfg.tree_policy.observe(tree, len(produced))
         out.emit(produced)
         accepted_per_call.append(len(produced))
         if out.done:
@@ -496,27 +509,16 @@ def _speculate_one_at_a_time(fast: "_FastPath", drafter: ModelDrafter, cfg: Gene
                              out: _Output, generator: torch.Generator | None, clock: _PhaseClock) -> list[int]:
     """The fused speculative iterations, each read before the next is queued, for timed runs
     (`_PhaseClock` syncs around each phase). Returns the tokens produced per iteration."""
-    policy = cfg.tree_policy
-    if policy is not None:
-        policy.begin_request()
+    steps = _FusedSteps(fast, drafter, cfg, root)
     accepted_per_call: list[int] = []
-    current = None
     while not out.done:
-        tree = policy.choose() if policy is not None else cfg.tree
-        draft = drafter.fused_draft(tree, cfg.sampling)
-        iteration = fast.speculation(draft, cfg.sampling)
-        if current is None:
-            draft.start(root)
-        elif current is not draft:  # the bandit switched trees: the state moves to the new buffers
-            current.hand_over(draft)
-        current = draft
-        tokens, n, _ = iteration(generator)
+        tree, (tokens, n, _) = steps.run(generator)
         packed = torch.cat([n, tokens[0]]).tolist()
         count, produced = packed[0], packed[1:1 + packed[0]]
         clock.mark("verify_s")
         drafter.steps += tree.max_depth + 1
-        if policy is not None:
-            policy.observe(tree, count)
+        if cfg.tree_policy is not None:
+            cfg.tree_policy.observe(tree, count)
         out.emit(produced)
         accepted_per_call.append(count)
         clock.mark("host_s")
