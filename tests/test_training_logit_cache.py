@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers import assert_close
+from helpers import assert_close, tiny_model
 from ssmspec.errors import InputError
 from ssmspec.training import logit_cache
 from ssmspec.training.config import RunConfig
@@ -18,7 +18,6 @@ from ssmspec.training.logit_cache import DATA_FILE, HEADER_FILE, TargetLogitCach
 from ssmspec.training.loop import TrainCallbacks, train
 from ssmspec.training.losses import chunked_loss, forward_kl, topk_forward_kl, total_variation
 from test_training_common import bigram_target, one_thread  # noqa: F401
-from helpers import tiny_model
 
 
 # -- the loss --------------------------------------------------------------------------------------------
