@@ -90,7 +90,8 @@ def build_config(mode: str, **kw) -> RunConfig:
                           weight_decay=kw["weight_decay"], max_grad_norm=kw["max_grad_norm"],
                           precision=kw["dtype"], seed=kw["seed"]),
         loss=LossConfig(loss=kw.get("loss", _LOSS.loss), temperature=kw.get("distill_temperature", _LOSS.temperature),
-                        ce_weight=kw.get("ce_weight", _LOSS.ce_weight), chunk_positions=kw["loss_chunk"]),
+                        ce_weight=kw.get("ce_weight", _LOSS.ce_weight), chunk_positions=kw["loss_chunk"],
+                        cache_target_logits=kw.get("cache_target_logits", _LOSS.cache_target_logits)),
         eval=EvalConfig(eval_every=kw["eval_every"], final_eval=kw["final_eval"], eval_prompts=_s(kw.get("eval_prompts")), num_prompts=kw["eval_num_prompts"],
                         max_new_tokens=kw["eval_max_new_tokens"], draft_len=kw["eval_draft_len"]),
         lora=LoraSettings(enabled=kw["lora"], rank=kw["lora_rank"], alpha=kw["lora_alpha"],
@@ -241,6 +242,11 @@ def distill_command(
     keep_checkpoints: int = KEEP, log_every: int = LOG_EVERY, resume: bool = RESUME, overwrite: bool = OVERWRITE,
     lora: bool = LORA, lora_rank: int = LORA_RANK, lora_alpha: float = LORA_ALPHA, lora_targets: str = LORA_TARGETS,
     scan: str = SCAN, loss_chunk: int = LOSS_CHUNK,
+    cache_target_logits: int = options.count(
+        _LOSS.cache_target_logits, "--cache-target-logits", metavar="K",
+        help="Store the target's top-K logits per position on disk (out/target_topk.bin, K x 6 bytes per token) the first "
+             "time a training block is drawn and read them back later, instead of running the target every step; the "
+             "loss becomes the sparse KL/TVD over those K tokens (0 = off: full logits every step)."),
 ):
     """Distil a Mamba-2 drafter from a frozen target's next-token distribution.
 

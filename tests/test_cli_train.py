@@ -81,3 +81,19 @@ def test_help_of_the_new_flags(monkeypatch, capsys):
     assert "--final-eval" in text and "--no-final-eval" in text and "--loss-chunk" in text
     assert "auto (fla, then mamba_ssm, when importable on a GPU, else parallel), fla, mamba_ssm, parallel, ssmspec (the reference)" in text
     assert "0 = none during training" in text
+
+
+def test_cache_target_logits_reaches_the_config_and_runs(files, tmp_path, monkeypatch, capsys):
+    import json
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    out = tmp_path / "cached"
+    assert run(_distill(files, out, "--eval-every", "0", "--no-final-eval", "--cache-target-logits", "4")) == 0
+    run_json = json.loads((out / "run.json").read_text())
+    assert run_json["config"]["loss"]["cache_target_logits"] == 4 and run_json["run"]["target_cache"]["k"] == 4
+    assert (out / "target_topk.bin").exists() and "top-4 cache" in capsys.readouterr().err
+    # sft has no target logits to cache: no such option
+    code = run(["sft", "--student-preset", "tiny", "--data", str(files / "data.txt"), "--out", str(tmp_path / "s"),
+                "--cache-target-logits", "4"])
+    assert code != 0

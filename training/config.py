@@ -84,6 +84,9 @@ class LossConfig:
     """Weight of the cross-entropy term on the data in kl+ce."""
     chunk_positions: int = 0
     """Positions whose logits the loss turns into fp32 at once (0: as many as fit 32M fp32 values)."""
+    cache_target_logits: int = 0
+    """K > 0: keep the target's top-K logits per position on disk, computed once per training block, and
+    distil from them (sparse KL / TVD over the top K); 0: run the target every step on its full logits."""
 
 
 @dataclass
@@ -226,6 +229,12 @@ class RunConfig:
             bad(f"--held-out must be in [0, 1), got {self.data.held_out_fraction}")
         if self.loss.chunk_positions < 0:
             bad(f"--loss-chunk must be 0 (automatic) or positive, got {self.loss.chunk_positions}")
+        if self.loss.cache_target_logits < 0:
+            bad(f"--cache-target-logits must be 0 (off) or a positive K, got {self.loss.cache_target_logits}")
+        if self.loss.cache_target_logits and self.mode != "distill":
+            bad("--cache-target-logits is for distill: sft's loss reads no target logits")
+        if self.loss.cache_target_logits and self.data.streaming:
+            bad("--cache-target-logits needs the data in memory (leave out --streaming): streamed blocks have no stable index")
         if self.eval.eval_every < 0 or self.checkpoint.save_every < 0:
             bad("--eval-every and --save-every must be 0 (off) or positive")
         if self.lora.enabled and self.lora.rank < 1:

@@ -513,6 +513,13 @@ class Blocks:
         self._stream_pos += count
         return out
 
+    def batch_rows(self, position: int, batch_size: int, rank: int = 0, world: int = 1) -> list[int]:
+        """The indices into the training blocks of this process's rows of the batch at `position` (in memory
+        only): a block's stable key across epochs, as `batch` returns the same rows."""
+        if self.cfg.streaming:
+            raise ValueError("streamed blocks have no stable index")
+        return self._take_in_memory(position, batch_size * world)[rank::world]
+
     def batch(self, position: int, batch_size: int, rank: int = 0, world: int = 1):
         """This process's rows of the global batch that starts at block `position`.
 
@@ -525,7 +532,7 @@ class Blocks:
             ids = torch.stack([b[0] for b in blocks])
             mask = torch.stack([b[1] for b in blocks])
         else:
-            rows = self._take_in_memory(position, count)[rank::world]
+            rows = self.batch_rows(position, batch_size, rank, world)
             ids, mask = self.train[0][rows], self.train[1][rows]
         return ids, mask, position + count
 

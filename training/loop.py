@@ -34,6 +34,8 @@ from .config import RunConfig
 from .data import BadRecords, Blocks, Tokenize, resolve_files
 from .evaluation import evaluate
 from .flops import device_peak_flops, steady_throughput, train_flops_per_token
+from .logit_cache import DATA_FILE as TOPK_DATA_FILE, HEADER_FILE as TOPK_HEADER_FILE
+from .logit_cache import TargetLogitCache, expected_header, prepare_cache
 from .losses import distill_loss, sft_loss
 from .scan import training_scan
 
@@ -246,7 +248,7 @@ def prepare_out_dir(cfg: RunConfig, clean: bool = True) -> Path | None:
     if entries and cfg.overwrite:
         if not clean:
             return None
-        for name in (CHECKPOINT_DIR, LOG_FILE, RUN_FILE):
+        for name in (CHECKPOINT_DIR, LOG_FILE, RUN_FILE, TOPK_HEADER_FILE, TOPK_DATA_FILE):
             p = out / name
             if p.is_dir():
                 shutil.rmtree(p)
@@ -464,6 +466,7 @@ class _Run:
     window_tokens: int = 0
     run_start: float = 0.0
     run_start_step: int = 0
+    cache: TargetLogitCache | None = None  # the target's top-K on disk (--cache-target-logits)
 
     @property
     def device(self) -> torch.device:
@@ -522,7 +525,19 @@ def start_run(cfg: RunConfig, callbacks, target, student, tokenizer) -> _Run:
         "tokens_per_step": run.tokens_per_step, "resumed_from_step": step if run.resumed else None,
         "eval_prompts": len(prompts), "target_kind": None if target is None else type(target).__name__,
     }
+    if cfg.loss.cache_target_logits:
+        run.cache = open_target_cache(cfg, accelerator, target, blocks)
+        run.info["target_cache"] = {"k": cfg.loss.cache_target_logits, "path": str(run.out / TOPK_DATA_FILE),
+                                    "blocks": run.cache.num_blocks, "filled_at_start": run.cache.filled_blocks}
     return run
+
+
+def open_target_cache(cfg: RunConfig, accelerator, target, blocks: Blocks) -> TargetLogitCache:
+    """The run's top-K cache: checked (every process, so all refuse alike), created by the main process, then mapped."""
+    header = expected_header(cfg.loss.cache_target_logits, target, blocks.train[0], cfg.data.seq_len)
+    prepare_cache(Path(cfg.out), header, create=accelerator.is_main_process)
+    accelerator.wait_for_everyone()
+    return TargetLogitCache(Path(cfg.out), header)
 
 
 def open_log(run: _Run, scan) -> None:
@@ -541,6 +556,10 @@ def open_log(run: _Run, scan) -> None:
     log.info("training scan: %s (%s)", scan.name, scan.reason)
     run.cb.on_start({**run.info, "total_steps": run.cfg.optim.steps, "start_step": run.step})
     run.cb.on_message(f"Mamba-2 training scan: {scan.name} ({scan.reason})")
+    if run.cache is not None:
+        c = run.info["target_cache"]
+        run.cb.on_message(f"target logits: top-{c['k']} cache {c['path']}, {c['filled_at_start']} of {c['blocks']} "
+                          "training blocks filled; the target runs only on the others")
     run.result = TrainResult(out=str(run.out), step=run.step, final_loss=None, info=run.info)
     run.done_rng, run.done_position = _rng_state(), run.position
     run.window_start = run.run_start = time.perf_counter()
@@ -559,12 +578,13 @@ def optimizer_step(run: _Run) -> tuple[torch.Tensor, dict, torch.Tensor | None, 
     parts_sum: dict[str, torch.Tensor] = {}
     loss_sum = None
     for micro in range(cfg.optim.grad_accum):
+        rows = None if run.cache is None else run.blocks.batch_rows(run.position, cfg.optim.batch_size, rank, world)
         ids, mask, run.position = run.blocks.batch(run.position, cfg.optim.batch_size, rank, world)
         ids, mask = to_device(ids, run.device), to_device(mask, run.device)
         sync = micro == cfg.optim.grad_accum - 1
         with contextlib.nullcontext() if sync else accelerator.no_sync(model):
             with accelerator.autocast():
-                loss, parts = _loss(model, run.target, ids, mask, cfg)
+                loss, parts = _loss(model, run.target, ids, mask, cfg, run.cache, rows)
             accelerator.backward(loss / cfg.optim.grad_accum)
         # float64, as Python floats summed them before: the logged values are the same to the bit
         term = loss.detach().double() / cfg.optim.grad_accum
@@ -641,6 +661,8 @@ def run_eval(run: _Run, at_step: int) -> None:
 
 
 def checkpoint(run: _Run, at_step: int, position: int, rng: dict) -> None:
+    if run.cache is not None:
+        run.cache.flush()  # every block the checkpoint has trained on is on disk with it
     if run.main:
         path = save_checkpoint(run.out, at_step, run.raw_student, run.optimizer, run.scheduler, position, rng,
                                run.run_info, run.tokenizer, run.cfg.checkpoint.keep)
@@ -664,7 +686,7 @@ def save_interrupted(run: _Run) -> None:
     optimizer yet, and its data position and RNG are rolled back to where it began."""
     run.result.interrupted = True
     checkpoint(run, run.step, run.done_position, run.done_rng)
-    run.logger.write({"event": "interrupted", "step": run.step})
+    run.logger.write({"event": "interrupted", "step": run.step, **cache_report(run)})
     run.cb.on_message(f"interrupted: checkpoint saved at step {run.step}; continue with --resume")
 
 
@@ -674,6 +696,7 @@ def finish(run: _Run) -> TrainResult:
     if run.cfg.eval.final_eval:
         run_eval(run, run.step)
     checkpoint(run, run.step, run.position, _rng_state())
+    cache_counts = cache_report(run)  # every process: the counts are summed across them
     if run.main:
         from ssmspec.models.loading import save_model
 
@@ -681,8 +704,12 @@ def finish(run: _Run) -> TrainResult:
         if run.bad.count:
             run.logger.write({"event": "bad_records", "count": run.bad.count, "examples": run.bad.examples})
         run.logger.write({"event": "end", "step": run.step, "final_loss": run.result.final_loss,
-                          "throughput": run.info["throughput"]})
+                          "throughput": run.info["throughput"], **cache_counts})
     run.info["bad_records"] = run.bad.count
+    if run.cache is not None:
+        c = run.info["target_cache"]
+        run.cb.on_message(f"target logits: {c['blocks_read']} training block(s) read from the top-{c['k']} cache "
+                          f"(target forwards saved), {c['blocks_computed']} computed by the target")
     run.cb.on_end(run.result)
     return run.result
 
@@ -716,17 +743,35 @@ def train(cfg: RunConfig, callbacks: TrainCallbacks | None = None, *, target: nn
         return finish(run)
 
 
-def _loss(model, target, ids, mask, cfg: RunConfig):
+def cache_report(run: _Run) -> dict:
+    """{"target_cache": counts summed over processes} for the log (also kept in run.info), or {} without a cache."""
+    if run.cache is None:
+        return {}
+    names = sorted(run.cache.stats)
+    counts = torch.tensor([run.cache.stats[k] for k in names], dtype=torch.float64, device=run.device)
+    if run.accelerator.num_processes > 1:
+        counts = run.accelerator.reduce(counts, reduction="sum")
+    run.info["target_cache"].update({k: int(v) for k, v in zip(names, counts.tolist())})
+    return {"target_cache": dict(run.info["target_cache"])}
+
+
+def _loss(model, target, ids, mask, cfg: RunConfig, cache: TargetLogitCache | None = None, rows: list[int] | None = None):
     """Loss of one micro-batch: ids (B, L+1), mask (B, L). Returns (loss, detached parts by name).
 
     The target runs in inference mode (no autograd; the models' no-grad kernel paths), in the run's
     autocast (bf16 on a GPU) and through the same training scan; its logits stay in their own dtype
-    (the loss reads them a chunk at a time).
+    (the loss reads them a chunk at a time). With a cache, `rows` are the blocks' indices: their
+    top-K comes from the cache (the target runs only on blocks not in it yet) and the loss is the
+    sparse one over those K tokens.
     """
     inputs, next_ids = ids[:, :-1], ids[:, 1:]
     logits = model(inputs)
     if cfg.mode == "sft":
         return sft_loss(logits, next_ids, mask, cfg.loss.chunk_positions)
+    if cache is not None:
+        topk = cache.lookup(rows, inputs, target)
+        return distill_loss(cfg.loss.loss, logits, None, next_ids, mask, cfg.loss.temperature, cfg.loss.ce_weight,
+                            cfg.loss.chunk_positions, target_topk=topk)
     with torch.inference_mode():  # the loss reads these logits, never saves them for backward
         target_logits = target(inputs)
     return distill_loss(cfg.loss.loss, logits, target_logits, next_ids, mask, cfg.loss.temperature, cfg.loss.ce_weight,
