@@ -3,7 +3,7 @@
 # mamba2-130m-shape target and drafter-2l (made on this machine with the CLI), then `ssmspec bench`
 # at T=0 and T=1 (the recipe's own), the Mamba drafters paper's trees beside the tuned tree and a
 # bandit over them, fp32 losslessness, and the iteration time at the 2.7b / 8b shapes with the
-# speedup it predicts (bench/bench_iteration.py).
+# speedup it predicts (bench/bench_iteration.py), and the prefill by prompt length (bench/bench_prefill.py).
 # Hardware: one Hopper GPU (device tool, kind nvidia-h100-x1). Expected time: about 12 minutes on a
 # fresh machine (the pair ~8, the benches ~4): more than one 10-minute device call, so every step
 # is resumable. Run it again with the same WORKDIR (kept under /tmp while the machine stays warm)
@@ -35,6 +35,7 @@ step paper "$work/paper/summary.json" "${B[@]}" --limit 40 --dtype bf16 --method
   --tree "bandit:3,3,2,1;3,2,2,1,1;2,2,2,1,1,1" --out "$work/paper"
 step fp32 "$work/fp32/summary.json" "${B[@]}" --limit 40 --dtype fp32 --methods ar,chain,stree \
   --tree 3,2,1 --tree 1,1,1,1,1 --tree "bandit:3,3,2,1;3,2,2,1,1;2,2,2,1,1,1" --out "$work/fp32"
+step prefill "$work/prefill.json" python3 bench/bench_prefill.py --presets mamba2-130m,mamba2-2.7b --out "$work/prefill.json"
 step iteration "$work/iteration.json" python3 bench/bench_iteration.py --presets mamba2-2.7b,hybrid-8b \
   --summary "$pair/bench-t0/summary.json" --out "$work/iteration.json"
 
@@ -42,5 +43,6 @@ for d in "$pair/bench-t0" "$pair/bench-t1" "$work/paper" "$work/fp32"; do
   [ -f "$d/report.md" ] && { echo "== $d"; sed -n '/^## Results/,/^## Losslessness/{/^## Losslessness/d;p}' "$d/report.md"; }
   [ -f "$d/summary.json" ] && cp "$d/summary.json" "$out/$(basename "$d")-summary.json"
 done
+[ -f "$work/prefill.json" ] && { cp "$work/prefill.json" "$out/"; tail -4 "$out/prefill.log"; }
 [ -f "$work/iteration.json" ] && { cp "$work/iteration.json" "$out/"; tail -14 "$out/iteration.log"; }
 grep -E "done:" "$out/recipe.log" 2>/dev/null
