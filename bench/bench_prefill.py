@@ -7,37 +7,23 @@ Run on a CUDA machine from the repository root (after `pip install --no-deps --n
 For each preset (random weights, bf16, vocabulary 8192 for the small shapes as in the recipe's
 pairs): an Engine generation compiles and captures everything first, then the prefill of the
 first L tokens of a random prompt (its ChainPrefill graphs, the cache reset outside the timed
-region) is timed per length, median of 40, beside the median AR step (a step graph replay on its
-own output). Issue 23 asks a 64-token prefill within 1 ms at the 130m shape and within 3 AR steps
+region) is timed per length with the profile's harness (profiling/timing.py `time_call`: CUDA
+events, median of 40), beside the median AR step (a step graph replay on its own output). Issue 23 asks a 64-token prefill within 1 ms at the 130m shape and within 3 AR steps
 at the 2.7b shape.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
 from ssmspec.decoding import Engine, GenerationConfig
 from ssmspec.decoding.sampling import SamplingParams
 from ssmspec.models.presets import build_model
+from ssmspec.profiling.timing import time_call
 
 LENGTHS = (2, 16, 64, 130, 256)
-
-
-def median_ms(fn, before=None, repeats: int = 40) -> float:
-    """Median wall time of fn() between device syncs, in ms; before() runs untimed ahead of each."""
-    times = []
-    for _ in range(repeats):
-        if before is not None:
-            before()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 1e3 * sorted(times)[repeats // 2]
 
 
 def measure(preset: str) -> dict:
@@ -50,10 +36,11 @@ def measure(preset: str) -> dict:
     ids = ids.cuda()
     row = {"preset": preset, "prefill_ms": {}}
     for length in LENGTHS:
-        row["prefill_ms"][length] = median_ms(lambda n=length: fast.prefill(ids[:, :n]), before=fast.cache.reset_)
+        row["prefill_ms"][length] = time_call(lambda n=length: fast.prefill(ids[:, :n]), setup=fast.cache.reset_,
+                                              device="cuda", repeats=40).median
     step = fast.step_graph(SamplingParams())
     step.ids.fill_(1)
-    row["ar_step_ms"] = median_ms(lambda: step.advance())
+    row["ar_step_ms"] = time_call(step.advance, device="cuda", repeats=40).median
     row["prefill_64_in_ar_steps"] = row["prefill_ms"][64] / row["ar_step_ms"]
     return row
 

@@ -212,7 +212,7 @@ def test_folding_drops_the_one_launch_decisions_made_unfolded():
 def test_iterations_queued_one_ahead_give_the_ids_of_reading_each_first(max_new_tokens, temperature, drafting,
                                                                         monkeypatch):
     """The fused loop queues iteration k + 1 before reading iteration k (generate.py
-    _speculate_one_ahead); timing=True reads each iteration before queueing the next. Same ids,
+    _speculate_ahead); timing=True reads each iteration before queueing the next. Same ids,
     calls and accepted counts, at every length (the look-ahead stops before the last), greedy
     and sampled with a seed, drafted by another model or by the target itself, with an EOS in
     the way or not."""

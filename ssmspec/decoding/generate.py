@@ -210,14 +210,6 @@ class _FastPath:
             graph = self.step_graphs[params] = StepGraph(self.target, self.cache, params, capture=self.capture)
         return graph
 
-    def step(self, token: int, params: SamplingParams, generator: torch.Generator | None) -> int:
-        """One target step on `token`; returns the next token (argmax, or a draw when sampling)."""
-        ids = torch.tensor([[token]], device=self.target.device)
-        graph = self.step_graph(params)
-        logits = graph(ids, generator)
-        # sampling: the step graph drew the token on the device (its race); one read-back either way
-        return int(logits[0, -1].argmax()) if params.greedy else int(graph.drawn[0, 0])
-
     def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
         """The prompt (1, T) into the cache as a few replayed chain graphs; last logits (V,)."""
         if self.chain_prefill is None:
@@ -419,37 +411,14 @@ class _Readback:
         return packed[1:1 + packed[0]]
 
 
-class _FusedSteps:
-    """Runs the fused speculative iteration of each step: on the configured tree, or on the tree
-    policy's choice (the drafter's state handed over to the new tree's buffers on a switch)."""
-
-    def __init__(self, fast: "_FastPath", drafter: ModelDrafter, cfg: GenerationConfig, root: int):
-        self.fast, self.drafter, self.cfg, self.root = fast, drafter, cfg, root
-        self.current = None  # the draft of the last step
-        if cfg.tree_policy is not None:
-            cfg.tree_policy.begin_request()
-
-    def run(self, generator: torch.Generator | None):
-        """Queue the next step's iteration; returns (its tree, (tokens, n, last) static buffers)."""
-        cfg = self.cfg
-        tree = cfg.tree_policy.choose() if cfg.tree_policy is not None else cfg.tree
-        draft = self.drafter.fused_draft(tree, cfg.sampling)
-        iteration = self.fast.speculation(draft, cfg.sampling)
-        if self.current is None:
-            draft.start(self.root)
-        elif self.current is not draft:  # the bandit switched trees: the state moves to the new buffers
-            self.current.hand_over(draft)
-        self.current = draft
-        return tree, iteration(generator)
-
-
-def _step_one_ahead(fast: "_FastPath", cfg: GenerationConfig, root: int, out: _Output,
-                    generator: torch.Generator | None) -> list[int]:
-    """Autoregressive steps on the step graph, each queued before the previous token is read:
-    the graph leaves its next input (the argmax or the draw) on the device, so the host reads
-    token k while step k + 1 runs. Step k + 1 is queued only if token k cannot be the last by
-    length; an EOS or a stop string leaves one step unread. The tokens and the draws are those of
-    reading each first. Returns the tokens per call (all 1)."""
+def _step_ahead(fast: "_FastPath", cfg: GenerationConfig, root: int, out: _Output, generator: torch.Generator | None,
+                clock: _PhaseClock) -> list[int]:
+    """Autoregressive steps on the step graph, which leaves its next input (the argmax or the
+    draw) on the device. Untimed, step k + 1 is queued before token k is read, so the host reads
+    token k while step k + 1 runs; it is queued only if token k cannot be the last by length (an
+    EOS or a stop string leaves one step unread). Timed runs (the clock syncs around phases) read
+    each token first. The tokens and the draws are the same either way. Returns the tokens per
+    call (all 1)."""
     if out.done:
         return []
     graph = fast.step_graph(cfg.sampling)
@@ -458,17 +427,22 @@ def _step_one_ahead(fast: "_FastPath", cfg: GenerationConfig, root: int, out: _O
     calls: list[int] = []
     queued = reads.queue(graph.advance(generator))
     while True:
-        ahead = reads.queue(graph.advance(generator)) if len(out.tokens) + 1 < cfg.max_new_tokens else None
-        out.emit(reads.read(queued))
+        ahead = None
+        if not cfg.timing and len(out.tokens) + 1 < cfg.max_new_tokens:
+            ahead = reads.queue(graph.advance(generator))
+        token = reads.read(queued)
+        clock.mark("verify_s")
+        out.emit(token)
         calls.append(1)
+        clock.mark("host_s")
         if out.done:
             return calls
         queued = ahead if ahead is not None else reads.queue(graph.advance(generator))
 
 
-def _speculate_one_ahead(fast: "_FastPath", drafter: ModelDrafter, cfg: GenerationConfig, root: int, out: _Output,
-                         generator: torch.Generator | None) -> list[int]:
-    """The fused speculative iterations, each queued before the previous one is read.
+def _speculate_ahead(fast: "_FastPath", drafter: ModelDrafter, cfg: GenerationConfig, root: int, out: _Output,
+                     generator: torch.Generator | None, clock: _PhaseClock) -> list[int]:
+    """The fused speculative iterations, untimed each queued before the previous one is read.
 
     An iteration depends on the last one through device buffers only (the drafter's root and
     commit row, the caches; a tree switch's hand-over is device work too), so the host queues
@@ -479,50 +453,48 @@ def _speculate_one_ahead(fast: "_FastPath", drafter: ModelDrafter, cfg: Generati
     generation resets them). With one tree the produced tokens, their order and the random draws
     are those of reading each iteration first; a tree policy (the bandit) chooses iteration
     k + 1's tree before it has seen iteration k's result (its feedback comes one step late).
-    Returns the tokens produced per read iteration."""
+    Timed runs (the clock syncs around phases) read each iteration first. Returns the tokens
+    produced per read iteration."""
     if out.done:
         return []
-    steps = _FusedSteps(fast, drafter, cfg, root)
+    policy = cfg.tree_policy
+    if policy is not None:
+        policy.begin_request()
     reads = _Readback(fast.target.device, max(tree.max_depth for tree in drafted_trees(cfg)) + 1)
+    current = None  # the last queued iteration's draft
 
     def queue_next() -> tuple[Tree, int]:
-        tree, (tokens, n, _) = steps.run(generator)
+        """Queue the next iteration, on the policy's tree or the configured one; (tree, its slot)."""
+        nonlocal current
+        tree = policy.choose() if policy is not None else cfg.tree
+        draft = drafter.fused_draft(tree, cfg.sampling)
+        iteration = fast.speculation(draft, cfg.sampling)
+        if current is None:
+            draft.start(root)
+        elif current is not draft:  # the bandit switched trees: the state moves to the new buffers
+            current.hand_over(draft)
+        current = draft
+        tokens, n, _ = iteration(generator)
         return tree, reads.queue(tokens, n)
 
     accepted_per_call: list[int] = []
     queued = queue_next()
     while True:
         tree, slot = queued
-        ahead = queue_next() if len(out.tokens) + tree.max_depth + 1 < cfg.max_new_tokens else None
+        ahead = None
+        if not cfg.timing and len(out.tokens) + tree.max_depth + 1 < cfg.max_new_tokens:
+            ahead = queue_next()
         produced = reads.read(slot)
+        clock.mark("verify_s")
         drafter.steps += tree.max_depth + 1
-        if cfg.tree_policy is not None:
-            cfg.tree_policy.observe(tree, len(produced))
+        if policy is not None:
+            policy.observe(tree, len(produced))
         out.emit(produced)
         accepted_per_call.append(len(produced))
+        clock.mark("host_s")
         if out.done:
             return accepted_per_call
         queued = ahead if ahead is not None else queue_next()
-
-
-def _speculate_one_at_a_time(fast: "_FastPath", drafter: ModelDrafter, cfg: GenerationConfig, root: int,
-                             out: _Output, generator: torch.Generator | None, clock: _PhaseClock) -> list[int]:
-    """The fused speculative iterations, each read before the next is queued, for timed runs
-    (`_PhaseClock` syncs around each phase). Returns the tokens produced per iteration."""
-    steps = _FusedSteps(fast, drafter, cfg, root)
-    accepted_per_call: list[int] = []
-    while not out.done:
-        tree, (tokens, n, _) = steps.run(generator)
-        packed = torch.cat([n, tokens[0]]).tolist()
-        count, produced = packed[0], packed[1:1 + packed[0]]
-        clock.mark("verify_s")
-        drafter.steps += tree.max_depth + 1
-        if cfg.tree_policy is not None:
-            cfg.tree_policy.observe(tree, count)
-        out.emit(produced)
-        accepted_per_call.append(count)
-        clock.mark("host_s")
-    return accepted_per_call
 
 
 @torch.no_grad()
@@ -572,15 +544,12 @@ def decode_loop(
     out.emit([root])
     accepted_per_call: list[int] = []
 
-    if cfg.method == "ar" and fast is not None and not cfg.timing:
-        accepted_per_call = _step_one_ahead(fast, cfg, root, out, fast_generator)
+    if cfg.method == "ar" and fast is not None:
+        accepted_per_call = _step_ahead(fast, cfg, root, out, fast_generator, clock)
     elif cfg.method == "ar":
         while not out.done:
-            if fast is not None:
-                root = fast.step(root, cfg.sampling, fast_generator)
-            else:
-                logits = target.step(torch.tensor([[root]], device=target.device), cache)[0, -1]
-                root = next_token(logits, cfg, generator)
+            logits = target.step(torch.tensor([[root]], device=target.device), cache)[0, -1]
+            root = next_token(logits, cfg, generator)
             clock.mark("verify_s")
             out.emit([root])
             accepted_per_call.append(1)
@@ -591,10 +560,7 @@ def decode_loop(
         # When sampling, the children are drawn from the drafter and accepted by speculative
         # sampling on the device, or (sample_children=False) are its top-k, accepted by the naive
         # rule's races (graphs.GreedyTreeGraph); both exact.
-        if not cfg.timing:
-            accepted_per_call = _speculate_one_ahead(fast, drafter, cfg, root, out, fast_generator)
-        else:  # timing syncs around each phase
-            accepted_per_call = _speculate_one_at_a_time(fast, drafter, cfg, root, out, fast_generator, clock)
+        accepted_per_call = _speculate_ahead(fast, drafter, cfg, root, out, fast_generator, clock)
     else:
         policy = cfg.tree_policy
         if policy is not None:

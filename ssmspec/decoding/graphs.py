@@ -95,31 +95,27 @@ class StepGraph:
 
     def __call__(self, ids: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """ids (B, 1) -> logits (B, 1, V) (a static buffer); `generator` feeds the draw when sampling."""
-        self.model.settle(self.cache)  # pending inputs of tree iterations into the states (not captured)
         self.ids.copy_(ids)
-        if self.noise is not None:
-            race_noise_(self.noise, generator)
-        if self.graph is None:
-            with torch.inference_mode():
-                self._step()
-        else:  # not _run: a step leaves no pending inputs, so the cache stays clean after it
-            self.graph.replay()
+        self._run(generator)
         return self.logits
 
     def advance(self, generator: torch.Generator | None = None) -> torch.Tensor:
         """One step on the tokens in `ids`, which then hold the next tokens (the argmax of the new
         logits, or the draw when sampling), all on the device: steps chain without the host.
         Returns `ids` (B, 1), the static buffer the next call reads and overwrites."""
-        self.model.settle(self.cache)
+        self._run(generator)
+        self.ids.copy_(self.logits.argmax(-1) if self.noise is None else self.drawn)
+        return self.ids
+
+    def _run(self, generator: torch.Generator | None) -> None:
+        self.model.settle(self.cache)  # pending inputs of tree iterations into the states (not captured)
         if self.noise is not None:
             race_noise_(self.noise, generator)
         if self.graph is None:
             with torch.inference_mode():
                 self._step()
-        else:
+        else:  # not graphs._run: a step leaves no pending inputs, so the cache stays clean after it
             self.graph.replay()
-        self.ids.copy_(self.logits.argmax(-1) if self.noise is None else self.drawn)
-        return self.ids
 
 
 class GreedyTreeGraph:

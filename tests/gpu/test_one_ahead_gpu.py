@@ -1,5 +1,5 @@
 """The fast path's loops that queue the next call before reading the last one (decoding/generate.py
-`_step_one_ahead`, `_speculate_one_ahead`) on real CUDA graphs and asynchronous read-backs (opt in:
+`_step_ahead`, `_speculate_ahead`) on real CUDA graphs and asynchronous read-backs (opt in:
 --run-gpu). On the CPU the copies are synchronous, so only a GPU can show a read that overtakes its
 copy. ar and fixed trees, bf16: the same ids as reading each call first (timing=True), greedy and
 sampled with a seed. A bandit picks its trees a step late, so other trees than when reading each
