@@ -4,9 +4,9 @@
 # at T=0 and T=1 (the recipe's own), the Mamba drafters paper's trees beside the tuned tree and a
 # bandit over them, fp32 losslessness, and the iteration time at the 2.7b / 8b shapes with the
 # speedup it predicts (bench/bench_iteration.py), and the prefill by prompt length (bench/bench_prefill.py).
-# Hardware: one Hopper GPU (device tool, kind nvidia-h100-x1). Expected time: about 12 minutes on a
-# fresh machine (the pair ~8, the benches ~4): more than one 10-minute device call, so every step
-# is resumable. Run it again with the same WORKDIR (kept under /tmp while the machine stays warm)
+# Hardware: one Hopper GPU (device tool, kind nvidia-h100-x1). Expected time: about 15 minutes on a
+# fresh machine (the pair ~10, the benches ~5; 2026-11-27, H100): more than one 10-minute device
+# call, so every step is resumable. Run it again with the same WORKDIR (kept under /tmp while the machine stays warm)
 # and it continues where it stopped.
 # Usage: bench/pair_round.sh OUT_DIR [WORKDIR]   (WORKDIR default /tmp/pair-round)
 set -uo pipefail

@@ -7,9 +7,10 @@
 # Hardware: one CUDA GPU (sized for an H100 80GB; any GPU with 16 GB should do, slower).
 # Expected time: about 13 minutes on one H100 80GB (11.5 measured 2026-11-25 with LIMIT=40 on a
 # fresh machine and 300 distillation steps, the CUDA extensions' first builds included; each stage
-# prints its time); the mamba2 pair alone (PAIRS=mamba2) took 419 s on a fresh H200 on 2026-11-27
-# with LIMIT=40 and today's 600 steps. Figures in docs/BENCHMARKS.md. The default LIMIT=20 takes a
-# little less.
+# prints its time); the mamba2 pair alone (PAIRS=mamba2, LIMIT=40, today's 1500 distillation steps)
+# spent about 9.5 minutes in its stages on a fresh H100 on 2026-11-27 (sft 117 s, distill 249 s,
+# profile 37 s, tune-tree 90 s, benches 48 s). Figures in docs/BENCHMARKS.md. The default LIMIT=20
+# takes a little less.
 # Resumable: a rerun skips every stage that finished (a stamp in WORKDIR/.stages and its output),
 # so a run cut off (Ctrl-C, a time limit) continues where it stopped; once a stage runs, every
 # later stage runs again. Remove WORKDIR to start over.
@@ -30,7 +31,7 @@ python="${PYTHON:-python3}"
 corpus_mb="${CORPUS_MB:-8}"
 vocab="${VOCAB:-8192}"
 sft_steps="${SFT_STEPS:-300}"
-distill_steps="${DISTILL_STEPS:-600}"  # 300 gave 3.17 tokens per call at chain 5, 600 gave 3.66 (BENCHMARKS)
+distill_steps="${DISTILL_STEPS:-1500}"  # chain 5: 3.17 tokens per call after 300 steps, 3.66 after 600, 3.83-3.86 after 1500 (BENCHMARKS)
 seq_len="${SEQ_LEN:-512}"
 limit="${LIMIT:-20}"
 new_tokens="${NEW_TOKENS:-128}"
