@@ -48,3 +48,39 @@ def test_what_a_graph_reads_lives_as_long_as_the_graph():
     del graphs, g
     gc.collect()
     assert len(graph_tables._kept_by_owner) == before and len(graph_tables._kept) == kept
+
+
+def test_capture_holds_the_collector_off_and_restores_it(monkeypatch):
+    """A graph freed by the collector mid-capture invalidates the capture (the cold-start bug of
+    2026-11-27): `capture` keeps the collector off inside torch.cuda.graph, and gives it back as
+    it found it, on errors too. (torch.cuda.graph stands in for a recorder here: no GPU.)"""
+    import contextlib
+    import gc
+
+    seen = []
+
+    @contextlib.contextmanager
+    def recorder(graph):
+        seen.append((graph, gc.isenabled(), graph_tables._arena is not None))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", recorder)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    real = graph_tables.written_after_capture
+    monkeypatch.setattr(graph_tables, "written_after_capture",
+                        lambda owner: real(torch.device("cpu"), owner=owner))
+    owner = object.__new__(type("Graph", (), {"__slots__": ("__weakref__",)}))
+    assert gc.isenabled()
+    with graph_tables.capture(owner):
+        pass
+    assert seen == [(owner, False, True)] and gc.isenabled()
+    with pytest.raises(RuntimeError), graph_tables.capture(owner):
+        raise RuntimeError("capture failed")
+    assert gc.isenabled() and graph_tables._arena is None
+    gc.disable()
+    try:
+        with graph_tables.capture(owner):
+            pass
+        assert not gc.isenabled()  # left off: the caller had it off
+    finally:
+        gc.enable()

@@ -19,8 +19,6 @@ from the caller's generator: no RNG runs inside a captured graph.
 """
 from __future__ import annotations
 
-import gc
-
 import torch
 
 from ..models.cache import ModelCache
@@ -45,17 +43,8 @@ def _warm_up_and_capture(fn, cache: ModelCache, warmup: int = 2, also=()) -> tor
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    # No garbage collection during the capture: a graph dropped earlier (a replaced cache's) and
-    # freed by the collector mid-capture resets its executable, which CUDA forbids while a
-    # stream captures; the capture would fail ("operation failed due to a previous error").
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        with graph_tables.written_after_capture(owner=graph), torch.cuda.graph(graph):  # no table copies in the graph
-            fn()
-    finally:
-        if collecting:
-            gc.enable()
+    with graph_tables.capture(graph):  # no table copies in the graph, no collection during it
+        fn()
     cache.copy_(snapshot)  # capture itself runs nothing, but the warm-up steps advanced the cache
     for x, saved in kept:
         x.copy_(saved)

@@ -7,10 +7,14 @@ the programmatic dependent launch of the kernel after it). Inside `written_after
 table is instead a slice of an arena allocated before the capture and written once when the
 capture ends. (Not memory of the graph's own pool: the capture may hand a table a block that an
 earlier kernel of the same graph writes at every replay.)
+
+`capture(graph)` is how ssmspec captures a graph: `torch.cuda.graph` inside `written_after_capture`,
+with Python's garbage collector held off.
 """
 from __future__ import annotations
 
 import contextlib
+import gc
 import weakref
 
 import torch
@@ -50,6 +54,23 @@ def written_after_capture(device: torch.device | None = None, owner: object | No
             kept.append(arena)  # the graph reads the arena; the copies read the host buffers
     finally:
         _arena = outer
+
+
+@contextlib.contextmanager
+def capture(graph: "torch.cuda.CUDAGraph"):
+    """`with torch.cuda.graph(graph)` inside `written_after_capture(owner=graph)`, with Python's
+    garbage collector held off until the capture ends. A graph that the collector frees during a
+    capture (one of a replaced cache, say, kept in a reference cycle) resets its executable, which
+    CUDA forbids while a stream captures: the capture would fail ("operation failed due to a
+    previous error during capture"). torch itself collects as a capture starts."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with written_after_capture(owner=graph), torch.cuda.graph(graph):
+            yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def device_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -127,7 +127,7 @@ def _capture(fn: Callable[[], object], device: torch.device, setup: Callable[[],
             setup()
             fn()  # allocations on the capture stream before capture, as torch recommends
         caller.wait_stream(side)
-        with graph_tables.written_after_capture(owner=graph), torch.cuda.graph(graph):
+        with graph_tables.capture(graph):
             fn()
         setup()
         graph.replay()
