@@ -295,3 +295,23 @@ else:
         args = _gated_args(v, CLAMPS[0], tree.parents_tensor())
         for got, want in zip(dispatch.tree_scan_gated(*args), naive_tree_scan_gated(*args)):
             assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+    def test_step_may_keep_bf16_logits_on_the_kernel_path():
+        # The fused draft asks its drafter for logits in the LM head's dtype (one cast launch fewer
+        # per drafter step): the same numbers as the fp32 logits, which are their cast; the cache
+        # advances the same either way.
+        from helpers import kernel_shaped_model
+        from ssmspec.ops import paths
+
+        model = kernel_shaped_model()
+        ids = torch.tensor([[3], [5]])
+        with paths.use_backend("triton"), paths.use_stream_layers("off"), torch.inference_mode():
+            caches = [model.new_cache(2, 16) for _ in range(2)]
+            for cache in caches:
+                model(torch.tensor([[1, 2, 4], [7, 6, 5]]), cache, last_only=True)
+            kept = model.step(ids, caches[0], float_logits=False)
+            cast = model.step(ids, caches[1])
+        assert kept.dtype == torch.bfloat16 and cast.dtype == torch.float32
+        assert torch.equal(kept.float(), cast)
+        for a, b in zip(caches[0].layers, caches[1].layers):
+            assert torch.equal(a.ssm_state, b.ssm_state) and torch.equal(a.conv_state, b.conv_state)

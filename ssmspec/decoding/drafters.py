@@ -411,7 +411,9 @@ class FusedGreedyDraft:
             the root's logits (1, V).
         """
         self.cache.gather_(self.node_cache, self.commit_row)
-        logits = self.drafter.model.step(self.root, self.cache)[:, -1]
+        # The logits only feed the child picks (which read bf16) or `probabilities` (which casts):
+        # they may stay in the LM head's dtype, one cast launch fewer per drafter step.
+        logits = self.drafter.model.step(self.root, self.cache, float_logits=False)[:, -1]
         self.node_cache.rows(0, 1).copy_(self.cache)
         return logits
 
@@ -434,7 +436,7 @@ class FusedGreedyDraft:
             # each child its own race (sampling.race_scores) over its parent's q: i.i.d. siblings; one launch
             dispatch.race_tokens(self.level_q[i], level.parent_rows, self.level_noise[i], out=chosen)
         rows.gather_(self.above_rows[i], self.parent_nodes[i])  # each node's row starts as its parent's state
-        return self.drafter.model.step(chosen[:, None], rows)[:, -1]
+        return self.drafter.model.step(chosen[:, None], rows, float_logits=False)[:, -1]
 
 
 class NgramDrafter:

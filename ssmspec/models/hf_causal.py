@@ -138,8 +138,9 @@ class TransformersTarget(nn.Module):
         cache.seqlen += steps
         return logits
 
-    def step(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor:
-        """One token per row: input_ids (B, 1) -> logits (B, 1, V); cache advanced by one."""
+    def step(self, input_ids: torch.Tensor, cache: ModelCache, float_logits: bool = True) -> torch.Tensor:
+        """One token per row: input_ids (B, 1) -> logits (B, 1, V); cache advanced by one
+        (float_logits as in LanguageModel.step: fp32 either way here)."""
         return self.forward(input_ids, cache)
 
     def verify(self, tokens: torch.Tensor, tree, cache: ModelCache, float_logits: bool = True):

@@ -264,11 +264,13 @@ class LanguageModel(nn.Module):
             cache.seqlen += input_ids.shape[1]
         return self._logits(h[:, -1:] if last_only else h)
 
-    def step(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor:
-        """One token per row: input_ids (B, 1) -> logits (B, 1, V); cache advanced by one."""
+    def step(self, input_ids: torch.Tensor, cache: ModelCache, float_logits: bool = True) -> torch.Tensor:
+        """One token per row: input_ids (B, 1) -> logits (B, 1, V) fp32; cache advanced by one.
+        float_logits=False lets the kernel path keep the logits in the LM head's dtype (as in
+        `verify`: one cast launch fewer, for callers that take only their argmax or cast them)."""
         self.settle(cache)
         if not torch.is_grad_enabled() and self._fusable(input_ids.device):
-            return self._fused_step(input_ids, cache)
+            return self._fused_step(input_ids, cache, float_logits)
         h = self.embeddings(input_ids)
         embeddings, injected = h, None  # injected: a shared-block use's output, for the next input
         block_input = h  # what a parallel sublayer reads: the previous sublayer's input
@@ -333,7 +335,7 @@ class LanguageModel(nn.Module):
         logits = dispatch.linear(normed, self.lm_head.weight, self.lm_head.bias)
         return (logits.float() if float_logits else logits), acts
 
-    def _fused_step(self, input_ids: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+    def _fused_step(self, input_ids: torch.Tensor, cache: ModelCache, float_logits: bool = True) -> torch.Tensor:
         """`step` on the kernels, same math (see `_fused_stack`). input_ids (B, 1) -> logits (B, 1, V)."""
         runner = self.one_launch.step(self, input_ids.shape[0], input_ids.device)
         if runner is not None:  # every layer, the final norm and the LM head in one launch
@@ -356,7 +358,7 @@ class LanguageModel(nn.Module):
             out, _ = _folded_mlp_residual(layer.mixer, h, layer.norm.eps)
             return out, None, None
 
-        logits, _ = self._fused_stack(self.embeddings(input_ids), run_mixer, run_folded)
+        logits, _ = self._fused_stack(self.embeddings(input_ids), run_mixer, run_folded, float_logits)
         cache.seqlen += 1
         return logits
 
