@@ -64,12 +64,14 @@ def test_capture_holds_the_collector_off_and_restores_it(monkeypatch):
         seen.append((graph, gc.isenabled(), graph_tables._arena is not None))
         yield
 
+    class Graph:  # stands in for torch.cuda.CUDAGraph (weakly referenceable, as it is)
+        pass
+
     monkeypatch.setattr(torch.cuda, "graph", recorder)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     real = graph_tables.written_after_capture
     monkeypatch.setattr(graph_tables, "written_after_capture",
                         lambda owner: real(torch.device("cpu"), owner=owner))
-    owner = object.__new__(type("Graph", (), {"__slots__": ("__weakref__",)}))
+    owner = Graph()
     assert gc.isenabled()
     with graph_tables.capture(owner):
         pass
