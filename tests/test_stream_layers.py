@@ -188,3 +188,21 @@ def test_the_model_names_its_mamba_stack_for_the_kernels():
     assert [eps for _, eps in stack] == [layer.norm.eps for layer in model.layers]
     assert kernel_shaped_model(("mamba", "mlp")).folded_mamba_stack() is None
     assert len(kernel_shaped_model(("mamba", "mlp")).mamba_mixers()) == 1
+
+
+def test_each_cache_keeps_its_table_of_layer_pointers(monkeypatch):
+    """A captured CUDA graph reads the kernel's table of layer pointers by address: a step on
+    another cache must neither free nor rebuild the first cache's table (one is kept per cache)."""
+    from ssmspec.ops.stream_layers import StreamLayers
+
+    model = kernel_shaped_model()
+    runner = object.__new__(StreamLayers)  # the kernel needs a Hopper GPU; its tables do not
+    runner.mixers = [m for m, _ in model.folded_mamba_stack()]
+    runner.zx, runner._tables = torch.empty(1), {}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    a, b = model.new_cache(1, 8), model.new_cache(1, 8)
+    first = runner.table(a)
+    other = runner.table(b)
+    assert runner.table(a) is first and other is not first
+    assert int(first[1, -1]) == a.layers[1].ssm_state.data_ptr()
+    assert int(other[1, -1]) == b.layers[1].ssm_state.data_ptr()

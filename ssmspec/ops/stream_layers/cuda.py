@@ -141,10 +141,11 @@ class StreamLayers:
     Mamba layer, the final norm and the LM head.
 
     `runner(h, cache)`: h (1, d_model) bf16, the embedded token -> logits (1, vocab) fp32 (a new
-    tensor); conv and SSM states of `cache` advanced in place. The table of layer pointers is
-    rebuilt whenever a weight or state tensor is another one than when it was built (not while a
-    CUDA graph is being captured: run the step once before capturing, as `decoding/graphs.py`
-    does).
+    tensor); conv and SSM states of `cache` advanced in place. Each set of weight and state
+    tensors gets its table of layer pointers, built on its first step (not while a CUDA graph is
+    being captured: run the step once before capturing, as `decoding/graphs.py` does) and kept
+    for the runner's life: a captured graph reads its table by address, so a step on another
+    cache must not free or rebuild it (a few hundred bytes per cache).
     """
 
     def __init__(self, model, device: torch.device):
@@ -166,7 +167,7 @@ class StreamLayers:
         self.g = torch.empty(c.d_inner, device=device, dtype=bf)
         self.hbuf = torch.empty(2, self.d_model, device=device, dtype=bf)
         self.counter = torch.zeros(1, device=device, dtype=torch.int32)
-        self._key, self._table = None, None
+        self._tables: dict[tuple, torch.Tensor] = {}
 
     def table(self, cache) -> torch.Tensor:
         """The device array of the kernel's `Layer` structs (kernel.cu, in its field order) for this model
@@ -175,7 +176,9 @@ class StreamLayers:
                       lc.conv_state, lc.ssm_state)
                      for m, lc in zip(self.mixers, cache.layers)]
         rows = [[t.data_ptr() for t in tensors] for tensors in per_layer]
-        if rows != self._key:
+        key = tuple(map(tuple, rows))
+        table = self._tables.get(key)
+        if table is None:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("stream_layers: new weight or state tensors during CUDA-graph capture; "
                                    "run one step first")
@@ -184,9 +187,8 @@ class StreamLayers:
                         or tensors[-2].dtype != torch.bfloat16:
                     raise ValueError("stream_layers: weights and states must be contiguous, the SSM state fp32 and "
                                      "the conv state bf16")
-            self._table = torch.tensor(rows, dtype=torch.int64, device=self.zx.device)
-            self._key = rows
-        return self._table
+            table = self._tables[key] = torch.tensor(rows, dtype=torch.int64, device=self.zx.device)
+        return table
 
     def __call__(self, h: torch.Tensor, cache) -> torch.Tensor:
         out = torch.empty_like(h)
