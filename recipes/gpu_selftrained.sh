@@ -21,6 +21,10 @@
 #   repository root). Sizes can be changed through the environment, e.g. SFT_STEPS=1000 or
 #   DEVICE=cpu DTYPE=fp32 MAMBA_PRESET=tiny DRAFTER_PRESET=tiny (a quick check without a GPU);
 #   PAIRS=mamba2 makes and benchmarks only the pure Mamba-2 pair.
+# A larger target: PAIRS=mamba2 MAMBA_PRESET=mamba2-1.3b SFT_STEPS=200 SFT_BATCH=4 SFT_ACCUM=4
+#   SFT_LR=1e-3 DISTILL_STEPS=500 DISTILL_BATCH=16 (at the 1.3b shape a batch of 8 already runs out
+#   of an H100's 80 GB; its sft took 430 s and its distill 223 s there on 2026-11-27, run as these
+#   stages' commands; its profile and tune-tree stages were not timed at that size).
 # Outputs, all in WORKDIR: corpus/, prompts.jsonl (tuning prompts from stdlib files outside the
 # corpus), tokenizer/, and per pair (mamba2/, hybrid/): target/, drafter/, profile/, tune/tree.json,
 # bench-t0/ and bench-t1/ (report.md, summary.json, results.jsonl).
@@ -32,6 +36,10 @@ corpus_mb="${CORPUS_MB:-8}"
 vocab="${VOCAB:-8192}"
 sft_steps="${SFT_STEPS:-300}"
 distill_steps="${DISTILL_STEPS:-1500}"  # chain 5: 3.17 tokens per call after 300 steps, 3.66 after 600, 3.83-3.86 after 1500 (BENCHMARKS)
+sft_batch="${SFT_BATCH:-16}"
+sft_accum="${SFT_ACCUM:-1}"
+sft_lr="${SFT_LR:-1.5e-3}"
+distill_batch="${DISTILL_BATCH:-32}"
 seq_len="${SEQ_LEN:-512}"
 limit="${LIMIT:-20}"
 new_tokens="${NEW_TOKENS:-128}"
@@ -84,13 +92,13 @@ pair() {
   echo "== $name sft: pretrain a $target_preset target on the corpus ($sft_steps steps)"
   stage "$name-sft" "$dir/target/config.json" \
     ssmspec sft --student-preset "$target_preset" --tokenizer "$work/tokenizer" --data "$work/corpus" \
-    --out "$dir/target" --overwrite --steps "$sft_steps" --seq-len "$seq_len" --batch-size 16 --lr 1.5e-3 \
+    --out "$dir/target" --overwrite --steps "$sft_steps" --seq-len "$seq_len" --batch-size "$sft_batch" --grad-accum "$sft_accum" --lr "$sft_lr" \
     --eval-every 0 --save-every 0
 
   echo "== $name distill: a $student_preset drafter from the target ($distill_steps steps)"
   stage "$name-distill" "$dir/drafter/config.json" \
     ssmspec distill --target "$dir/target" --student-preset "$student_preset" --data "$work/corpus" \
-    --out "$dir/drafter" --overwrite --steps "$distill_steps" --seq-len "$seq_len" --batch-size 32 --lr 3e-3 \
+    --out "$dir/drafter" --overwrite --steps "$distill_steps" --seq-len "$seq_len" --batch-size "$distill_batch" --lr 3e-3 \
     --eval-every 0 --save-every 0
 
   echo "== $name profile: call times of target and drafter against input size"
