@@ -83,8 +83,27 @@ def _one_line(text: str, limit: int = 400) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def explain(e: BaseException) -> tuple[int, Optional[str]]:
-    """(exit status, one-line message or None) for an exception that reached the boundary."""
+# What to change when a command runs out of memory: its own options.
+_TRAINING_OOM = ("a smaller --batch-size with a larger --grad-accum (the same tokens per step), "
+                 "a shorter --seq-len or --device cpu")
+_OOM_HINTS = {
+    "sft": _TRAINING_OOM,
+    "distill": _TRAINING_OOM,
+    "profile": "smaller --sizes, a shorter --prompt-len, --dtype bf16 or --device cpu",
+    "tune-tree": "a smaller --budget, fewer --max-new-tokens, --dtype bf16 or --device cpu",
+}
+_DECODE_OOM = "a shorter prompt, fewer --max-new-tokens, a smaller tree, --dtype bf16 or --device cpu"
+
+
+def _command(args: Optional[list[str]]) -> Optional[str]:
+    """The command named on a command line (its first word that is not an option), or None."""
+    words = sys.argv[1:] if args is None else [str(a) for a in args]
+    return next((w for w in words if not w.startswith("-")), None)
+
+
+def explain(e: BaseException, command: Optional[str] = None) -> tuple[int, Optional[str]]:
+    """(exit status, one-line message or None) for an exception that reached the boundary while
+    `command` ran (its name picks the out-of-memory hint)."""
     if isinstance(e, KeyboardInterrupt):
         return INTERRUPTED, "interrupted"
     if isinstance(e, SystemExit):
@@ -109,10 +128,9 @@ def explain(e: BaseException) -> tuple[int, Optional[str]]:
         return USAGE, f"input is not UTF-8 text ({_one_line(str(e), 160)}); convert it first, e.g. with iconv"
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(e, torch.cuda.OutOfMemoryError):
-        return FAILURE, ("out of GPU memory (" + _one_line(str(e), 160) + "); try a shorter prompt, fewer "
-                         "--max-new-tokens, a smaller --batch-size, --dtype bf16 or --device cpu")
+        return FAILURE, f"out of GPU memory ({_one_line(str(e), 160)}); try {_OOM_HINTS.get(command, _DECODE_OOM)}"
     if isinstance(e, MemoryError):
-        return FAILURE, "out of memory; try a shorter prompt, fewer --max-new-tokens or a smaller --batch-size"
+        return FAILURE, f"out of memory; try {_OOM_HINTS.get(command, _DECODE_OOM)}"
     if isinstance(e, BrokenPipeError):
         return FAILURE, None  # the reader went away (`ssmspec generate ... | head`): nothing left to tell
     if isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)):
@@ -133,7 +151,7 @@ def run(args: Optional[list[str]] = None) -> int:
         # typer hands back the status of an Exit (130 for a Ctrl-C it caught) instead of raising it.
         return status if isinstance(status, int) else 0
     except BaseException as e:  # noqa: BLE001 -- this is the boundary: everything ends here
-        status, message = explain(e)
+        status, message = explain(e, _command(args))
         if os.environ.get("SSMSPEC_DEBUG") and not isinstance(e, (SystemExit, *_EXIT)):
             traceback.print_exc()
         if isinstance(e, BrokenPipeError):

@@ -207,6 +207,20 @@ def test_cuda_out_of_memory_is_one_line(files, monkeypatch, capsys):
     monkeypatch.setattr(ssmspec.api, "load_target", fail)
     code, _, err = run_cli(["generate", "--target", files / "target", "--prompt", "hi"], monkeypatch, capsys)
     assert_one_line_error(code, err, status=1, mentions="out of GPU memory")
+    assert "--max-new-tokens" in err and "--grad-accum" not in err
+
+
+@pytest.mark.parametrize("command, option", [("sft", "--grad-accum"), ("distill", "--seq-len"), ("profile", "--sizes"),
+                                             ("tune-tree", "--budget"), ("bench", "--max-new-tokens")])
+def test_out_of_memory_names_the_failing_commands_own_options(command, option):
+    import torch
+
+    from ssmspec.cli.app import _command, explain
+
+    assert _command(["--version"]) is None and _command([command, "--target", "x"]) == command
+    for error in (torch.cuda.OutOfMemoryError("CUDA out of memory"), MemoryError()):
+        status, message = explain(error, _command([command, "--out", "x"]))
+        assert status == 1 and option in message, message
 
 
 # -- output directories: never an input, --overwrite only our own output --------------------------------
