@@ -69,6 +69,21 @@ def test_prefill_then_steps_equal_transformers_forward(pair):
 
 
 @torch.no_grad()
+def test_transformers_runs_without_cudnn_attention_and_a_full_cache_is_refused():
+    """cuDNN's sdpa plans anew for every new key length (a decode step's): the target's calls
+    leave it out, and only them. Writing past the cache's capacity is refused, not clipped."""
+    hf = hf_model("qwen2")
+    target = TransformersTarget(hf)
+    seen = []
+    hf.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    cache = target.new_cache(1, 6)
+    target(torch.randint(0, VOCAB, (1, 5)), cache)
+    assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled()
+    with pytest.raises(RuntimeError, match="KV cache of 6 positions is full"):
+        target(torch.randint(0, VOCAB, (1, 2)), cache)
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("tree", TREES, ids=lambda t: t.spec() or "root")
 def test_verify_equals_each_path_alone_through_transformers(pair, tree):
     hf, target = pair
