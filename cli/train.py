@@ -71,6 +71,9 @@ LORA_TARGETS = typer.Option(",".join(_LORA.targets), "--lora-targets", help="Lin
 SCAN = typer.Option(_RUN.scan, "--scan", metavar="NAME", callback=options.one_of(SCAN_BACKENDS),
                     help="Training scan, one of: auto (fla, then mamba_ssm, when importable on a GPU, else parallel), fla, mamba_ssm, "
                          "parallel, ssmspec (the reference).")
+RECOMPUTE = options.flag(_RUN.recompute, "--recompute/--no-recompute",
+                         help="Recompute each sublayer's activations in the backward pass: the same gradients in less GPU "
+                              "memory (larger --batch-size fits), about a third more compute.")
 LOSS_CHUNK = options.count(_LOSS.chunk_positions, "--loss-chunk", max=1 << 24,
                            help="Positions whose logits the loss turns into fp32 at once (0 = as many as fit 32M values).")
 MODEL_DIR = dict(exists=True, file_okay=False)
@@ -81,7 +84,7 @@ def build_config(mode: str, **kw) -> RunConfig:
     cfg = RunConfig(
         mode=mode, out=str(kw["out"]), target=_s(kw.get("target")), student=_s(kw.get("student")),
         student_preset=kw.get("student_preset"), tokenizer=_s(kw.get("tokenizer")), resume=kw["resume"],
-        overwrite=kw["overwrite"], scan=kw["scan"],
+        overwrite=kw["overwrite"], scan=kw["scan"], recompute=kw["recompute"],
         data=DataConfig(spec=kw["data"], format=kw["format"], seq_len=kw["seq_len"], text_field=kw["text_field"],
                         held_out_fraction=kw["held_out"], max_held_out_blocks=kw["max_held_out"],
                         streaming=kw["streaming"], on_bad_record=kw["on_bad_record"]),
@@ -241,7 +244,7 @@ def distill_command(
     eval_max_new_tokens: int = EVAL_NEW, eval_draft_len: int = EVAL_K, save_every: int = SAVE_EVERY,
     keep_checkpoints: int = KEEP, log_every: int = LOG_EVERY, resume: bool = RESUME, overwrite: bool = OVERWRITE,
     lora: bool = LORA, lora_rank: int = LORA_RANK, lora_alpha: float = LORA_ALPHA, lora_targets: str = LORA_TARGETS,
-    scan: str = SCAN, loss_chunk: int = LOSS_CHUNK,
+    scan: str = SCAN, recompute: bool = RECOMPUTE, loss_chunk: int = LOSS_CHUNK,
     cache_target_logits: int = options.count(
         _LOSS.cache_target_logits, "--cache-target-logits", metavar="K",
         help="Store the target's top-K logits per position on disk (out/target_topk.bin, K x 6 bytes per token) the first "
@@ -277,7 +280,7 @@ def sft_command(
     eval_max_new_tokens: int = EVAL_NEW, eval_draft_len: int = EVAL_K, save_every: int = SAVE_EVERY,
     keep_checkpoints: int = KEEP, log_every: int = LOG_EVERY, resume: bool = RESUME, overwrite: bool = OVERWRITE,
     lora: bool = LORA, lora_rank: int = LORA_RANK, lora_alpha: float = LORA_ALPHA, lora_targets: str = LORA_TARGETS,
-    scan: str = SCAN, loss_chunk: int = LOSS_CHUNK,
+    scan: str = SCAN, recompute: bool = RECOMPUTE, loss_chunk: int = LOSS_CHUNK,
 ):
     """Next-token fine-tuning (chat: loss on assistant turns only) or pretraining on raw text.
 

@@ -67,6 +67,32 @@ def test_distill_lowers_kl_and_raises_measured_acceptance(tmp_path, token_data):
     assert log[0]["scan"].startswith("ssmspec:")
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_recompute_trains_the_same_steps_and_runs_each_mixer_again_in_backward(tmp_path, token_data):
+    """--recompute: the same losses step for step as keeping the activations, and every Mamba
+    mixer runs twice per micro-batch (its forward again in the backward pass), not once."""
+    calls = {}
+
+    def counted(student):
+        for name, m in student.named_modules():
+            if type(m).__name__ == "Mamba2Mixer":
+                # a pre-hook: the recomputation may stop once it has what the backward needs
+                m.register_forward_pre_hook(lambda *_, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+        return student
+
+    losses = {}
+    for recompute in (False, True):
+        calls.clear()
+        cfg = _config(tmp_path / str(recompute), token_data, steps=3)
+        cfg.recompute, cfg.eval.final_eval = recompute, False  # only the training steps run the mixers
+        result = train(cfg, target=bigram_target(), student=counted(tiny_model(seed=2, std=0.02)))
+        losses[recompute] = [m["loss"] for m in result.history]
+        per_mixer = set(calls.values())
+        assert per_mixer == {3 * (2 if recompute else 1)}, (recompute, calls)  # 3 steps of one micro-batch
+    assert losses[True] == pytest.approx(losses[False], rel=1e-6, abs=1e-7)
+    assert json.load(open(tmp_path / "True" / "out" / RUN_FILE))["config"]["recompute"] is True
+
+
 class _InterruptAt(TrainCallbacks):
     def __init__(self, step, via_signal=False):
         self.step, self.via_signal = step, via_signal

@@ -418,6 +418,9 @@ def load_models(cfg: RunConfig, device, precision: str, target=None, student=Non
             vocab = len(tokenizer)
         student, student_tok = _build_student(cfg, vocab, device)
     student = student.to(device=device, dtype=torch.float32)
+    for module in student.modules():  # the student's LanguageModel, under peft's wrapper too
+        if hasattr(module, "recompute_activations"):
+            module.recompute_activations = cfg.recompute
     if tokenizer is None and cfg.tokenizer:
         tokenizer = load_tokenizer(cfg.tokenizer)
     tokenizer = tokenizer or target_tok or student_tok
