@@ -1,6 +1,7 @@
-"""The training scan: which one a run picks, and fla's chunked simple-GLA against naive_chunk_scan.
+"""The training scan: which one a run picks, and fla's chunked simple-GLA and mamba_ssm's fused SSD
+(each where its sources import; mamba_ssm also without its compiled extension) against naive_chunk_scan.
 
-fla's Triton kernels run here through Triton's interpreter in a child process (see
+Their Triton kernels run here through Triton's interpreter in a child process (see
 tests/test_ops_triton.py for why a child): fp32, tiny sizes, outputs and gradients of every input.
 Real sizes and bf16 are in tests/gpu/test_training_scan_gpu.py.
 """
@@ -52,6 +53,44 @@ if not INTERPRETED:
         from helpers import run_interpreted
 
         run_interpreted(__file__)
+
+    def test_mamba_ssm_scan_in_interpreter():
+        pytest.importorskip("triton")
+        pytest.importorskip("einops")
+        from ssmspec.training.scan import _import_mamba_ssd
+
+        if _import_mamba_ssd() is None:
+            pytest.skip("mamba_ssm's sources are not importable here (an optional GPU package)")
+        from helpers import run_interpreted
+
+        run_interpreted(__file__)
+
+    def test_mamba_ssm_triton_ssd_imports_without_its_compiled_package_init(tmp_path, monkeypatch):
+        """A mamba_ssm whose `__init__` fails (no compiled extension) still gives its Triton SSD,
+        whose modules import each other by absolute name, and leaves no mamba_ssm module behind."""
+        import sys
+        import textwrap
+
+        from ssmspec.training.scan import _import_mamba_ssd
+
+        root = tmp_path / "mamba_ssm"
+        files = {"__init__.py": "import selective_scan_cuda_missing_here\n", "ops/__init__.py": "",
+                 "ops/triton/__init__.py": "", "utils/__init__.py": "", "utils/torch.py": "SCALE = 3\n",
+                 "ops/triton/ssd_combined.py": textwrap.dedent("""\
+                     from mamba_ssm.utils.torch import SCALE
+                     def mamba_chunk_scan_combined(x):
+                         return SCALE * x
+                 """)}
+        for name, text in files.items():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text(text)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        scan = _import_mamba_ssd()
+        assert scan is not None and scan(2) == 6
+        assert not [m for m in sys.modules if m.split(".")[0] == "mamba_ssm"]
+        (root / "ops/triton/ssd_combined.py").write_text("raise ImportError('no triton here')\n")
+        assert _import_mamba_ssd() is None
+        assert not [m for m in sys.modules if m.split(".")[0] == "mamba_ssm"]
 
     def test_cpu_run_picks_the_plain_torch_scan():
         from ssmspec.training.scan import pick_training_scan
@@ -120,6 +159,38 @@ else:
         inputs = scan_inputs(1, steps, 4, headdim, groups, 16)
         y_ref, f_ref, g_ref = scan_grads(naive_chunk_scan, inputs, 16)
         y, f, g = scan_grads(fla_chunk_scan, inputs, 16)
+        assert_close(y, y_ref, atol=1e-4, rtol=1e-4, name="y")
+        assert_close(f, f_ref, atol=1e-4, rtol=1e-4, name="final_state")
+        for name, got, want in zip(GRAD_NAMES, g, g_ref):
+            assert_close(got, want, atol=2e-4, rtol=2e-4, name=f"d{name}")
+
+    def _interpretable_mamba_ssm():
+        """mamba_ssm's SSD (the adapter `--scan mamba_ssm` trains through) for the interpreter: its
+        host code enters a CUDA device and reads the SM count, and its autotuner benchmarks
+        through a GPU driver; all three are patched for the interpreter only."""
+        import contextlib
+
+        import triton.runtime.autotuner as autotuner
+
+        from ssmspec.training.scan import _mamba_ssm_scan
+
+        scan = _mamba_ssm_scan()
+        if scan is None:
+            pytest.skip("mamba_ssm's sources are not importable here")
+        torch.cuda.device = lambda index: contextlib.nullcontext()
+        torch.cuda.get_device_properties = lambda device: type("Props", (), {"multi_processor_count": 4})()
+        autotuner.Autotuner._bench = lambda self, *a, config=None, **k: [0.0, 0.0, 0.0]
+        return scan
+
+    @pytest.mark.parametrize("steps", [1, 20, 63, 64])
+    @pytest.mark.parametrize("groups,headdim", [(1, 16), (2, 32)])
+    def test_mamba_ssm_scan_equals_naive_outputs_and_gradients(steps, groups, headdim):
+        from ssmspec.ops.chunk_scan import naive_chunk_scan
+
+        scan = _interpretable_mamba_ssm()
+        inputs = scan_inputs(1, steps, 4, headdim, groups, 16)
+        y_ref, f_ref, g_ref = scan_grads(naive_chunk_scan, inputs, 16)
+        y, f, g = scan_grads(scan, inputs, 16)
         assert_close(y, y_ref, atol=1e-4, rtol=1e-4, name="y")
         assert_close(f, f_ref, atol=1e-4, rtol=1e-4, name="final_state")
         for name, got, want in zip(GRAD_NAMES, g, g_ref):

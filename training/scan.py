@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
+import sys
+import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,10 +26,47 @@ class TrainingScan:
     fn: Callable
 
 
-def _mamba_ssm_scan() -> Callable | None:
+def _import_mamba_ssd() -> Callable | None:
+    """mamba_ssm's fused Triton SSD (`mamba_chunk_scan_combined`), or None where its sources are absent.
+
+    mamba_ssm's package `__init__` imports its compiled selective-scan extension, which an install
+    without a CUDA build lacks (or sources on PYTHONPATH); the Triton SSD needs none of it. Where
+    the plain import fails, the SSD's modules are imported under a stand-in package that skips
+    that `__init__`, and every module this added is taken out of sys.modules again (the function
+    keeps what it needs), so the process looks as if mamba_ssm never imported.
+    """
+    before = set(sys.modules)
+
+    def forget_what_this_added():
+        for name in set(sys.modules) - before:
+            if name == "mamba_ssm" or name.startswith("mamba_ssm."):
+                del sys.modules[name]
+
     try:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+        return mamba_chunk_scan_combined
     except Exception:
+        forget_what_this_added()  # the modules of the failed `__init__`
+    try:
+        spec = importlib.util.find_spec("mamba_ssm")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    package = types.ModuleType("mamba_ssm")
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules["mamba_ssm"] = package
+    try:
+        return importlib.import_module("mamba_ssm.ops.triton.ssd_combined").mamba_chunk_scan_combined
+    except Exception:
+        return None
+    finally:
+        forget_what_this_added()
+
+
+def _mamba_ssm_scan() -> Callable | None:
+    mamba_chunk_scan_combined = _import_mamba_ssd()
+    if mamba_chunk_scan_combined is None:
         return None
 
     def scan(x, dt, A, B, C, D, chunk_size=64, initial_state=None):
@@ -43,7 +84,7 @@ def pick_training_scan(choice: str, device: torch.device) -> TrainingScan:
     """The one place that decides the training scan.
 
     auto: on a CUDA device fla (fla-core's chunked simple-GLA) when usable, else mamba_ssm's fused SSD
-    when importable, else parallel; on the CPU ssmspec (the dispatcher's chunk_scan: the plain-torch
+    when its sources import (`_import_mamba_ssd`: its compiled extension is not needed), else parallel; on the CPU ssmspec (the dispatcher's chunk_scan: the plain-torch
     `naive_chunk_scan`). parallel is `parallel_chunk_scan` (every chunk at once, plain torch, any
     device). fla and mamba_ssm asked for by name must be usable.
     """
