@@ -1,6 +1,9 @@
-"""fla's chunked simple-GLA training scan against naive_chunk_scan on a GPU, at real sizes (opt in: --run-gpu).
+"""The kernel training scans (fla's chunked simple-GLA, mamba_ssm's fused SSD) against naive_chunk_scan
+on a GPU, at real sizes (opt in: --run-gpu).
 
-Needs fla-core (and einops) installed: pip install --no-deps fla-core==0.6.0 einops.
+fla needs fla-core (and einops) installed: pip install --no-deps fla-core==0.6.0 einops. mamba_ssm
+needs its sources importable (its CUDA build is not: training/scan.py `_import_mamba_ssd`), e.g.
+mamba-ssm 2.3.2.post1's sdist unpacked onto PYTHONPATH, and einops.
 fp32 tolerances allow TF32 tensor-core products; bf16 ones allow bf16 inputs to every product.
 """
 from __future__ import annotations
@@ -27,6 +30,18 @@ def _fla():
     return fla_chunk_scan
 
 
+def _mamba_ssm():
+    from ssmspec.training.scan import _mamba_ssm_scan
+
+    scan = _mamba_ssm_scan()
+    if scan is None:
+        pytest.skip("mamba_ssm's sources are not importable here (see the module docstring)")
+    return scan
+
+
+KERNELS = {"fla": _fla, "mamba_ssm": _mamba_ssm}
+
+
 def _close(got, want, tol, name):
     # Tolerance relative to the tensor's own scale: gradients of A and D sum over B*T*P terms.
     scale = want.float().pow(2).mean().sqrt().item()
@@ -39,13 +54,14 @@ def _close(got, want, tol, name):
 @pytest.mark.parametrize("groups", [1, 8])
 @pytest.mark.parametrize("headdim", [32, 64])
 @pytest.mark.parametrize("dstate", [64, 128])
-def test_fla_scan_equals_naive(dstate, headdim, groups, chunk, steps, dtype):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_scan_equals_naive(kernel, dstate, headdim, groups, chunk, steps, dtype):
     from ssmspec.ops.chunk_scan import naive_chunk_scan
 
-    fla_chunk_scan = _fla()
+    scan = KERNELS[kernel]()
     inputs = scan_inputs(2, steps, 16, headdim, groups, dstate, dtype=dtype, device=DEV)
     y_ref, f_ref, g_ref = scan_grads(naive_chunk_scan, inputs, chunk)
-    y, f, g = scan_grads(fla_chunk_scan, inputs, chunk)
+    y, f, g = scan_grads(scan, inputs, chunk)
     tol = TOL[dtype]
     _close(y, y_ref, tol, "y")
     _close(f, f_ref, tol, "final_state")
@@ -54,13 +70,14 @@ def test_fla_scan_equals_naive(dstate, headdim, groups, chunk, steps, dtype):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_training_step_through_fla_equals_the_plain_torch_one(precision):
-    """The whole model under the run's autocast: loss and every parameter's gradient, fla vs plain torch."""
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_training_step_through_a_kernel_scan_equals_the_plain_torch_one(kernel, precision):
+    """The whole model under the run's autocast: loss and every parameter's gradient, kernel vs plain torch."""
     from helpers import scan_training_step_grads
 
-    _fla()
-    name, loss, grads, loss_ref, grads_ref = scan_training_step_grads("fla", "ssmspec", precision)
-    assert name.startswith("fla:")
+    KERNELS[kernel]()
+    name, loss, grads, loss_ref, grads_ref = scan_training_step_grads(kernel, "ssmspec", precision)
+    assert name.startswith(f"{kernel}:")
     tol = TOL[torch.float32 if precision == "fp32" else torch.bfloat16]
     _close(loss, loss_ref, tol, "loss")
     for n in grads_ref:
