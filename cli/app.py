@@ -84,8 +84,8 @@ def _one_line(text: str, limit: int = 400) -> str:
 
 
 # What to change when a command runs out of memory: its own options.
-_TRAINING_OOM = ("a smaller --batch-size with a larger --grad-accum (the same tokens per step), "
-                 "a shorter --seq-len or --device cpu")
+_TRAINING_OOM = ("--recompute (activations recomputed in the backward pass), a smaller --batch-size with a "
+                 "larger --grad-accum (the same tokens per step) or a shorter --seq-len")
 _OOM_HINTS = {
     "sft": _TRAINING_OOM,
     "distill": _TRAINING_OOM,

@@ -210,7 +210,7 @@ def test_cuda_out_of_memory_is_one_line(files, monkeypatch, capsys):
     assert "--max-new-tokens" in err and "--grad-accum" not in err
 
 
-@pytest.mark.parametrize("command, option", [("sft", "--grad-accum"), ("distill", "--seq-len"), ("profile", "--sizes"),
+@pytest.mark.parametrize("command, option", [("sft", "--recompute"), ("distill", "--grad-accum"), ("profile", "--sizes"),
                                              ("tune-tree", "--budget"), ("bench", "--max-new-tokens")])
 def test_out_of_memory_names_the_failing_commands_own_options(command, option):
     import torch
