@@ -37,6 +37,32 @@ class AttentionTreeActivations:
     values: torch.Tensor  # (B, Hkv, N, D)
 
 
+def write_kv(cache: AttentionLayerCache, seqlen: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             count: torch.Tensor | None = None, check: bool = True) -> None:
+    """Write k, v (B, Hkv, M, D) at each row's positions seqlen .. seqlen+M-1 (the first `count` valid).
+
+    check=False skips the capacity check, one device read: for callers that checked the same
+    positions already (every layer of one call shares them)."""
+    batch, _, steps, _ = k.shape
+    capacity = cache.keys.shape[2]
+    pos = seqlen[:, None] + torch.arange(steps, device=k.device)[None, :]  # (B, M)
+    if count is not None:
+        # Invalid entries rewrite the row's last slot with what is already there.
+        valid = torch.arange(steps, device=k.device)[None, :] < count[:, None]
+        pos = torch.where(valid, pos, capacity - 1)
+        rows = torch.arange(batch, device=k.device)[:, None]
+        keep = valid[:, None, :, None]
+        k = torch.where(keep, k, cache.keys[rows, :, pos].transpose(1, 2))
+        v = torch.where(keep, v, cache.values[rows, :, pos].transpose(1, 2))
+    # The check reads a device value on the host, which CUDA-graph capture forbids; captured
+    # callers (profiling, decoding graphs) allocate the capacity they need beforehand.
+    if check and not (k.is_cuda and torch.cuda.is_current_stream_capturing()) and int(pos.max()) >= capacity:
+        raise RuntimeError(f"KV cache of {capacity} positions is full; allocate a larger cache (max_len)")
+    index = pos[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+    cache.keys.scatter_(2, index, k.to(cache.keys.dtype))
+    cache.values.scatter_(2, index, v.to(cache.values.dtype))
+
+
 class Attention(nn.Module):
     """q/k/v/o projections (transformers naming). Positions come from the cache's per-row length."""
 
@@ -101,27 +127,6 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=self.cfg.scale)
         return _project_rows(self.o_proj, out.transpose(1, 2).flatten(-2))
 
-    def _write(self, cache: AttentionLayerCache, seqlen, k, v, count=None):
-        """Write k, v (B, Hkv, M, D) at each row's positions seqlen .. seqlen+M-1 (first `count` valid)."""
-        batch, _, steps, _ = k.shape
-        capacity = cache.keys.shape[2]
-        pos = seqlen[:, None] + torch.arange(steps, device=k.device)[None, :]  # (B, M)
-        if count is not None:
-            # Invalid entries rewrite the row's last slot with what is already there.
-            valid = torch.arange(steps, device=k.device)[None, :] < count[:, None]
-            pos = torch.where(valid, pos, capacity - 1)
-            rows = torch.arange(batch, device=k.device)[:, None]
-            keep = valid[:, None, :, None]
-            k = torch.where(keep, k, cache.keys[rows, :, pos].transpose(1, 2))
-            v = torch.where(keep, v, cache.values[rows, :, pos].transpose(1, 2))
-        # The check reads a device value on the host, which CUDA-graph capture forbids; captured
-        # callers (profiling, decoding graphs) allocate the capacity they need beforehand.
-        if not (k.is_cuda and torch.cuda.is_current_stream_capturing()) and int(pos.max()) >= capacity:
-            raise RuntimeError(f"KV cache of {capacity} positions is full; allocate a larger cache (max_len)")
-        index = pos[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        cache.keys.scatter_(2, index, k.to(cache.keys.dtype))
-        cache.values.scatter_(2, index, v.to(cache.values.dtype))
-
     def forward(self, h: torch.Tensor, cache: AttentionLayerCache | None = None, seqlen: torch.Tensor | None = None,
                 adapters=None):
         """Causal attention over h (B, T, D) after the cached prefix; writes the new keys/values.
@@ -141,7 +146,7 @@ class Attention(nn.Module):
         causal = torch.ones(steps, steps, dtype=torch.bool, device=h.device).tril()
         out = self._attend(q, k, v, cache, seqlen, causal)
         if cache is not None:
-            self._write(cache, seqlen, k, v)
+            write_kv(cache, seqlen, k, v)
         return out
 
     def _attend_in_chunks(self, q, k, v, cache, seqlen):
@@ -157,7 +162,7 @@ class Attention(nn.Module):
             query_pos = torch.arange(steps, device=device)[None, :].expand(batch, steps)  # (B, T)
             offset = 0
         else:
-            self._write(cache, seqlen, k, v)
+            write_kv(cache, seqlen, k, v)
             offset = int(seqlen.max())  # host read: never captured (graphs run T=1 steps and trees)
             keys = cache.keys[:, :, :offset + steps].to(q.dtype)
             values = cache.values[:, :, :offset + steps].to(q.dtype)
@@ -195,4 +200,4 @@ class Attention(nn.Module):
         rows = torch.arange(path.shape[0], device=path.device)[:, None]
         k = acts.keys.transpose(1, 2)[rows, path].transpose(1, 2)  # (B, Hkv, M, D)
         v = acts.values.transpose(1, 2)[rows, path].transpose(1, 2)
-        self._write(cache, seqlen, k, v, count=path_len)
+        write_kv(cache, seqlen, k, v, count=path_len)

@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import InputError
-from .attention import AttentionTreeActivations
+from .attention import AttentionTreeActivations, write_kv
 from .cache import AttentionLayerCache, ModelCache
 from .config import AttentionConfig, MLPConfig, ModelConfig
 from .lm import TreeActivations
@@ -141,9 +141,8 @@ class TransformersTarget(nn.Module):
         device = input_ids.device
         causal = torch.ones(steps, steps, dtype=torch.bool, device=device).tril()
         logits, new = self._run(input_ids, cache, torch.arange(steps, device=device), causal, last_only)
-        spans = _spans(cache, torch.full_like(cache.seqlen, steps))
-        for layer, (k, v) in zip(cache.layers, new):
-            _write(layer, spans, k, v)
+        for i, (layer, (k, v)) in enumerate(zip(cache.layers, new)):
+            write_kv(layer, cache.seqlen, k, v, check=i == 0)  # every layer writes the same positions
         cache.seqlen += steps
         return logits
 
@@ -170,27 +169,8 @@ class TransformersTarget(nn.Module):
         """Keep exactly the accepted path's keys and values, in order, after the prefix: path (B, M)
         node indices (root first), path_len (B,) how many of them are accepted."""
         rows = torch.arange(path.shape[0], device=path.device)[:, None]
-        spans = _spans(cache, path_len)
-        for layer, a in zip(cache.layers, acts.layers):
+        for i, (layer, a) in enumerate(zip(cache.layers, acts.layers)):
             k = a.keys.transpose(1, 2)[rows, path].transpose(1, 2)  # (B, Hkv, M, D)
             v = a.values.transpose(1, 2)[rows, path].transpose(1, 2)
-            _write(layer, spans, k, v)
+            write_kv(layer, cache.seqlen, k, v, count=path_len, check=i == 0)
         cache.seqlen += path_len.to(cache.seqlen.dtype)
-
-
-def _spans(cache: ModelCache, count: torch.Tensor) -> list[tuple[int, int]]:
-    """Each row's (start, n): where its next `count` entries go. Read from the device once per
-    call, for every layer (not once per layer); raises where they pass the cache's capacity."""
-    capacity = cache.layers[0].keys.shape[2] if cache.layers else 0
-    starts, counts = cache.seqlen.tolist(), count.tolist()
-    if max(a + n for a, n in zip(starts, counts)) > capacity:
-        raise RuntimeError(f"KV cache of {capacity} positions is full; allocate a larger cache (max_len)")
-    return list(zip(starts, counts))
-
-
-def _write(cache: AttentionLayerCache, spans: list[tuple[int, int]], k: torch.Tensor, v: torch.Tensor) -> None:
-    """Write k, v (B, Hkv, M, D) at each row's span (start, n): positions start .. start+n-1 get
-    the row's first n entries."""
-    for row, (start, n) in enumerate(spans):
-        cache.keys[row, :, start:start + n] = k[row, :, :n].to(cache.keys.dtype)
-        cache.values[row, :, start:start + n] = v[row, :, :n].to(cache.values.dtype)
