@@ -115,7 +115,8 @@ if not INTERPRETED:
         before = dispatch.chunk_scan
         with training_scan("auto", torch.device("cpu")) as picked:
             assert isinstance(picked, TrainingScan)
-            assert dispatch.chunk_scan is before  # ssmspec: the dispatcher itself
+            # the picked scan (on the CPU the dispatcher's own), behind torch.compiler.disable
+            assert dispatch.chunk_scan.__wrapped__ is picked.fn is dispatch.resolve("chunk_scan", torch.device("cpu"))
         assert dispatch.chunk_scan is before
 
 else:

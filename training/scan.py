@@ -64,10 +64,35 @@ def _import_mamba_ssd() -> Callable | None:
         forget_what_this_added()
 
 
+def _keep_autotuning_on_disk(entry: Callable) -> None:
+    """Have Triton keep the autotuning winners of the kernels behind `entry` (two module levels down) on disk.
+
+    mamba_ssm's SSD kernels benchmark every config on their first call per shape: about 90 s of a
+    mamba2-130m-shape run's first steps on an H100, again in every new process unless kept.
+    """
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        return
+    namespaces, seen = [entry.__globals__], set()
+    for depth in range(2):
+        found = []
+        for namespace in namespaces:
+            for value in namespace.values():
+                if isinstance(value, Autotuner) and hasattr(value, "cache_results"):
+                    value.cache_results = True
+                elif callable(value) and getattr(value, "__module__", "").startswith("mamba_ssm") \
+                        and hasattr(value, "__globals__") and id(value.__globals__) not in seen:
+                    seen.add(id(value.__globals__))
+                    found.append(value.__globals__)
+        namespaces = found
+
+
 def _mamba_ssm_scan() -> Callable | None:
     mamba_chunk_scan_combined = _import_mamba_ssd()
     if mamba_chunk_scan_combined is None:
         return None
+    _keep_autotuning_on_disk(mamba_chunk_scan_combined)
 
     def scan(x, dt, A, B, C, D, chunk_size=64, initial_state=None):
         # dt is already softplus'd and clamped (no dt_bias, no softplus inside); y and state in fp32.
@@ -123,11 +148,11 @@ def training_scan(choice: str, device: torch.device):
     from ssmspec.ops import dispatch
 
     picked = pick_training_scan(choice, device)
-    if picked.fn is dispatch.resolve("chunk_scan", device):
-        yield picked
-        return
     original = dispatch.chunk_scan
-    dispatch.chunk_scan = picked.fn  # Mamba2Mixer looks the function up on the module at call time
+    # Mamba2Mixer looks the function up on the module at call time. To torch.compile it is one
+    # opaque call: fla and mamba_ssm are autograd Functions around Triton kernels, and Inductor
+    # fails on the plain-torch scans' cumsums (SplitScan codegen, torch 2.11).
+    dispatch.chunk_scan = torch.compiler.disable(picked.fn)
     try:
         yield picked
     finally:

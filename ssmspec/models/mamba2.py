@@ -134,8 +134,7 @@ class Mamba2Mixer(nn.Module):
             cache.conv_state.copy_(extended[:, -(K - 1):].transpose(1, 2))
         else:
             extended = F.pad(xBC, (0, 0, K - 1, 0))
-        conv = F.conv1d(extended.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, groups=self.cfg.conv_dim)
-        xBC_conv = F.silu(conv.transpose(1, 2)[:, :T])
+        xBC_conv = F.silu(self._causal_conv(extended, T))
         x, B, C = self._split_conv_out(xBC_conv)
         dt = self._time_step(dt_raw)
         y, final = dispatch.chunk_scan(
@@ -144,6 +143,19 @@ class Mamba2Mixer(nn.Module):
         if cache is not None:
             cache.ssm_state.copy_(final)
         return self._output(y, z)
+
+    def _causal_conv(self, extended: torch.Tensor, T: int) -> torch.Tensor:
+        """The depthwise causal conv of (B, K-1+T, C) left-padded inputs -> (B, T, C) in their dtype."""
+        if torch.compiler.is_compiling():
+            # K shifted products, summed in fp32: Inductor fuses them with the silu after into one
+            # kernel each way, where conv1d is a launch per pass plus transposed copies around it
+            weight = self.conv1d.weight.squeeze(1).float()  # (C, K)
+            out = sum(extended[:, k : k + T].float() * weight[:, k] for k in range(weight.shape[1]))
+            if self.conv1d.bias is not None:
+                out = out + self.conv1d.bias.float()
+            return out.to(extended.dtype)
+        conv = F.conv1d(extended.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, groups=self.cfg.conv_dim)
+        return conv.transpose(1, 2)[:, :T]
 
     # -- one token ---------------------------------------------------------------------------
     def step(self, h: torch.Tensor, cache: MambaLayerCache) -> torch.Tensor:
