@@ -74,6 +74,12 @@ SCAN = typer.Option(_RUN.scan, "--scan", metavar="NAME", callback=options.one_of
 RECOMPUTE = options.flag(_RUN.recompute, "--recompute/--no-recompute",
                          help="Recompute each sublayer's activations in the backward pass: the same gradients in less GPU "
                               "memory (larger --batch-size fits), about a third more compute.")
+COMPILE = typer.Option(_RUN.compile, "--compile/--no-compile", metavar="",
+                       help="torch.compile the student's forward (fuses each layer's elementwise work; the first steps "
+                            "take a minute or two longer). Default: on a GPU.")
+CUDA_GRAPHS = typer.Option(_RUN.cuda_graphs, "--cuda-graphs/--no-cuda-graphs", metavar="",
+                           help="Capture each micro-step (forward, loss, backward) in a CUDA graph after two ordinary runs "
+                                "and replay it: no per-kernel host work. Default: on one GPU without --cache-target-logits.")
 LOSS_CHUNK = options.count(_LOSS.chunk_positions, "--loss-chunk", max=1 << 24,
                            help="Positions whose logits the loss turns into fp32 at once (0 = as many as fit 32M values).")
 MODEL_DIR = dict(exists=True, file_okay=False)
@@ -84,7 +90,8 @@ def build_config(mode: str, **kw) -> RunConfig:
     cfg = RunConfig(
         mode=mode, out=str(kw["out"]), target=_s(kw.get("target")), student=_s(kw.get("student")),
         student_preset=kw.get("student_preset"), tokenizer=_s(kw.get("tokenizer")), resume=kw["resume"],
-        overwrite=kw["overwrite"], scan=kw["scan"], recompute=kw["recompute"],
+        overwrite=kw["overwrite"], scan=kw["scan"], recompute=kw["recompute"], compile=kw["compile"],
+        cuda_graphs=kw["cuda_graphs"],
         data=DataConfig(spec=kw["data"], format=kw["format"], seq_len=kw["seq_len"], text_field=kw["text_field"],
                         held_out_fraction=kw["held_out"], max_held_out_blocks=kw["max_held_out"],
                         streaming=kw["streaming"], on_bad_record=kw["on_bad_record"]),
@@ -244,7 +251,8 @@ def distill_command(
     eval_max_new_tokens: int = EVAL_NEW, eval_draft_len: int = EVAL_K, save_every: int = SAVE_EVERY,
     keep_checkpoints: int = KEEP, log_every: int = LOG_EVERY, resume: bool = RESUME, overwrite: bool = OVERWRITE,
     lora: bool = LORA, lora_rank: int = LORA_RANK, lora_alpha: float = LORA_ALPHA, lora_targets: str = LORA_TARGETS,
-    scan: str = SCAN, recompute: bool = RECOMPUTE, loss_chunk: int = LOSS_CHUNK,
+    scan: str = SCAN, recompute: bool = RECOMPUTE, compile: Optional[bool] = COMPILE,
+    cuda_graphs: Optional[bool] = CUDA_GRAPHS, loss_chunk: int = LOSS_CHUNK,
     cache_target_logits: int = options.count(
         _LOSS.cache_target_logits, "--cache-target-logits", metavar="K",
         help="Store the target's top-K logits per position on disk (out/target_topk.bin, K x 6 bytes per token) the first "
@@ -280,7 +288,8 @@ def sft_command(
     eval_max_new_tokens: int = EVAL_NEW, eval_draft_len: int = EVAL_K, save_every: int = SAVE_EVERY,
     keep_checkpoints: int = KEEP, log_every: int = LOG_EVERY, resume: bool = RESUME, overwrite: bool = OVERWRITE,
     lora: bool = LORA, lora_rank: int = LORA_RANK, lora_alpha: float = LORA_ALPHA, lora_targets: str = LORA_TARGETS,
-    scan: str = SCAN, recompute: bool = RECOMPUTE, loss_chunk: int = LOSS_CHUNK,
+    scan: str = SCAN, recompute: bool = RECOMPUTE, compile: Optional[bool] = COMPILE,
+    cuda_graphs: Optional[bool] = CUDA_GRAPHS, loss_chunk: int = LOSS_CHUNK,
 ):
     """Next-token fine-tuning (chat: loss on assistant turns only) or pretraining on raw text.
 

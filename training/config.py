@@ -159,6 +159,11 @@ class RunConfig:
     recompute: bool = False
     """Recompute each sublayer's activations in the backward pass instead of keeping them (the same
     gradients; less memory, so larger batches fit; about a third more compute)."""
+    compile: bool | None = None
+    """torch.compile the student's forward: True, False, or None for automatic (on a CUDA device)."""
+    cuda_graphs: bool | None = None
+    """Replay each micro-step from a CUDA graph: True, False, or None for automatic (one CUDA process,
+    no --cache-target-logits)."""
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -168,7 +173,7 @@ class RunConfig:
 
     # Fields that may change between a run and its resumption without changing what is trained.
     _RESUMABLE_CHANGES = (
-        "out", "resume", "overwrite", "scan", "recompute", "optim.steps", "eval", "checkpoint", "data.on_bad_record",
+        "out", "resume", "overwrite", "scan", "recompute", "compile", "cuda_graphs", "optim.steps", "eval", "checkpoint", "data.on_bad_record",
         "loss.chunk_positions",
     )
 

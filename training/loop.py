@@ -37,6 +37,7 @@ from .flops import device_peak_flops, steady_throughput, train_flops_per_token
 from .logit_cache import DATA_FILE as TOPK_DATA_FILE, HEADER_FILE as TOPK_HEADER_FILE
 from .logit_cache import TargetLogitCache, expected_header, prepare_cache
 from .losses import distill_loss, sft_loss
+from .micro_step import MicroStep, plan_step
 from .scan import training_scan
 
 log = logging.getLogger("ssmspec.training")
@@ -470,6 +471,7 @@ class _Run:
     run_start: float = 0.0
     run_start_step: int = 0
     cache: TargetLogitCache | None = None  # the target's top-K on disk (--cache-target-logits)
+    micro_step: MicroStep | None = None  # how a micro-batch's forward, loss and backward run (built by open_log)
 
     @property
     def device(self) -> torch.device:
@@ -547,8 +549,14 @@ def open_log(run: _Run, scan) -> None:
     """Record the run (run.json, the log.jsonl header with the scan and FLOPs) and tell the callbacks."""
     peak, device_name = device_peak_flops(run.device)
     flops = train_flops_per_token(run.raw_student, run.cfg.data.seq_len, run.target)
-    run.info.update({"scan": scan.name, "scan_reason": scan.reason, "device_name": device_name,
-                     "flops_per_token": flops, "peak_flops": peak})
+    cfg = run.cfg
+    plan = plan_step(cfg.compile, cfg.cuda_graphs, run.device, run.accelerator.num_processes, run.cache is not None)
+    run.micro_step = MicroStep(
+        plan, run.model, lambda forward, ids, mask, rows: _loss(forward, run.target, ids, mask, cfg, run.cache, rows),
+        run.accelerator.backward, cfg.optim.grad_accum, run.accelerator.autocast,
+        asked=(cfg.compile, cfg.cuda_graphs), on_message=run.cb.on_message)
+    run.info.update({"scan": scan.name, "scan_reason": scan.reason, "step_mode": plan.name, "step_mode_reason": plan.reason,
+                     "device_name": device_name, "flops_per_token": flops, "peak_flops": peak})
     run.run_info = {"config": run.cfg.to_dict(), "run": run.info}
     if run.main:
         run.out.mkdir(parents=True, exist_ok=True)
@@ -559,6 +567,8 @@ def open_log(run: _Run, scan) -> None:
     log.info("training scan: %s (%s)", scan.name, scan.reason)
     run.cb.on_start({**run.info, "total_steps": run.cfg.optim.steps, "start_step": run.step})
     run.cb.on_message(f"Mamba-2 training scan: {scan.name} ({scan.reason})")
+    run.cb.on_message(f"micro-step: {plan.name} ({plan.reason})"
+                      + ("; the first steps compile and autotune (a minute or two)" if plan.compile else ""))
     if run.cache is not None:
         c = run.info["target_cache"]
         run.cb.on_message(f"target logits: top-{c['k']} cache {c['path']}, {c['filled_at_start']} of {c['blocks']} "
@@ -586,9 +596,7 @@ def optimizer_step(run: _Run) -> tuple[torch.Tensor, dict, torch.Tensor | None, 
         ids, mask = to_device(ids, run.device), to_device(mask, run.device)
         sync = micro == cfg.optim.grad_accum - 1
         with contextlib.nullcontext() if sync else accelerator.no_sync(model):
-            with accelerator.autocast():
-                loss, parts = _loss(model, run.target, ids, mask, cfg, run.cache, rows)
-            accelerator.backward(loss / cfg.optim.grad_accum)
+            loss, parts = run.micro_step(ids, mask, rows)
         # float64, as Python floats summed them before: the logged values are the same to the bit
         term = loss.detach().double() / cfg.optim.grad_accum
         loss_sum = term if loss_sum is None else loss_sum + term
@@ -602,7 +610,7 @@ def optimizer_step(run: _Run) -> tuple[torch.Tensor, dict, torch.Tensor | None, 
     lr = run.scheduler.get_last_lr()[0]
     run.optimizer.step()
     run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    run.optimizer.zero_grad(set_to_none=not run.micro_step.keeps_grads)  # a captured graph adds into the same tensors
     run.step += 1
     run.done_rng, run.done_position = _rng_state(), run.position
     run.window_tokens += run.tokens_per_step
@@ -696,6 +704,8 @@ def save_interrupted(run: _Run) -> None:
 def finish(run: _Run) -> TrainResult:
     """Final evaluation (when on), the last checkpoint and the final model in cfg.out."""
     run.info["throughput"] = steady_throughput(run.result.history)
+    # what the micro-steps ran as in the end (an automatic compile or capture that failed was dropped)
+    run.info["step_mode_used"] = {"mode": run.micro_step.plan.name, "graphs_captured": run.micro_step.captured}
     if run.cfg.eval.final_eval:
         run_eval(run, run.step)
     checkpoint(run, run.step, run.position, _rng_state())
@@ -707,7 +717,7 @@ def finish(run: _Run) -> TrainResult:
         if run.bad.count:
             run.logger.write({"event": "bad_records", "count": run.bad.count, "examples": run.bad.examples})
         run.logger.write({"event": "end", "step": run.step, "final_loss": run.result.final_loss,
-                          "throughput": run.info["throughput"], **cache_counts})
+                          "throughput": run.info["throughput"], "step_mode": run.info["step_mode_used"], **cache_counts})
     run.info["bad_records"] = run.bad.count
     if run.cache is not None:
         c = run.info["target_cache"]

@@ -1,0 +1,61 @@
+"""training/micro_step.py on a GPU (opt in: --run-gpu): the compiled, CUDA-graphed micro-step trains as the eager one.
+
+A tiny hybrid (Mamba-2 + attention) model through the chunk-parallel scan, bf16 autocast, fused
+AdamW, two micro-batches per optimizer step: the same losses and the same weights after six
+optimizer steps, within bf16 rounding (Inductor sums in another order), with the graph captured
+once and replayed for every later micro-batch.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_close, tiny_model
+from ssmspec.training.micro_step import WARMUP_RUNS, MicroStep, StepPlan
+from ssmspec.training.scan import training_scan
+
+pytestmark = pytest.mark.requires_cuda
+
+
+def _train(plan: StepPlan, batches, accum: int = 2):
+    model = tiny_model(layers=("mamba", "attention", "mamba"), seed=5, std=0.05).cuda().train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+
+    def loss_fn(forward, ids, mask, rows):
+        logits = forward(ids[:, :-1])
+        ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+        return ce, {"ce": ce.detach()}
+
+    step = MicroStep(plan, model, loss_fn, lambda loss: loss.backward(), accum,
+                     lambda: torch.autocast("cuda", dtype=torch.bfloat16), asked=(plan.compile, plan.cuda_graphs))
+    losses = []
+    for i in range(0, len(batches), accum):
+        for ids in batches[i:i + accum]:
+            loss, parts = step(ids, torch.ones_like(ids[:, 1:], dtype=torch.bool))
+            losses.append(loss.detach().clone())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=not step.keeps_grads)
+    torch.cuda.synchronize()
+    return torch.stack(losses).cpu(), model, step
+
+
+@pytest.mark.xfail(reason="2026-11-27, H100: the capture of this tiny hybrid's micro-step (3 layers, two micro-batches "
+                          "per optimizer step) ends in cudaErrorStreamCaptureInvalidated, no sync detected, while a "
+                          "2-layer hybrid without optimizer steps captures and the mamba2-130m CLI run trains graphed; "
+                          "open in issue 26", strict=False)
+def test_compiled_graphed_micro_steps_train_as_eager_ones():
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 64, (4, 65), generator=gen).cuda() for _ in range(2)] * 6  # learnable: seen 6 times
+    with training_scan("parallel", torch.device("cuda")):
+        eager_losses, eager, _ = _train(StepPlan(False, False, "eager"), batches)
+        fast_losses, fast, step = _train(StepPlan(True, True, "compile + graphs"), batches)
+    assert step.keeps_grads and len(step._graphs) == 1  # captured once, at micro-batch WARMUP_RUNS + 1
+    assert step._runs[next(iter(step._graphs))] == WARMUP_RUNS + 1
+    assert_close(fast_losses, eager_losses, atol=2e-2, rtol=2e-2)
+    assert fast_losses[-1] < fast_losses[0] - 0.1  # it learns: six optimizer steps at lr 3e-3
+    # The weights' updates agree in direction and size (Adam moves near-zero gradients of either sign by lr).
+    start = tiny_model(layers=("mamba", "attention", "mamba"), seed=5, std=0.05)
+    d_fast = torch.cat([(p.detach().cpu() - p0).flatten() for p, p0 in zip(fast.parameters(), start.parameters())])
+    d_eager = torch.cat([(p.detach().cpu() - p0).flatten() for p, p0 in zip(eager.parameters(), start.parameters())])
+    assert d_eager.norm() > 0
+    assert (d_fast - d_eager).norm() < 0.25 * d_eager.norm(), ((d_fast - d_eager).norm(), d_eager.norm())

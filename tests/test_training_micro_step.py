@@ -1,0 +1,111 @@
+"""training/micro_step.py: which micro-step a run uses, the compiled conv's math, and automatic choices that fail."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_close, tiny_model
+from ssmspec.errors import InputError
+from ssmspec.training.micro_step import MicroStep, StepPlan, plan_step
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_plan_is_eager_on_the_cpu_and_compiled_and_graphed_on_one_gpu():
+    cpu = plan_step(None, None, CPU, 1, False)
+    assert (cpu.compile, cpu.cuda_graphs, cpu.name) == (False, False, "eager")
+    assert "not CUDA" in cpu.reason
+    gpu = plan_step(None, None, CUDA, 1, False)
+    assert (gpu.compile, gpu.cuda_graphs, gpu.name) == (True, True, "torch.compile + CUDA graph")
+    assert plan_step(False, False, CUDA, 1, False).name == "eager"
+    assert plan_step(True, None, CPU, 1, False).name == "torch.compile"  # compile works on the CPU too
+
+
+@pytest.mark.parametrize("device, processes, cache, why", [
+    (CPU, 1, False, "not CUDA"), (CUDA, 2, False, "2 processes"), (CUDA, 1, True, "cache-target-logits")])
+def test_graphs_are_left_out_automatically_and_refused_when_asked_for(device, processes, cache, why):
+    auto = plan_step(None, None, device, processes, cache)
+    assert not auto.cuda_graphs and why in auto.reason
+    with pytest.raises(InputError, match=f"--cuda-graphs asked for, but .*{why}"):
+        plan_step(None, True, device, processes, cache)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_compiled_conv_sums_shifted_products_as_conv1d_does(monkeypatch, bias):
+    """Mamba2Mixer._causal_conv's torch.compile branch (K shifted products) against F.conv1d, at fp32 and bf16."""
+    from dataclasses import replace
+
+    from helpers import tiny_config
+    from ssmspec.models import LanguageModel
+
+    cfg = tiny_config()
+    cfg.mamba = replace(cfg.mamba, conv_bias=bias)
+    model = LanguageModel(cfg)
+    mixer = next(layer.mixer for layer in model.layers if layer.kind == "mamba")
+    K, C, T = mixer.cfg.conv_kernel, mixer.cfg.conv_dim, 37
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        extended = torch.randn(3, K - 1 + T, C, generator=torch.Generator().manual_seed(0)).to(dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            reference = mixer._causal_conv(extended, T)
+            monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+            shifted = mixer._causal_conv(extended, T)
+            monkeypatch.undo()
+        assert shifted.shape == reference.shape == (3, T, C) and shifted.dtype == reference.dtype
+        assert_close(shifted.float(), reference.float(), atol=tol, rtol=tol)
+
+
+def _micro(model, plan, asked=(None, None), messages=None):
+    def loss_fn(forward, ids, mask, rows):
+        logits = forward(ids)
+        return logits.float().logsumexp(-1).mean(), {}
+
+    return MicroStep(plan, model, loss_fn, lambda loss: loss.backward(), 2, lambda: torch.autocast("cpu", enabled=False),
+                     asked=asked, on_message=(messages if messages is not None else []).append)
+
+
+def test_a_failing_automatic_compile_is_reported_and_dropped_and_an_asked_one_raises(monkeypatch):
+    from torch._dynamo.exc import Unsupported
+
+    def broken_compile(model, **kw):
+        def forward(*a, **k):
+            raise Unsupported("no")
+        return forward
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    ids = torch.randint(0, 64, (2, 9))
+    model = tiny_model()
+    messages = []
+    step = _micro(model, StepPlan(True, False, "auto"), messages=messages)
+    loss, _ = step(ids, torch.ones(2, 9, dtype=torch.bool))
+    eager_model = tiny_model()
+    expected = eager_model(ids).float().logsumexp(-1).mean()
+    assert_close(loss, expected)
+    assert step.plan.name == "eager" and "torch.compile failed (Unsupported" in messages[0]
+    assert all(p.grad is not None for p in model.parameters())  # the step still ran its backward, once
+    (expected / 2).backward()
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        assert_close(p.grad, q.grad)
+    asked = _micro(tiny_model(), StepPlan(True, False, "asked for"), asked=(True, None))
+    with pytest.raises(Unsupported):
+        asked(ids, torch.ones(2, 9, dtype=torch.bool))
+
+
+@pytest.mark.slow
+def test_the_compiled_forward_gives_eager_losses_and_gradients():
+    """torch.compile of a tiny model on the CPU (the scan opaque, as training_scan installs it): same loss and gradients."""
+    from ssmspec.training.scan import training_scan
+
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    results = []
+    with training_scan("ssmspec", CPU):
+        for plan in (StepPlan(False, False, "eager"), StepPlan(True, False, "compiled")):
+            model = tiny_model(layers=("mamba", "attention", "mamba"), seed=4, std=0.05).train()
+            step = _micro(model, plan, asked=(True, False))
+            for _ in range(3):  # a recompile would show as a different loss or an error
+                loss, _ = step(ids, mask)
+            results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (loss_e, grads_e), (loss_c, grads_c) = results
+    assert_close(loss_c, loss_e, atol=1e-5, rtol=1e-5)
+    for ge, gc in zip(grads_e, grads_c):
+        assert_close(gc, ge, atol=1e-5, rtol=1e-4)
