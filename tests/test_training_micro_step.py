@@ -91,8 +91,10 @@ def test_a_failing_automatic_compile_is_reported_and_dropped_and_an_asked_one_ra
 
 
 @pytest.mark.slow
-def test_the_compiled_forward_gives_eager_losses_and_gradients():
-    """torch.compile of a tiny model on the CPU (the scan opaque, as training_scan installs it): same loss and gradients."""
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_compiled_forward_gives_eager_losses_and_gradients(recompute):
+    """torch.compile of a tiny model on the CPU (the scan opaque, as training_scan installs it), also
+    under --recompute's checkpointing: the same loss and gradients as eager."""
     from ssmspec.training.scan import training_scan
 
     ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
@@ -101,6 +103,7 @@ def test_the_compiled_forward_gives_eager_losses_and_gradients():
     with training_scan("ssmspec", CPU):
         for plan in (StepPlan(False, False, "eager"), StepPlan(True, False, "compiled")):
             model = tiny_model(layers=("mamba", "attention", "mamba"), seed=4, std=0.05).train()
+            model.recompute_activations = recompute
             step = _micro(model, plan, asked=(True, False))
             for _ in range(3):  # a recompile would show as a different loss or an error
                 loss, _ = step(ids, mask)

@@ -67,8 +67,9 @@ def _import_mamba_ssd() -> Callable | None:
 def _keep_autotuning_on_disk(entry: Callable) -> None:
     """Have Triton keep the autotuning winners of the kernels behind `entry` (two module levels down) on disk.
 
-    mamba_ssm's SSD kernels benchmark every config on their first call per shape: about 90 s of a
-    mamba2-130m-shape run's first steps on an H100, again in every new process unless kept.
+    mamba_ssm's SSD kernels benchmark every config on their first call per shape, again in every
+    new process unless kept (with Inductor's compiles, a mamba2-130m-shape run's first three steps
+    took 92-126 s on an H100).
     """
     try:
         from triton.runtime.autotuner import Autotuner
