@@ -112,3 +112,55 @@ def test_the_compiled_forward_gives_eager_losses_and_gradients(recompute):
     assert_close(loss_c, loss_e, atol=1e-5, rtol=1e-5)
     for ge, gc in zip(grads_e, grads_c):
         assert_close(gc, ge, atol=1e-5, rtol=1e-4)
+
+
+def _refused_capture(monkeypatch, model):
+    """torch.cuda's graph API on the CPU, with a capture the runtime refuses when it ends. A real
+    capture records kernels without running them; here the body runs, so its effect on the
+    gradients is undone (the tensors themselves are kept, as on a GPU)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def graph(g):
+        params = list(model.parameters())
+        grads = [p.grad for p in params]
+        values = [None if g is None else g.clone() for g in grads]
+        yield
+        for p, tensor, value in zip(params, grads, values):
+            p.grad = tensor
+            if tensor is not None:
+                tensor.copy_(value)
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+
+def test_a_refused_automatic_capture_is_reported_and_the_step_still_runs_once(monkeypatch):
+    """A micro-step whose capture is refused runs eagerly instead: reported, graphs dropped, its gradient counted once."""
+    ids, mask = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2)), torch.ones(2, 9, dtype=torch.bool)
+    messages = []
+    model = tiny_model()
+    _refused_capture(monkeypatch, model)
+    step = _micro(model, StepPlan(False, True, "auto"), messages=messages)
+    for _ in range(3):  # two ordinary runs, then the capture
+        step(ids, mask)
+    assert "CUDA graph capture failed (RuntimeError: CUDA error" in messages[0]
+    assert step.plan.name == "eager" and not step.keeps_grads and step.captured == 0
+    eager = tiny_model()
+    for _ in range(3):
+        (eager(ids).float().logsumexp(-1).mean() / 2).backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert_close(p.grad, q.grad, name=name)
+
+
+def test_an_asked_for_capture_that_is_refused_raises(monkeypatch):
+    model = tiny_model()
+    _refused_capture(monkeypatch, model)
+    ids, mask = torch.randint(0, 64, (2, 9)), torch.ones(2, 9, dtype=torch.bool)
+    step = _micro(model, StepPlan(False, True, "asked for"), asked=(None, True))
+    step(ids, mask)
+    step(ids, mask)
+    with pytest.raises(RuntimeError, match="during capture"):
+        step(ids, mask)
