@@ -164,3 +164,27 @@ def test_an_asked_for_capture_that_is_refused_raises(monkeypatch):
     step(ids, mask)
     with pytest.raises(RuntimeError, match="during capture"):
         step(ids, mask)
+
+
+def test_a_refused_capture_that_replaced_accumulated_gradients_stops_the_run(monkeypatch):
+    """Earlier micro-batches' gradients swapped for graph-pool tensors cannot be recovered: an error, not a wrong step."""
+    import contextlib
+
+    model = tiny_model()
+
+    @contextlib.contextmanager
+    def graph(g):
+        yield
+        first = next(model.parameters())
+        first.grad = torch.zeros_like(first)  # as an out-of-place AccumulateGrad would leave it
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    ids, mask = torch.randint(0, 64, (2, 9)), torch.ones(2, 9, dtype=torch.bool)
+    step = _micro(model, StepPlan(False, True, "auto"))
+    step(ids, mask)
+    step(ids, mask)  # gradients of two micro-batches, not yet stepped
+    with pytest.raises(RuntimeError, match="replacing gradients of earlier micro-batches; run again with --no-cuda-graphs"):
+        step(ids, mask)

@@ -144,6 +144,7 @@ class MicroStep:
 
     def _capture(self, ids, mask) -> _Captured | None:
         params = [p for p in self.model.parameters() if p.requires_grad]
+        accumulated = any(p.grad is not None for p in params)  # earlier micro-batches of this optimizer step
         for p in params:  # the graph adds into these; a missing one would be allocated inside the graph
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -158,14 +159,19 @@ class MicroStep:
             if [p.grad.data_ptr() if p.grad is not None else 0 for p in params] != grads:
                 raise RuntimeError("the captured backward replaced .grad tensors instead of adding into them")
         except Exception as error:
+            # A capture runs nothing, so the gradients hold what they held, unless the recorded
+            # backward put graph-pool tensors in their place (then they are lost)
+            replaced = [p for p, ptr in zip(params, grads) if p.grad is None or p.grad.data_ptr() != ptr]
             if self._graphs_asked:
                 raise
+            if replaced and accumulated:
+                raise RuntimeError("a CUDA graph capture failed after replacing gradients of earlier micro-batches; "
+                                   "run again with --no-cuda-graphs") from error
             self.on_message(f"CUDA graph capture failed ({_first_line(error)}); "
                             "this run goes on without graphs (--no-cuda-graphs skips the attempt)")
             self.plan = StepPlan(self.plan.compile, False, self.plan.reason + "; CUDA graph capture failed")
-            for p, ptr in zip(params, grads):
-                if p.grad is None or p.grad.data_ptr() != ptr:
-                    p.grad = None  # a graph-pool tensor; the next backward starts a fresh one
+            for p in replaced:
+                p.grad = None  # it held zeros before the capture: the next backward starts a fresh one
             return None
         log.info("captured a CUDA graph of the micro-step for batch %s", tuple(ids.shape))
         return _Captured(graph, static_ids, static_mask, loss, parts)
