@@ -646,6 +646,8 @@ def report_step(run: _Run, loss_sum: torch.Tensor, parts_sum: dict, grad_norm, l
     metrics = {"step": step, "loss": loss_mean, **parts_mean, "lr": lr, "grad_norm": grad_norm,
                "tokens": step * run.tokens_per_step, "tokens_per_s": tps, "mfu": mfu, "eta_s": eta,
                "elapsed_s": now - run.run_start}
+    if run.device.type == "cuda":  # the most this process has held at once (graph pools included)
+        metrics["peak_memory_gb"] = torch.cuda.max_memory_allocated(run.device) / 2**30
     run.result.history.append(metrics)
     run.result.final_loss = loss_mean
     run.logger.write({"event": "step", **metrics})
@@ -706,6 +708,8 @@ def finish(run: _Run) -> TrainResult:
     run.info["throughput"] = steady_throughput(run.result.history)
     # what the micro-steps ran as in the end (an automatic compile or capture that failed was dropped)
     run.info["step_mode_used"] = {"mode": run.micro_step.plan.name, "graphs_captured": run.micro_step.captured}
+    if run.device.type == "cuda":
+        run.info["throughput"]["peak_memory_gb"] = torch.cuda.max_memory_allocated(run.device) / 2**30
     if run.cfg.eval.final_eval:
         run_eval(run, run.step)
     checkpoint(run, run.step, run.position, _rng_state())
