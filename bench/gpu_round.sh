@@ -2,7 +2,8 @@
 # Purpose: one device-machine round of the GPU fast path (issue 3): the GPU tests, then
 # bench_decode.py on mamba2-2.7b (folded and unfolded norms, per-kernel profile) and hybrid-8b.
 # Hardware: one H100 80GB (device tool, kind nvidia-h100-x1). Expected time: ~2-7 min, by steps.
-# Usage: bench/gpu_round.sh OUT_DIR TAG [steps...]   (steps: tests nl 27b 8b gen; default tests 27b 8b)
+# Usage: bench/gpu_round.sh OUT_DIR TAG [steps...]   (steps: tests nl 27b 8b gen train; default tests 27b 8b;
+# train:K runs the issue-26 test matching -k K: train:sft_speed train:distill_speed train:1_3b train:2_7b)
 set -uo pipefail
 out=${1:-${OUT:-bench-out}}
 tag=${2:-run}
@@ -15,6 +16,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for step in $steps; do
     start=$SECONDS
     case $step in
+        train:*) OUT="$out" SSMSPEC_SPEED_WORK=/tmp/ssmspec-speed timeout 590 python3 -m pytest tests/gpu/test_training_speed_gpu.py \
+                 -k "${step#train:}" -q -s -rxX --run-gpu -p no:cacheprovider 2>&1 | tail -25 > "$out/train-${step#train:}-$tag.log" ;;
         tests) timeout 300 python3 -m pytest tests/gpu -q --run-gpu -x -p no:cacheprovider 2>&1 | tail -25 > "$out/gpu_tests-$tag.log" ;;
         27b) timeout 300 python3 bench/bench_decode.py --skip-reference --profile --out "$out/bench_decode-$tag.json" \
                  > "$out/bench_decode-$tag.log" 2>&1 ;;
