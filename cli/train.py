@@ -177,10 +177,12 @@ class RichProgress:
 
 
 def step_stats(m: dict) -> str:
-    """The training bar's text for one logged step: loss, tokens/s and, where the peak FLOP/s is known, MFU."""
+    """The training bar's text for one logged step: loss, tokens/s and, where known, MFU and peak GPU memory."""
     text = f"loss {m['loss']:.4f}, {m['tokens_per_s']:,.0f} tok/s"
     if m.get("mfu") is not None:
         text += f", MFU {100 * m['mfu']:.1f}%"
+    if m.get("peak_memory_gb") is not None:
+        text += f", peak {m['peak_memory_gb']:.1f} GB"
     return text
 
 

@@ -72,6 +72,7 @@ def test_step_line_shows_tokens_per_second_and_mfu_when_known():
     m = {"loss": 1.23456, "tokens_per_s": 12345.6, "mfu": None}
     assert step_stats(m) == "loss 1.2346, 12,346 tok/s"
     assert step_stats({**m, "mfu": 0.4213}) == "loss 1.2346, 12,346 tok/s, MFU 42.1%"
+    assert step_stats({**m, "mfu": 0.4213, "peak_memory_gb": 12.34}) == "loss 1.2346, 12,346 tok/s, MFU 42.1%, peak 12.3 GB"
 
 
 def test_help_of_the_new_flags(monkeypatch, capsys):
