@@ -91,10 +91,13 @@ def test_a_failing_automatic_compile_is_reported_and_dropped_and_an_asked_one_ra
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recompute", [False, True])
-def test_the_compiled_forward_gives_eager_losses_and_gradients(recompute):
-    """torch.compile of a tiny model on the CPU (the scan opaque, as training_scan installs it), also
-    under --recompute's checkpointing: the same loss and gradients as eager."""
+@pytest.mark.parametrize("preset, recompute", [("hybrid", False), ("hybrid", True), ("tiny-parallel-hybrid", False),
+                                               ("tiny-shared-hybrid", False), ("tiny-moe-hybrid", False)])
+def test_the_compiled_forward_gives_eager_losses_and_gradients(preset, recompute):
+    """torch.compile on the CPU (the scan opaque, as training_scan installs it) for every sublayer kind
+    (Mamba-2, attention, parallel blocks, a Zamba2 shared block, MoE), also under --recompute's
+    checkpointing: the same loss and gradients as eager."""
+    from ssmspec.models.presets import build_model
     from ssmspec.training.scan import training_scan
 
     ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
@@ -102,16 +105,20 @@ def test_the_compiled_forward_gives_eager_losses_and_gradients(recompute):
     results = []
     with training_scan("ssmspec", CPU):
         for plan in (StepPlan(False, False, "eager"), StepPlan(True, False, "compiled")):
-            model = tiny_model(layers=("mamba", "attention", "mamba"), seed=4, std=0.05).train()
+            if preset == "hybrid":
+                model = tiny_model(layers=("mamba", "attention", "mamba"), seed=4, std=0.05).train()
+            else:
+                model = build_model(preset, vocab_size=64, seed=4, std=0.05).train()
             model.recompute_activations = recompute
             step = _micro(model, plan, asked=(True, False))
             for _ in range(3):  # a recompile would show as a different loss or an error
                 loss, _ = step(ids, mask)
-            results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+            results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     (loss_e, grads_e), (loss_c, grads_c) = results
     assert_close(loss_c, loss_e, atol=1e-5, rtol=1e-5)
-    for ge, gc in zip(grads_e, grads_c):
-        assert_close(gc, ge, atol=1e-5, rtol=1e-4)
+    assert grads_c.keys() == grads_e.keys()
+    for name in grads_e:
+        assert_close(grads_c[name], grads_e[name], atol=1e-5, rtol=1e-4, name=name)
 
 
 def _refused_capture(monkeypatch, model):
