@@ -1,6 +1,8 @@
 """training/micro_step.py: which micro-step a run uses, the compiled conv's math, and automatic choices that fail."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -18,7 +20,9 @@ def test_plan_is_eager_on_the_cpu_and_compiled_and_graphed_on_one_gpu():
     gpu = plan_step(None, None, CUDA, 1, False)
     assert (gpu.compile, gpu.cuda_graphs, gpu.name) == (True, True, "torch.compile + CUDA graph")
     assert plan_step(False, False, CUDA, 1, False).name == "eager"
-    assert plan_step(True, None, CPU, 1, False).name == "torch.compile"  # compile works on the CPU too
+    asked = plan_step(True, None, CPU, 1, False)
+    assert asked.name == "torch.compile"  # compile works on the CPU too
+    assert asked.compile_asked and not asked.graphs_asked and not gpu.compile_asked and not gpu.graphs_asked
 
 
 @pytest.mark.parametrize("device, processes, cache, why", [
@@ -33,8 +37,6 @@ def test_graphs_are_left_out_automatically_and_refused_when_asked_for(device, pr
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_compiled_conv_sums_shifted_products_as_conv1d_does(monkeypatch, bias):
     """Mamba2Mixer._causal_conv's torch.compile branch (K shifted products) against F.conv1d, at fp32 and bf16."""
-    from dataclasses import replace
-
     from helpers import tiny_config
     from ssmspec.models import LanguageModel
 
@@ -54,13 +56,13 @@ def test_the_compiled_conv_sums_shifted_products_as_conv1d_does(monkeypatch, bia
         assert_close(shifted.float(), reference.float(), atol=tol, rtol=tol)
 
 
-def _micro(model, plan, asked=(None, None), messages=None):
+def _micro(model, plan, messages=None):
     def loss_fn(forward, ids, mask, rows):
         logits = forward(ids)
         return logits.float().logsumexp(-1).mean(), {}
 
     return MicroStep(plan, model, loss_fn, lambda loss: loss.backward(), 2, lambda: torch.autocast("cpu", enabled=False),
-                     asked=asked, on_message=(messages if messages is not None else []).append)
+                     on_message=(messages if messages is not None else []).append)
 
 
 def test_a_failing_automatic_compile_is_reported_and_dropped_and_an_asked_one_raises(monkeypatch):
@@ -85,7 +87,10 @@ def test_a_failing_automatic_compile_is_reported_and_dropped_and_an_asked_one_ra
     (expected / 2).backward()
     for p, q in zip(model.parameters(), eager_model.parameters()):
         assert_close(p.grad, q.grad)
-    asked = _micro(tiny_model(), StepPlan(True, False, "asked for"), asked=(True, None))
+    cached = _micro(tiny_model(), StepPlan(True, False, "auto"))  # a --cache-target-logits batch: the same fallback
+    assert_close(cached(ids, torch.ones(2, 9, dtype=torch.bool), rows=[0, 1])[0], expected)
+    assert cached.plan.name == "eager"
+    asked = _micro(tiny_model(), StepPlan(True, False, "asked for", compile_asked=True))
     with pytest.raises(Unsupported):
         asked(ids, torch.ones(2, 9, dtype=torch.bool))
 
@@ -110,7 +115,7 @@ def test_the_compiled_forward_gives_eager_losses_and_gradients(preset, recompute
             else:
                 model = build_model(preset, vocab_size=64, seed=4, std=0.05).train()
             model.recompute_activations = recompute
-            step = _micro(model, plan, asked=(True, False))
+            step = _micro(model, replace(plan, compile_asked=True))
             for _ in range(3):  # a recompile would show as a different loss or an error
                 loss, _ = step(ids, mask)
             results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
@@ -166,7 +171,7 @@ def test_an_asked_for_capture_that_is_refused_raises(monkeypatch):
     model = tiny_model()
     _refused_capture(monkeypatch, model)
     ids, mask = torch.randint(0, 64, (2, 9)), torch.ones(2, 9, dtype=torch.bool)
-    step = _micro(model, StepPlan(False, True, "asked for"), asked=(None, True))
+    step = _micro(model, StepPlan(False, True, "asked for", graphs_asked=True))
     step(ids, mask)
     step(ids, mask)
     with pytest.raises(RuntimeError, match="during capture"):

@@ -553,8 +553,7 @@ def open_log(run: _Run, scan) -> None:
     plan = plan_step(cfg.compile, cfg.cuda_graphs, run.device, run.accelerator.num_processes, run.cache is not None)
     run.micro_step = MicroStep(
         plan, run.model, lambda forward, ids, mask, rows: _loss(forward, run.target, ids, mask, cfg, run.cache, rows),
-        run.accelerator.backward, cfg.optim.grad_accum, run.accelerator.autocast,
-        asked=(cfg.compile, cfg.cuda_graphs), on_message=run.cb.on_message)
+        run.accelerator.backward, cfg.optim.grad_accum, run.accelerator.autocast, on_message=run.cb.on_message)
     run.info.update({"scan": scan.name, "scan_reason": scan.reason, "step_mode": plan.name, "step_mode_reason": plan.reason,
                      "device_name": device_name, "flops_per_token": flops, "peak_flops": peak})
     run.run_info = {"config": run.cfg.to_dict(), "run": run.info}

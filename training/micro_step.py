@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -31,11 +31,14 @@ WARMUP_RUNS = 2
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What the run's micro-steps use, and why (reported in the run log)."""
+    """What the run's micro-steps use, and why (reported in the run log). An asked-for choice that
+    fails raises; an automatic one is dropped (`MicroStep`)."""
 
     compile: bool
     cuda_graphs: bool
     reason: str
+    compile_asked: bool = False
+    graphs_asked: bool = False
 
     @property
     def name(self) -> str:
@@ -63,7 +66,8 @@ def plan_step(compile: bool | None, cuda_graphs: bool | None, device: torch.devi
         reasons.append("torch.compile on a CUDA device" if use_compile else "no torch.compile off CUDA")
     if cuda_graphs is None:
         reasons.append("CUDA graphs" if use_graphs else f"no CUDA graphs: {why_no_graphs}")
-    return StepPlan(use_compile, use_graphs, "; ".join(reasons) or "asked for")
+    return StepPlan(use_compile, use_graphs, "; ".join(reasons) or "asked for", compile_asked=compile is True,
+                    graphs_asked=cuda_graphs is True)
 
 
 @dataclass
@@ -85,11 +89,9 @@ class MicroStep:
     """
 
     def __init__(self, plan: StepPlan, model: torch.nn.Module, loss_fn: Callable, backward: Callable, divisor: int,
-                 autocast: Callable[[], contextlib.AbstractContextManager], asked: tuple[bool | None, bool | None],
-                 on_message: Callable[[str], None] = lambda m: None):
+                 autocast: Callable[[], contextlib.AbstractContextManager], on_message: Callable[[str], None] = lambda m: None):
         self.plan, self.model, self.loss_fn, self.backward, self.divisor = plan, model, loss_fn, backward, divisor
         self.autocast, self.on_message = autocast, on_message
-        self._compile_asked, self._graphs_asked = asked
         self.forward = torch.compile(model, dynamic=False) if plan.compile else model
         self._runs: dict[tuple, int] = {}
         self._graphs: dict[tuple, _Captured] = {}
@@ -105,23 +107,23 @@ class MicroStep:
         return bool(self._graphs)
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor, rows=None):
-        """rows: the batch's block indices for a top-K target cache (never with CUDA graphs), or None."""
-        if rows is not None:
-            return self._run(ids, mask, rows)
+        """rows: the batch's block indices for a top-K target cache (`plan_step` leaves graphs out then), or None."""
         key = (tuple(ids.shape), tuple(mask.shape))
         captured = self._graphs.get(key)
-        if captured is not None:
-            captured.ids.copy_(ids, non_blocking=True)
-            captured.mask.copy_(mask, non_blocking=True)
-            captured.graph.replay()
-            return captured.loss, captured.parts
-        runs = self._runs[key] = self._runs.get(key, 0) + 1
-        if self.plan.cuda_graphs and runs > WARMUP_RUNS:
-            captured = self._capture(ids, mask)
-            if captured is not None:
-                self._graphs[key] = captured
-                return self(ids, mask)
-        return self._first_runs(ids, mask) if runs <= WARMUP_RUNS else self._run(ids, mask)
+        if captured is None:
+            runs = self._runs[key] = self._runs.get(key, 0) + 1
+            if runs <= WARMUP_RUNS:
+                return self._first_runs(ids, mask, rows)
+            if not self.plan.cuda_graphs:
+                return self._run(ids, mask, rows)
+            captured = self._capture(ids, mask)  # records only: the replay below runs this micro-batch
+            if captured is None:
+                return self._run(ids, mask)
+            self._graphs[key] = captured
+        captured.ids.copy_(ids, non_blocking=True)
+        captured.mask.copy_(mask, non_blocking=True)
+        captured.graph.replay()
+        return captured.loss, captured.parts
 
     def _run(self, ids, mask, rows=None):
         with self.autocast():
@@ -129,18 +131,18 @@ class MicroStep:
         self.backward(loss / self.divisor)  # the mean over the optimizer step's micro-batches
         return loss, parts
 
-    def _first_runs(self, ids, mask):
+    def _first_runs(self, ids, mask, rows):
         """The first runs of a shape, where an automatic compile may fail (before any gradient is written)."""
         try:
-            return self._run(ids, mask)
+            return self._run(ids, mask, rows)
         except Exception as error:  # Inductor and Dynamo raise many types
-            if not self.plan.compile or self._compile_asked or not _is_compile_error(error):
+            if not self.plan.compile or self.plan.compile_asked or not _is_compile_error(error):
                 raise
             why = _first_line(error)
         self.on_message(f"torch.compile failed ({why}); this run goes on without it (--no-compile skips the attempt)")
-        self.plan = StepPlan(False, self.plan.cuda_graphs, self.plan.reason + "; torch.compile failed")
+        self.plan = replace(self.plan, compile=False, reason=self.plan.reason + "; torch.compile failed")
         self.forward = self.model
-        return self._run(ids, mask)
+        return self._run(ids, mask, rows)
 
     def _capture(self, ids, mask) -> _Captured | None:
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -162,14 +164,14 @@ class MicroStep:
             # A capture runs nothing, so the gradients hold what they held, unless the recorded
             # backward put graph-pool tensors in their place (then they are lost)
             replaced = [p for p, ptr in zip(params, grads) if p.grad is None or p.grad.data_ptr() != ptr]
-            if self._graphs_asked:
+            if self.plan.graphs_asked:
                 raise
             if replaced and accumulated:
                 raise RuntimeError("a CUDA graph capture failed after replacing gradients of earlier micro-batches; "
                                    "run again with --no-cuda-graphs") from error
             self.on_message(f"CUDA graph capture failed ({_first_line(error)}); "
                             "this run goes on without graphs (--no-cuda-graphs skips the attempt)")
-            self.plan = StepPlan(self.plan.compile, False, self.plan.reason + "; CUDA graph capture failed")
+            self.plan = replace(self.plan, cuda_graphs=False, reason=self.plan.reason + "; CUDA graph capture failed")
             for p in replaced:
                 p.grad = None  # it held zeros before the capture: the next backward starts a fresh one
             return None

@@ -76,7 +76,7 @@ def _keep_autotuning_on_disk(entry: Callable) -> None:
     except ImportError:
         return
     namespaces, seen = [entry.__globals__], set()
-    for depth in range(2):
+    for _ in range(2):
         found = []
         for namespace in namespaces:
             for value in namespace.values():

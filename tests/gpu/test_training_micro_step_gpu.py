@@ -27,7 +27,7 @@ def _train(plan: StepPlan, batches, accum: int = 2):
         return ce, {"ce": ce.detach()}
 
     step = MicroStep(plan, model, loss_fn, lambda loss: loss.backward(), accum,
-                     lambda: torch.autocast("cuda", dtype=torch.bfloat16), asked=(plan.compile, plan.cuda_graphs))
+                     lambda: torch.autocast("cuda", dtype=torch.bfloat16))
     losses = []
     for i in range(0, len(batches), accum):
         for ids in batches[i:i + accum]:
@@ -48,7 +48,7 @@ def test_compiled_graphed_micro_steps_train_as_eager_ones():
     batches = [torch.randint(0, 64, (4, 65), generator=gen).cuda() for _ in range(2)] * 6  # learnable: seen 6 times
     with training_scan("parallel", torch.device("cuda")):
         eager_losses, eager, _ = _train(StepPlan(False, False, "eager"), batches)
-        fast_losses, fast, step = _train(StepPlan(True, True, "compile + graphs"), batches)
+        fast_losses, fast, step = _train(StepPlan(True, True, "compile + graphs", compile_asked=True, graphs_asked=True), batches)
     assert step.keeps_grads and len(step._graphs) == 1  # captured once, at micro-batch WARMUP_RUNS + 1
     assert step._runs[next(iter(step._graphs))] == WARMUP_RUNS + 1
     assert_close(fast_losses, eager_losses, atol=2e-2, rtol=2e-2)
