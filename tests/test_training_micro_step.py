@@ -200,3 +200,13 @@ def test_a_refused_capture_that_replaced_accumulated_gradients_stops_the_run(mon
     step(ids, mask)  # gradients of two micro-batches, not yet stepped
     with pytest.raises(RuntimeError, match="replacing gradients of earlier micro-batches; run again with --no-cuda-graphs"):
         step(ids, mask)
+
+
+def test_the_returned_loss_holds_no_autograd_graph():
+    """A caller keeping the loss must not keep the run's graph (and the parameters' AccumulateGrad
+    nodes) alive into the next micro-step: on a GPU, a capture there fails (the GPU test's case)."""
+    ids, mask = torch.randint(0, 64, (2, 9)), torch.ones(2, 9, dtype=torch.bool)
+    model = tiny_model()
+    loss, _ = _micro(model, StepPlan(False, False, "eager"))(ids, mask)
+    assert loss.grad_fn is None and not loss.requires_grad
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)  # the backward ran

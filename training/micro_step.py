@@ -129,7 +129,10 @@ class MicroStep:
         with self.autocast():
             loss, parts = self.loss_fn(self.forward, ids, mask, rows)
         self.backward(loss / self.divisor)  # the mean over the optimizer step's micro-batches
-        return loss, parts
+        # Detached: a caller holding the loss would keep this run's autograd graph, and with it the
+        # parameters' AccumulateGrad nodes, alive into the next call; a capture there accumulates
+        # through those default-stream nodes and fails (cudaErrorStreamCaptureInvalidated).
+        return loss.detach(), parts
 
     def _first_runs(self, ids, mask, rows):
         """The first runs of a shape, where an automatic compile may fail (before any gradient is written)."""

@@ -39,10 +39,6 @@ def _train(plan: StepPlan, batches, accum: int = 2):
     return torch.stack(losses).cpu(), model, step
 
 
-@pytest.mark.xfail(reason="2026-11-27, H100: the capture of this tiny hybrid's micro-step (3 layers, two micro-batches "
-                          "per optimizer step) ends in cudaErrorStreamCaptureInvalidated, no sync detected, while a "
-                          "2-layer hybrid without optimizer steps captures and the mamba2-130m CLI run trains graphed; "
-                          "open in issue 26", strict=False)
 def test_compiled_graphed_micro_steps_train_as_eager_ones():
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 64, (4, 65), generator=gen).cuda() for _ in range(2)] * 6  # learnable: seen 6 times

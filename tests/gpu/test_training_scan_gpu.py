@@ -4,7 +4,9 @@ on a GPU, at real sizes (opt in: --run-gpu).
 fla needs fla-core (and einops) installed: pip install --no-deps fla-core==0.6.0 einops. mamba_ssm
 needs its sources importable (its CUDA build is not: training/scan.py `_import_mamba_ssd`), e.g.
 mamba-ssm 2.3.2.post1's sdist unpacked onto PYTHONPATH, and einops.
-fp32 tolerances allow TF32 tensor-core products; bf16 ones allow bf16 inputs to every product.
+fp32 tolerances allow TF32 tensor-core products (10-bit mantissas: mamba_ssm's fp32 y at T=63 was
+1.2e-3 off in relative RMS, its largest error 1.3e-2 of the tensor's RMS, H100 2026-11-27), with
+the RMS error held to TF32's size; bf16 ones allow bf16 inputs to every product.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from test_training_scan import GRAD_NAMES, scan_grads, scan_inputs
 
 pytestmark = pytest.mark.requires_cuda
 DEV = "cuda"
-TOL = {torch.float32: 5e-3, torch.bfloat16: 3e-2}
+TOL = {torch.float32: 2e-2, torch.bfloat16: 3e-2}
+RMS_TOL = {torch.float32: 3e-3, torch.bfloat16: 3e-2}  # relative RMS error over the whole tensor
 
 
 def _fla():
@@ -42,10 +45,11 @@ def _mamba_ssm():
 KERNELS = {"fla": _fla, "mamba_ssm": _mamba_ssm}
 
 
-def _close(got, want, tol, name):
+def _close(got, want, dtype, name):
     # Tolerance relative to the tensor's own scale: gradients of A and D sum over B*T*P terms.
     scale = want.float().pow(2).mean().sqrt().item()
-    assert_close(got, want, atol=tol * scale, rtol=tol, name=name)
+    _, rel_rms = assert_close(got, want, atol=TOL[dtype] * scale, rtol=TOL[dtype], name=name)
+    assert rel_rms <= RMS_TOL[dtype], f"{name}: rel RMS err {rel_rms:.3e} > {RMS_TOL[dtype]}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -62,11 +66,10 @@ def test_kernel_scan_equals_naive(kernel, dstate, headdim, groups, chunk, steps,
     inputs = scan_inputs(2, steps, 16, headdim, groups, dstate, dtype=dtype, device=DEV)
     y_ref, f_ref, g_ref = scan_grads(naive_chunk_scan, inputs, chunk)
     y, f, g = scan_grads(scan, inputs, chunk)
-    tol = TOL[dtype]
-    _close(y, y_ref, tol, "y")
-    _close(f, f_ref, tol, "final_state")
+    _close(y, y_ref, dtype, "y")
+    _close(f, f_ref, dtype, "final_state")
     for name, got, want in zip(GRAD_NAMES, g, g_ref):
-        _close(got, want, tol, f"d{name}")
+        _close(got, want, dtype, f"d{name}")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -78,7 +81,7 @@ def test_a_training_step_through_a_kernel_scan_equals_the_plain_torch_one(kernel
     KERNELS[kernel]()
     name, loss, grads, loss_ref, grads_ref = scan_training_step_grads(kernel, "ssmspec", precision)
     assert name.startswith(f"{kernel}:")
-    tol = TOL[torch.float32 if precision == "fp32" else torch.bfloat16]
-    _close(loss, loss_ref, tol, "loss")
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    _close(loss, loss_ref, dtype, "loss")
     for n in grads_ref:
-        _close(grads[n], grads_ref[n], tol, f"grad {n}")
+        _close(grads[n], grads_ref[n], dtype, f"grad {n}")
