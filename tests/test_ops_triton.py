@@ -141,26 +141,27 @@ else:
         assert_close(TS.tree_scan(x, dt, A, B, C, D, parents, h0), want, atol=1e-4, rtol=1e-4, name=f"tree_scan {tree_name}")
 
 
-    @pytest.mark.parametrize("tree_name", ["one node", "uneven", "binary depth 3", "chain of 63"])
-    def test_tree_scan_ancestors_by_doubling_match_the_walk(tree_name, nan_outputs, monkeypatch):
-        """The ancestor mask by matrix squarings (ANCESTORS_BY_DOUBLING_FROM, taken by 64-node
-        trees and prefill chains) gives the walk's outputs on every tree size, plain and gated."""
+    @pytest.mark.parametrize("parents", [
+        list(range(-1, 63)),  # a 64-token prefill chunk: the lower-triangle mask
+        list(range(-1, 39)),  # a chain in a padded block
+        list(range(-1, 62)) + [0],  # a chain but the last node: the walk
+        [-1, 0, 1, 2, 2, 4, 5, 6],  # a fork midway: the walk
+        [-1, 0, 0],  # two children of the root
+    ], ids=["chain-64", "chain-40", "chain-then-fork-at-root", "fork-midway", "root-with-two"])
+    def test_tree_scan_ancestor_mask_of_chains_and_trees(parents, nan_outputs):
+        """Chains take the lower-triangle ancestor mask, every other tree the parent walk: both
+        give the reference's outputs, plain and gated (a tree taken for a chain would not)."""
         from ssmspec.ops.tree_scan.naive import naive_tree_scan_gated
 
-        tree = TREES[tree_name]
-        parents = tree.parents_tensor()
-        x, dt, A, B, C, D, h0 = _scan_inputs(1, tree.num_nodes, 3, 8, 16, 1)
-        z, bias = torch.randn(1, tree.num_nodes, 24), torch.randn(3)
-        outputs = {}
-        for threshold in (16, 1 << 20):  # every block size by doubling, then none
-            monkeypatch.setattr(TS, "ANCESTORS_BY_DOUBLING_FROM", threshold)
-            outputs[threshold] = (TS.tree_scan(x, dt, A, B, C, D, parents, h0),
-                                  TS.tree_scan_gated(x, dt, bias, 0.01, 5.0, A, B, C, D, z, parents, h0)[0])
-        want = naive_tree_scan(x, dt, A, B, C, D, parents, h0)
-        want_gated = naive_tree_scan_gated(x, dt, bias, 0.01, 5.0, A, B, C, D, z, parents, h0)[0]
-        for threshold, (plain, gated) in outputs.items():
-            assert_close(plain, want, atol=1e-4, rtol=1e-4, name=f"doubling from {threshold}")
-            assert_close(gated, want_gated, atol=1e-4, rtol=1e-4, name=f"gated, doubling from {threshold}")
+        parents = torch.tensor(parents)
+        n = len(parents)
+        x, dt, A, B, C, D, h0 = _scan_inputs(1, n, 3, 8, 16, 1)
+        z, bias = torch.randn(1, n, 24), torch.randn(3)
+        assert_close(TS.tree_scan(x, dt, A, B, C, D, parents, h0), naive_tree_scan(x, dt, A, B, C, D, parents, h0),
+                     atol=1e-4, rtol=1e-4, name="plain")
+        got = TS.tree_scan_gated(x, dt, bias, 0.01, 5.0, A, B, C, D, z, parents, h0)[0]
+        want = naive_tree_scan_gated(x, dt, bias, 0.01, 5.0, A, B, C, D, z, parents, h0)[0]
+        assert_close(got, want, atol=1e-4, rtol=1e-4, name="gated")
 
 
     @pytest.mark.parametrize("block_s", [16, 32], ids=["3-chunks", "2-chunks"])

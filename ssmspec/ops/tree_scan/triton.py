@@ -39,18 +39,17 @@ def _ancestors(par_ptr, offs_n, mask_n, N, anc):
 
 
 @triton.jit
-def _ancestors_by_doubling(par_ptr, offs_n, mask_n, DOUBLINGS: tl.constexpr):
-    """The same mask as `_ancestors` in DOUBLINGS matrix products instead of one dependent load
-    per level: reach[i, j] = 1 where j is i or i's parent; its boolean square reaches twice as
-    far up, so DOUBLINGS squarings cover every path of up to 2**DOUBLINGS edges. The products
-    count paths of 0/1 entries (at most BLOCK_N each): exact in fp16 with fp32 sums. A 64-node
-    chain (a prefill chunk) otherwise walks 64 levels, one load and one block reduction each."""
+def _ancestor_mask(par_ptr, offs_n, mask_n, N, BLOCK_N: tl.constexpr):
+    """`_ancestors`' mask, without the walk for a chain (parents -1, 0, 1, ...: a prefill chunk),
+    whose mask is the lower triangle: a 64-token chunk would walk 64 levels, one dependent load and
+    one block reduction each, in every layer. Verify trees (depth 3-8) take the walk."""
     par = tl.load(par_ptr + offs_n, mask=mask_n, other=-1).to(tl.int32)
-    reach = ((offs_n[:, None] == offs_n[None, :]) | (par[:, None] == offs_n[None, :])) & mask_n[:, None]
-    r = reach.to(tl.float16)
-    for _ in tl.static_range(DOUBLINGS):
-        r = (tl.dot(r, r) > 0.5).to(tl.float16)
-    return r.to(tl.int32)
+    links = tl.where(mask_n, (par == offs_n - 1).to(tl.int32), 1)
+    if tl.min(links, axis=0) == 1:
+        anc = ((offs_n[None, :] <= offs_n[:, None]) & mask_n[:, None]).to(tl.int32)
+    else:
+        anc = _ancestors(par_ptr, offs_n, mask_n, N, tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.int32))
+    return anc
 
 
 @triton.jit
@@ -75,7 +74,6 @@ def _tree_scan_kernel(
     spxb=0, spxl=0, spxh=0, spxp=0, spdb=0, spdl=0, spdh=0, spBb=0, spBl=0, spBg=0, spBs=0,
     HAS_PENDING: tl.constexpr = False, BLOCK_L: tl.constexpr = 16,
     gate_flag_ptr=None, WAIT_GATE: tl.constexpr = False,
-    DOUBLINGS: tl.constexpr = 0,
 ):
     # WAIT_GATE (FUSED): z comes from a GEMM on another stream that runs beside this launch
     # (ops/overlap.py); it is read once this head's ready counter shows it stored: looked at
@@ -106,10 +104,7 @@ def _tree_scan_kernel(
     # (parents only), the first S chunk of the initial state (all of it when ONE_CHUNK), D and
     # dt_bias. The state was last written by a replay or step before this verify's embedding
     # lookup, a plain launch that waits for all earlier work.
-    if DOUBLINGS > 0:
-        anc = _ancestors_by_doubling(par_ptr, offs_n, mask_n, DOUBLINGS)
-    else:
-        anc = _ancestors(par_ptr, offs_n, mask_n, N, tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.int32))
+    anc = _ancestor_mask(par_ptr, offs_n, mask_n, N, BLOCK_N)
     h0_first = tl.load(h0_base + offs_p[:, None] * shp + offs_s[None, :] * shs,
                        mask=mask_p[:, None] & (offs_s < S)[None, :], other=0.0).to(tl.float32)
     if HAS_D:
@@ -400,12 +395,6 @@ SCAN_BLOCK_S: int | None = None
 to 64 (an override for tuning sweeps; the tests set it to cover several chunks)."""
 
 
-ANCESTORS_BY_DOUBLING_FROM = 64
-"""From this many padded nodes on, the ancestor mask comes from log2(BLOCK_N) boolean matrix
-squarings instead of walking each node's parent chain (one dependent load per level: a 64-node
-prefill chain walks 64 levels in every layer). Smaller trees (verifies, depth 3-6) keep the walk."""
-
-
 SCAN_BLOCK_P: int | None = None
 """Channels per program; None: `_block_p`'s choice (an override for tuning sweeps)."""
 
@@ -451,7 +440,6 @@ def _launch(x, dt, A, B, C, D, parents, initial_state, y, precision, fused=None,
         sq_ptr=sq, WRITE_SQ=sq is not None,
         **_pending_args(pending),
         **({} if gate_flags is None else dict(gate_flag_ptr=gate_flags, WAIT_GATE=True)),
-        DOUBLINGS=(block_n.bit_length() - 1) if block_n >= ANCESTORS_BY_DOUBLING_FROM else 0,
     )
 
 
