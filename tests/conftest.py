@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +41,24 @@ def pytest_collection_modifyitems(config, items):
             elif not torch.cuda.is_available():
                 # Asked for GPU tests on a machine without one: fail loudly rather than pass silently.
                 item.add_marker(pytest.mark.xfail(reason="--run-gpu given but CUDA is unavailable", run=False, strict=True))
+
+
+def pytest_collection_finish(session):
+    """Start the interpreted kernel tests' child run now, beside the rest of the suite (helpers.run_interpreted)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    import helpers
+
+    files = sorted({Path(str(item.fspath)).resolve().relative_to(helpers.REPO).as_posix() for item in session.items
+                    if item.name.endswith(helpers.INTERPRETED_TEST_SUFFIXES) and not item.get_closest_marker("skip")})
+    if files:
+        helpers.start_interpreted(files)
+
+
+def pytest_sessionfinish(session):
+    import helpers
+
+    helpers.stop_interpreted()
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,11 @@
 """The one tolerance helper for the whole repository, plus tiny-model builders for tests."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-5, rtol: float = 1e-4, name: str = ""):
@@ -57,26 +61,90 @@ def kernel_shaped_model(layers=("mamba", "mamba"), device="cpu"):
     return model
 
 
+INTERPRETED_TEST_SUFFIXES = ("_in_interpreter", "_interpreted")
+"""Tests named so call `run_interpreted`: conftest starts their files' child run when collection ends."""
+
+_interpreted_runs: dict[str, "_InterpretedRun"] = {}
+
+
+class _InterpretedRun:
+    """One child pytest over several kernel test files with TRITON_INTERPRET=1, started in the
+    background: on a 2-core machine it takes the second core while this process runs the rest of
+    the suite (the interpreter tests were a third of the default run's time, run one by one)."""
+
+    def __init__(self, files: list[str]):
+        import os
+        import subprocess
+        import sys
+        import tempfile
+
+        self.files, self._verdicts = files, None
+        self._dir = tempfile.mkdtemp(prefix="ssmspec-interpreted-")
+        self._xml, self._log = os.path.join(self._dir, "report.xml"), open(os.path.join(self._dir, "log.txt"), "w+")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", f"--junitxml={self._xml}"],
+            cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"}, stdout=self._log, stderr=subprocess.STDOUT)
+        for f in files:
+            _interpreted_runs[f] = self
+
+    def verdict(self, test_file: str, timeout: float = 900) -> tuple[int, list[str]]:
+        """(tests passed, failure reports) of one of the files, once the child has finished."""
+        if self._verdicts is None:
+            self._proc.wait(timeout=timeout)
+            self._verdicts = self._read_report()
+        return self._verdicts.get(test_file, (0, []))
+
+    def _read_report(self) -> dict[str, tuple[int, list[str]]]:
+        import xml.etree.ElementTree as ET
+
+        self._log.seek(0)
+        tail = self._log.read()[-3000:]
+        try:
+            cases = list(ET.parse(self._xml).getroot().iter("testcase"))
+        except (OSError, ET.ParseError) as e:
+            return {f: (0, [f"the interpreted child wrote no report ({e}):\n{tail}"]) for f in self.files}
+        verdicts = {}
+        for f in self.files:
+            module = f[:-3].replace("/", ".")
+            mine = [c for c in cases if c.get("classname") == module or c.get("classname", "").startswith(module + ".")]
+            failed = [f"{c.get('name')}: {(bad.text or bad.get('message') or '')[-3000:]}"
+                      for c in mine for bad in c if bad.tag in ("failure", "error")]
+            passed = sum(1 for c in mine if not any(child.tag in ("failure", "error", "skipped") for child in c))
+            verdicts[f] = (passed, failed or ([] if passed else [f"no test of {f} passed:\n{tail}"]))
+        return verdicts
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+
+
+def start_interpreted(test_files: list[str]) -> None:
+    """Start the child run of these kernel test files (repository-relative paths) in the background."""
+    files = [f for f in test_files if f not in _interpreted_runs]
+    if files:
+        _InterpretedRun(files)
+
+
+def stop_interpreted() -> None:
+    for run in set(_interpreted_runs.values()):
+        run.stop()
+
+
 def run_interpreted(test_file: str) -> None:
-    """Run a kernel test file in a child pytest with TRITON_INTERPRET=1 and assert that it passed.
+    """Assert that a kernel test file passed in a child pytest with TRITON_INTERPRET=1.
 
     Triton picks the interpreter when it is imported and when each kernel is decorated, so the
     setting cannot be changed inside a test process without changing it for every other module.
+    The child runs in the background from the end of collection (conftest, `start_interpreted`)
+    when the calling test's name ends in one of INTERPRETED_TEST_SUFFIXES; otherwise it starts here.
     """
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(test_file).resolve().relative_to(repo)), "-q", "-x",
-         "-p", "no:cacheprovider"],
-        cwd=repo, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, f"interpreted kernel tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
-    assert " passed" in proc.stdout and "no tests ran" not in proc.stdout, proc.stdout[-2000:]
+    rel = Path(test_file).resolve().relative_to(REPO).as_posix()
+    start_interpreted([rel])
+    passed, failures = _interpreted_runs[rel].verdict(rel)
+    assert not failures, "interpreted kernel tests failed:\n" + "\n\n".join(failures)[-8000:]
+    assert passed > 0, f"no interpreted test of {rel} passed"
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
