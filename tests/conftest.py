@@ -45,7 +45,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     """Start the interpreted kernel tests' child run now, beside the rest of the suite (helpers.run_interpreted)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("TRITON_INTERPRET") == "1" or session.config.option.collectonly:
         return
     import helpers
 
