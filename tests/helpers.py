@@ -114,8 +114,13 @@ class _InterpretedRun:
         return verdicts
 
     def stop(self) -> None:
+        import shutil
+
         if self._proc.poll() is None:
             self._proc.kill()
+            self._proc.wait()
+        self._log.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def start_interpreted(test_files: list[str]) -> None:

@@ -118,7 +118,7 @@ class MicroStep:
                 return self._run(ids, mask, rows)
             captured = self._capture(ids, mask)  # records only: the replay below runs this micro-batch
             if captured is None:
-                return self._run(ids, mask)
+                return self._run(ids, mask, rows)
             self._graphs[key] = captured
         captured.ids.copy_(ids, non_blocking=True)
         captured.mask.copy_(mask, non_blocking=True)

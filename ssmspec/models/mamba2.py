@@ -149,7 +149,7 @@ class Mamba2Mixer(nn.Module):
         if torch.compiler.is_compiling():
             # K shifted products, summed in fp32: Inductor fuses them with the silu after into one
             # kernel each way, where conv1d is a launch per pass plus transposed copies around it
-            weight = self.conv1d.weight.squeeze(1).float()  # (C, K)
+            weight = self.conv_weight.float()  # (C, K)
             out = sum(extended[:, k : k + T].float() * weight[:, k] for k in range(weight.shape[1]))
             if self.conv1d.bias is not None:
                 out = out + self.conv1d.bias.float()
