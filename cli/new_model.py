@@ -13,7 +13,7 @@ from . import options, outputs
 
 
 def _vocab_source(path: Path):
-    """(tokenizer, vocab size to use) from a tokenizer or model directory."""
+    """(tokenizer, vocab size to use, whether to use it unpadded) from a tokenizer or model directory."""
     from ssmspec.models.loading import TOKENIZER_FILES
 
     if not path.is_dir():
@@ -21,10 +21,10 @@ def _vocab_source(path: Path):
     if not any((path / f).exists() for f in TOKENIZER_FILES):
         raise InputError(f"--vocab-from {path} holds no tokenizer files ({', '.join(TOKENIZER_FILES)})")
     tokenizer = _read_tokenizer(path)
-    vocab = len(tokenizer)
+    vocab, exact = len(tokenizer), False
     if (path / "config.json").exists():
-        # A model directory: match its (possibly padded) embedding size, so that
-        # check_same_vocab accepts the pair.
+        # A model directory: match its (possibly padded) embedding size exactly, without the
+        # preset's own padding, so that check_same_vocab accepts the pair.
         import json
 
         from ssmspec.errors import ModelLoadError
@@ -35,8 +35,8 @@ def _vocab_source(path: Path):
         except (ModelLoadError, ValueError):
             model_vocab = None
         if model_vocab is not None and model_vocab >= vocab:
-            vocab = model_vocab
-    return tokenizer, vocab
+            vocab, exact = model_vocab, True
+    return tokenizer, vocab, exact
 
 
 def _read_tokenizer(path: Path):
@@ -73,8 +73,8 @@ def new_model_command(
     from ssmspec.models.presets import build_model, describe_preset
 
     outputs.claim(out, "new-model", inputs={"--vocab-from": vocab_from}, overwrite=overwrite)
-    tokenizer, vocab = (None, None) if vocab_from is None else _vocab_source(vocab_from)
-    model = build_model(preset, vocab_size=vocab, seed=seed, dtype=dtype)
+    tokenizer, vocab, exact = (None, None, False) if vocab_from is None else _vocab_source(vocab_from)
+    model = build_model(preset, vocab_size=vocab, seed=seed, dtype=dtype, pad_vocab=not exact)
     if tokenizer is not None:
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(tokenizer, key, None)
@@ -82,7 +82,7 @@ def new_model_command(
                 setattr(model.config, key, int(value))
     fmt = save_model(model, out, tokenizer=tokenizer)
     outputs.mark(out, "new-model")
-    info = describe_preset(preset, vocab)
+    info = describe_preset(preset, vocab, pad_vocab=not exact)
     layers = ", ".join(f"{n} {kind}" for kind, n in info["layers"].items())
     fmt_name = "transformers Mamba2ForCausalLM" if fmt == "mamba2" else "ssmspec native"
     typer.echo(

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from ssmspec.errors import InputError
 from ssmspec.models import LanguageModel
-from ssmspec.models.loading import load_model
+from ssmspec.models.loading import load_model, save_model
 from ssmspec.models.presets import PRESETS, build_model, describe_preset, preset_config
 
 SMALL = ("tiny", "tiny-hybrid", "tiny-moe-hybrid", "tiny-parallel-hybrid", "tiny-shared-hybrid", "drafter-2l")
@@ -136,6 +136,20 @@ def test_new_model_vocab_from_model_directory_matches_its_vocab(cli, tmp_path):
     drafter = load_model(tmp_path / "drafter")
     assert drafter.model.config.vocab_size == 64
     check_same_vocab(load_model(tmp_path / "target"), drafter)
+
+
+def test_new_model_vocab_from_a_target_whose_vocab_is_no_multiple_of_16(cli, tmp_path):
+    from ssmspec.api import load_drafter
+    from tests.test_loading import make_tokenizer
+
+    # A tiny target keeps its tokenizer's 41 tokens exactly; drafter-2l pads a tokenizer's size to
+    # a multiple of 16, but from a model directory it takes the target's size as it is (41, not 48).
+    save_model(build_model("tiny", vocab_size=41), tmp_path / "target", tokenizer=make_tokenizer(40))
+    result = cli("--preset", "drafter-2l", "--out", tmp_path / "drafter", "--vocab-from", tmp_path / "target")
+    assert result.exit_code == 0, result.output
+    assert "vocab 41" in result.output
+    target = load_model(tmp_path / "target")
+    assert load_drafter(str(tmp_path / "drafter"), target).model.config.vocab_size == 41
 
 
 def test_new_model_refuses_non_empty_directory(cli, tmp_path):

@@ -211,21 +211,22 @@ def _pad(n: int, multiple: int) -> int:
     return int(math.ceil(n / multiple) * multiple)
 
 
-def preset_config(name: str, vocab_size: int | None = None) -> ModelConfig:
-    """The ModelConfig of a preset; vocab_size replaces its vocabulary (padded for big presets)."""
+def preset_config(name: str, vocab_size: int | None = None, pad_vocab: bool = True) -> ModelConfig:
+    """The ModelConfig of a preset; vocab_size replaces its vocabulary, padded for big presets
+    unless pad_vocab is False (a drafter must match its target's embedding size exactly)."""
     if name not in PRESETS:
         raise InputError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     cfg = PRESETS[name]()
     if vocab_size is not None:
         if vocab_size < 1:
             raise InputError(f"vocab_size must be positive, got {vocab_size}")
-        cfg.vocab_size = _pad(int(vocab_size), VOCAB_MULTIPLE[name])
+        cfg.vocab_size = _pad(int(vocab_size), VOCAB_MULTIPLE[name] if pad_vocab else 1)
     return cfg
 
 
-def describe_preset(name: str, vocab_size: int | None = None) -> dict:
+def describe_preset(name: str, vocab_size: int | None = None, pad_vocab: bool = True) -> dict:
     """Shape summary and parameter count of a preset, computed from the config alone."""
-    cfg = preset_config(name, vocab_size)
+    cfg = preset_config(name, vocab_size, pad_vocab)
     return {
         "preset": name,
         "params": cfg.num_parameters(),
@@ -238,20 +239,21 @@ def describe_preset(name: str, vocab_size: int | None = None) -> dict:
 
 @torch.no_grad()
 def build_model(
-    name: str, *, vocab_size: int | None = None, seed: int = 0, dtype=torch.float32, device="cpu", std: float = 0.02
+    name: str, *, vocab_size: int | None = None, seed: int = 0, dtype=torch.float32, device="cpu", std: float = 0.02,
+    pad_vocab: bool = True,
 ) -> LanguageModel:
     """A randomly initialised preset model, allocated once, directly on `device` in `dtype`.
 
     Args:
         name: a key of PRESETS.
-        vocab_size: replaces the preset's vocabulary (see preset_config).
+        vocab_size: replaces the preset's vocabulary (see preset_config; pad_vocab as there).
         seed: init seed (draws happen on `device`, so CPU and GPU weights differ for one seed).
         dtype: parameter dtype (torch dtype or "fp32" / "bf16").
         std: init scale of linear and embedding weights.
     """
     from .loading import check_fits, empty_model, resolve_dtype
 
-    cfg = preset_config(name, vocab_size)
+    cfg = preset_config(name, vocab_size, pad_vocab)
     check_fits(cfg, device, resolve_dtype(dtype) or torch.float32)
     model = empty_model(cfg, device=device, dtype=resolve_dtype(dtype) or torch.float32)
     # Storage is uninitialised: poison it, set what init_weights leaves alone (norm gains), init,
