@@ -36,7 +36,12 @@ def resolve_device(device: str | None) -> torch.device:
 
 
 def load_target(path: str | Path, *, dtype=None, device: str | None = None) -> LoadedModel:
-    return load_model(path, dtype=dtype, device=resolve_device(device))
+    resolved = resolve_device(device)
+    if resolved.type == "cuda":
+        from .ops import triton_warmup
+
+        triton_warmup.start()  # Triton's once-per-process key, hashed while the weights load
+    return load_model(path, dtype=dtype, device=resolved)
 
 
 def load_drafter(spec: str, target: LoadedModel, *, dtype=None):
