@@ -59,7 +59,9 @@ def test_evaluation_progress_is_drawn_and_no_final_eval_skips_it(files, tmp_path
                         "--eval-max-new-tokens", "4")) == 0
     assert evals == [2] and calls and all(step == 2 and 0 <= done <= total for done, total, step in calls)
     assert calls[-1][0] == calls[-1][1]
-    assert "eval: step 2" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "eval: step 2" in err
+    assert "on cpu, precision fp32" in " ".join(err.split())  # the run's dtype, not accelerate's "no"
 
     calls.clear(), evals.clear()
     assert run(_distill(files, tmp_path / "none", "--eval-every", "0", "--no-final-eval")) == 0

@@ -124,8 +124,13 @@ def test_pack_blocks_overlap_by_one_and_pad_only_when_short():
     blocks = list(pack(stream, seq_len=4))
     assert [b[0].tolist() for b in blocks] == [[0, 1, 2, 3, 4], [4, 5, 6, 7, 8], [8, 9, 10, 11, 12], [12, 13, 14, 15, 16]]
     assert blocks[2][1].tolist() == [True, False, False, False]
-    short = list(pack([([1, 2, 3], [True] * 3)], seq_len=8))
+    said = []
+    short = list(pack([([1, 2, 3], [True] * 3)], seq_len=8, report=said.append))
     assert len(short) == 1 and short[0][1].tolist() == [True, True] + [False] * 6
+    assert len(said) == 1 and "holds 3 tokens" in said[0] and "padded with 6 masked positions" in said[0]
+    list(pack([(list(range(6)), [True] * 6)], seq_len=8, report=said.append))  # padded, but mostly data
+    list(pack(stream, seq_len=4, report=said.append))  # full blocks: nothing padded
+    assert len(said) == 1
 
 
 def test_held_out_split_is_even_and_disjoint(tmp_path):

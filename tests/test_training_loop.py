@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,6 +156,25 @@ def test_crash_resumes_from_the_last_periodic_checkpoint(tmp_path, token_data):
     assert sorted(got) == list(range(4, 9))
     for step in got:
         assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), step
+
+
+def test_resume_refuses_overwrite_beside_it_and_fewer_steps_than_its_checkpoint(tmp_path, token_data):
+    target = bigram_target()
+    cfg = _config(tmp_path, token_data, steps=4)
+    cfg.checkpoint.save_every = 2
+    train(cfg, target=target, student=tiny_model(seed=2, std=0.02))
+    checkpoints = sorted(p.name for p in (Path(cfg.out) / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert checkpoints[-1] == "step-00000004"
+    both = RunConfig.from_dict(cfg.to_dict())
+    both.resume = both.overwrite = True
+    with pytest.raises(InputError, match="--resume .* --overwrite .* not both"):
+        train(both, target=target, student=tiny_model(seed=2, std=0.02))
+    shorter = RunConfig.from_dict(cfg.to_dict())
+    shorter.resume, shorter.optim.steps = True, 3
+    with pytest.raises(InputError, match="at step 4, past --steps 3"):
+        train(shorter, target=target, student=tiny_model(seed=2, std=0.02))
+    # neither touched the run
+    assert sorted(p.name for p in (Path(cfg.out) / "checkpoints").iterdir() if p.name.startswith("step-")) == checkpoints
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -213,6 +213,8 @@ class RunConfig:
             bad("give exactly one of --student DIR or --student-preset NAME")
         if not self.data.spec:
             bad("--data is required: a file, folder, or datasets-library name")
+        if self.resume and self.overwrite:
+            bad("--resume continues the run in --out and --overwrite deletes it: give one of them, not both")
         checks = [
             (self.data.format, DATA_FORMATS, "--format"), (self.data.on_bad_record, BAD_RECORD_POLICIES, "--on-bad-record"),
             (self.optim.schedule, SCHEDULES, "--schedule"), (self.optim.precision, PRECISIONS, "--dtype"),

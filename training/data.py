@@ -366,12 +366,14 @@ class Tokenize:
 
 
 # -- packing into blocks ------------------------------------------------------------------------------
-def pack(examples: Iterable[tuple[list[int], list[bool]]], seq_len: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def pack(examples: Iterable[tuple[list[int], list[bool]]], seq_len: int,
+         report: Callable[[str], None] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Concatenate token streams and cut blocks of seq_len + 1 tokens (consecutive blocks overlap by one).
 
     Yields:
         ids (L+1,) int64 and loss_mask (L,) bool: position t predicts ids[t + 1], counted when loss_mask[t].
-        A final partial block is dropped unless no full block was made (then it is padded, masked).
+        A final partial block is dropped unless no full block was made (then it is padded, masked,
+        and `report` told when most of the block is padding: the memory goes with seq_len).
     """
     buf_ids: list[int] = []
     buf_mask: list[bool] = []
@@ -387,6 +389,10 @@ def pack(examples: Iterable[tuple[list[int], list[bool]]], seq_len: int) -> Iter
             buf_ids, buf_mask = buf_ids[seq_len:], buf_mask[seq_len:]
     if made == 0 and len(buf_ids) >= 2:
         pad = seq_len + 1 - len(buf_ids)
+        if report is not None and 2 * pad > seq_len:
+            report(f"the data holds {len(buf_ids)} tokens, less than one --seq-len block of {seq_len}: training on "
+                   f"one block padded with {pad} masked positions (a --seq-len near {len(buf_ids) - 1} trains the "
+                   "same in far less memory)")
         ids = torch.tensor(buf_ids + [0] * pad, dtype=torch.long)
         mask = torch.tensor(buf_mask[1:] + [False] * pad, dtype=torch.bool)
         yield ids, mask
@@ -408,7 +414,12 @@ def _blocks(cfg: DataConfig, tokenize: Tokenize, bad: BadRecords) -> Iterator[tu
             if ids:
                 yield ids, mask
 
-    return pack(examples(), cfg.seq_len)
+    def report(text: str) -> None:
+        log.warning(text)
+        if bad.report is not None:
+            bad.report(text)
+
+    return pack(examples(), cfg.seq_len, report)
 
 
 def _split_stream(cfg: DataConfig, tokenize: Tokenize, bad: BadRecords, want: str):

@@ -375,9 +375,10 @@ class _StopFlag:
 
 
 def _resolve_precision(p: str) -> str:
+    """--dtype as the run uses it: fp32, bf16 or fp16 (auto: bf16 where the GPU has it)."""
     if p == "auto":
-        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    return {"fp32": "no"}.get(p, p)
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+    return p
 
 
 def _build_student(cfg: RunConfig, vocab_size: int | None, device) -> tuple[nn.Module, object]:
@@ -492,7 +493,7 @@ def start_run(cfg: RunConfig, callbacks, target, student, tokenizer) -> _Run:
     from accelerate import Accelerator
 
     precision = _resolve_precision(cfg.optim.precision)
-    accelerator = Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(mixed_precision={"fp32": "no"}.get(precision, precision), cpu=not torch.cuda.is_available())
     main = accelerator.is_main_process
     # Progress is reported once, by the main process.
     cb = (callbacks or TrainCallbacks()) if main else TrainCallbacks()
@@ -517,6 +518,9 @@ def start_run(cfg: RunConfig, callbacks, target, student, tokenizer) -> _Run:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step, position = state["step"], state["data_position"]
+        if step > cfg.optim.steps:
+            raise InputError(f"--resume: the checkpoint in {cfg.out} is at step {step}, past --steps {cfg.optim.steps}; "
+                             f"give --steps {step} or more to continue it")
         _set_rng_state(state["rng"])
     model, optimizer = accelerator.prepare(student, optimizer)
     run = _Run(cfg=cfg, cb=cb, accelerator=accelerator, out=Path(cfg.out), target=target, model=model,
