@@ -22,6 +22,7 @@ from .decoding import Engine, GenerationConfig, GenerationResult, ModelDrafter, 
 from .errors import InputError
 from .limits import check_context, declared_context
 from .models.loading import LoadedModel, check_same_vocab, load_model
+from .ops import paths
 from .runtime import configure_threads
 from .tokenization import encode_prompt, tokenizer_for
 
@@ -37,6 +38,7 @@ def resolve_device(device: str | None) -> torch.device:
 
 def load_target(path: str | Path, *, dtype=None, device: str | None = None) -> LoadedModel:
     resolved = resolve_device(device)
+    paths.check_device(resolved)  # a backend that cannot run there fails now, not at the first kernel
     if resolved.type == "cuda":
         from .ops import triton_warmup
 

@@ -147,6 +147,17 @@ def test_usage_errors_are_one_line(files, tmp_path, monkeypatch, capsys, args, m
     assert_one_line_error(code, err, mentions=mentions)
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["prepare"]])
+def test_the_triton_backend_off_cuda_is_refused_before_any_kernel(files, monkeypatch, capsys, command):
+    from ssmspec.ops import settings
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(settings, "_process", settings._process)  # --backend sets it for the process: restored after
+    code, _, err = run_cli([command[0], "--target", files / "target", *command[1:], "--backend", "triton",
+                            "--device", "cpu"], monkeypatch, capsys)
+    assert_one_line_error(code, err, mentions="the triton backend runs on a CUDA GPU")
+
+
 def test_no_arguments_print_help_and_one_line(monkeypatch, capsys):
     code, out, err = run_cli([], monkeypatch, capsys)
     assert code == 2 and "generate" in out and "distill" in out

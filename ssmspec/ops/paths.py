@@ -98,6 +98,15 @@ def kernel(op: str, device: torch.device) -> Callable | None:
     return impl
 
 
+def check_device(device: torch.device) -> None:
+    """Raise CodePathError where the backend in force cannot run on `device`: the triton backend
+    off CUDA, outside Triton's interpreter (Triton itself would fail at the first launch, with
+    "0 active drivers"). Commands call it once they know their device."""
+    if settings().backend == "triton" and device.type != "cuda" and not settings().interpret:
+        raise CodePathError(f"the triton backend runs on a CUDA GPU (or on the CPU under TRITON_INTERPRET=1, for "
+                            f"tests), not on {device.type}: use --backend auto or reference there")
+
+
 def _kernel_reason(op: str, device: torch.device) -> str:
     """Why `kernel(op, device)` chose what it did (for `explain`)."""
     backend = settings().backend
