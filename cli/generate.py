@@ -41,6 +41,10 @@ def resolve_method_and_tree(method: Optional[str], tree: Optional[str], draft_le
     if draft_len is not None and draft_len < 1:
         raise InputError(f"--draft-len must be a positive integer, got {draft_len}")
     shape = parse_tree_spec(tree) if tree is not None else (Tree.chain(draft_len) if draft_len else None)
+    if method is None and shape is not None and drafter is None:
+        flag = "--tree" if tree is not None else "--draft-len"
+        raise InputError(f"{flag} needs --drafter DIR (a model sharing the target's tokenizer) or --drafter ngram "
+                         "to draft the tree")
     if method is None:
         method = "ar" if drafter is None else ("chain" if shape is not None and shape.is_chain else "stree")
     if method == "ar" and shape is not None:

@@ -62,6 +62,10 @@ def test_generate_streams_text_and_summarises_on_stderr(models):
     (["--target", "{target}", "--prompt", ""], "empty"),
     (["--target", "{target}", "--prompt", "hi", "--method", "stree"], "drafter"),
     (["--target", "{target}", "--prompt", "hi", "--method", "chain", "--drafter", "ngram", "--tree", "2,1"], "chain"),
+    (["--target", "{target}", "--prompt", "hi", "--tree", "3,2"], "--tree needs --drafter"),
+    (["--target", "{target}", "--prompt", "hi", "--draft-len", "4"], "--draft-len needs --drafter"),
+    (["--target", "{target}", "--prompt", "hi", "--method", "ar", "--tree", "3,2"], "--method ar drafts nothing"),
+    (["--target", "{target}", "--prompt", "hi", "--drafter", "ngram", "--tree", "parents:-1"], "below the root"),
 ])
 def test_bad_input_is_one_line_and_non_zero(models, tmp_path, monkeypatch, capsys, args, message):
     broken = tmp_path / "broken"

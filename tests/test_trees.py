@@ -51,6 +51,17 @@ def test_tree_file_round_trip(tmp_path):
     assert load_tree_file(path) == explicit
 
 
+def test_a_root_alone_is_no_draft_tree(tmp_path):
+    for spec in ("parents:-1", "bandit:2,1;parents:-1"):
+        with pytest.raises(TreeSpecError, match="at least one node below the root"):
+            parse_tree_spec(spec)
+    path = tmp_path / "tree.json"
+    path.write_text('{"parents": [-1]}')
+    with pytest.raises(TreeSpecError, match="at least one node below the root"):
+        parse_tree_spec(str(path))
+    assert Tree.from_parents([-1]).num_nodes == 1  # still a tree inside (a prefill chain of one token)
+
+
 @pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"config": "3,2"}', '{"version": 9, "config": [2]}', "{}"])
 def test_bad_tree_files_raise(tmp_path, content):
     path = tmp_path / "tree.json"

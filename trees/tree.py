@@ -177,8 +177,16 @@ class Tree:
                 raise TreeSpecError("the tree file's 'parents' do not match its 'config'")
             return tree
         if "parents" in d:
-            return cls.from_parents(_int_list(d["parents"], "parents"))
+            return _drafting(cls.from_parents(_int_list(d["parents"], "parents")))
         raise TreeSpecError("a tree file needs a 'config' list (e.g. [3, 2, 1]) or a 'parents' list")
+
+
+def _drafting(tree: Tree) -> Tree:
+    """A tree a user gives drafts at least one node below its root (a root alone would run the
+    drafter for nothing; configurations say so by refusing a level of 0)."""
+    if tree.num_nodes < 2:
+        raise TreeSpecError("a draft tree needs at least one node below the root, e.g. parents:-1,0")
+    return tree
 
 
 def _int_list(value, name: str) -> list[int]:
@@ -205,9 +213,10 @@ def _parse_one_tree(text: str) -> Tree:
     if text.startswith("parents:"):
         body = text[len("parents:"):]
         try:
-            return Tree.from_parents([int(t) for t in body.split(",")])
+            tree = Tree.from_parents([int(t) for t in body.split(",")])
         except ValueError as e:
             raise TreeSpecError(f"malformed parents list {body!r}: {e}") from None
+        return _drafting(tree)
     try:
         levels = [int(t) for t in text.replace(" ", "").split(",")]
     except ValueError:
