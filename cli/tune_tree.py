@@ -124,7 +124,10 @@ def tune_tree_command(
     settings.validate()
     outputs.claim(out, "tune-tree", inputs={"--target": target, "--drafter": drafter, "--prompts": prompts,
                                             "--profile": profile}, overwrite=overwrite)
-    prompt_items = read_prompts_file(prompts)
+    unusable: list[dict] = []
+    prompt_items = read_prompts_file(prompts, unusable)
+    for entry in unusable:
+        console.print(f"[yellow]skipped[/] {entry['prompt_id']}: {entry['reason']}")
     profile_file = profile / PROFILE_FILE if profile.is_dir() else profile
     prof = profiling.load_profile(profile_file)
     dispatch.set_backend(backend)

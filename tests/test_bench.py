@@ -219,6 +219,16 @@ def test_long_prompts_are_reported_and_skipped(models):
     assert "skipped line2" in report.markdown(result)
 
 
+def test_records_without_a_prompt_are_reported_and_skipped(models, tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"prompt": "hello"}\n{"text": "no prompt key"}\n{"prompt": "world"}\n')
+    config = BenchConfig(target=str(models / "target"), dataset=str(path), methods=("ar",), max_new_tokens=2, warmup=0)
+    result = run_bench(config)
+    assert [s["prompt_id"] for s in result.skipped] == ["mixed.jsonl:2"]
+    assert {r["prompt_id"] for r in result.records} == {"line1", "line3"}
+    assert "skipped mixed.jsonl:2: no non-empty 'prompt'" in report.markdown(result)
+
+
 def test_interrupt_writes_what_finished_and_exits_130(models, tmp_path, monkeypatch, capsys):
     real, calls = runner.generate_once, []
 

@@ -32,9 +32,11 @@ def test_jsonl_prompts_and_messages(tmp_path):
     rows = [{"id": "a", "prompt": "hello"}, {"prompt": "   "}, {"messages": [{"role": "user", "content": "hi"}]},
             {"messages": [{"role": "user"}]}, {"other": 1}, [1, 2], {"task_id": "t", "prompt": "x"}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    prompts = read_prompts_file(path)
+    unusable = []
+    prompts = read_prompts_file(path, unusable)
     assert [(p.id, p.text, p.messages) for p in prompts] == [
         ("a", "hello", None), ("line3", None, [{"role": "user", "content": "hi"}]), ("t", "x", None)]
+    assert [u["prompt_id"] for u in unusable] == ["p.jsonl:2", "p.jsonl:4", "p.jsonl:5", "p.jsonl:6"]  # each said
     gz = tmp_path / "p.jsonl.gz"
     gz.write_bytes(gzip.compress(path.read_bytes()))
     assert [p.id for p in read_prompts_file(gz)] == ["a", "line3", "t"]

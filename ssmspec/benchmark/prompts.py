@@ -27,8 +27,10 @@ class Prompt:
     messages: list[dict] | None = None
 
 
-def load_prompts(dataset: str) -> tuple[str, list[Prompt]]:
-    """(dataset name for the report, prompts) for a vendored set's name or a prompts file.
+def load_prompts(dataset: str, unusable: list | None = None) -> tuple[str, list[Prompt]]:
+    """(dataset name for the report, prompts) for a vendored set's name or a prompts file; a
+    prompts file's records that hold no prompt are left out and, given `unusable`, listed there
+    (read_prompts_file).
 
     Raises InputError for an unknown name, a missing file, or a file with no usable prompt.
     """
@@ -39,14 +41,17 @@ def load_prompts(dataset: str) -> tuple[str, list[Prompt]]:
         if path.suffix:
             raise InputError(f"prompts file {dataset} does not exist")
         raise InputError(f"unknown dataset {dataset!r}: choose one of {', '.join(DATASETS)}, or give a prompts file (.jsonl or .txt)")
-    return path.name, read_prompts_file(path)
+    return path.name, read_prompts_file(path, unusable)
 
 
-def read_prompts_file(path: Path) -> list[Prompt]:
-    """`.jsonl` records with `prompt` (text) or `messages` (chat), or `.txt` with one prompt a line."""
+def read_prompts_file(path: Path, unusable: list | None = None) -> list[Prompt]:
+    """`.jsonl` records with `prompt` (text) or `messages` (chat), or `.txt` with one prompt a line.
+
+    A .jsonl record with neither is left out; given `unusable`, a {"prompt_id", "reason"} entry
+    per such record is appended to it (blank lines are no records)."""
     suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
     if suffix in (".jsonl", ".jsonl.gz"):
-        prompts = _jsonl_prompts(path)
+        prompts = _jsonl_prompts(path, [] if unusable is None else unusable)
     elif suffix == ".txt":
         lines = path.read_text(encoding="utf-8").splitlines()
         prompts = [Prompt(f"line{i + 1}", text=line) for i, line in enumerate(lines) if line.strip()]
@@ -57,7 +62,7 @@ def read_prompts_file(path: Path) -> list[Prompt]:
     return prompts
 
 
-def _jsonl_prompts(path: Path) -> list[Prompt]:
+def _jsonl_prompts(path: Path, unusable: list) -> list[Prompt]:
     prompts = []
     for number, line in enumerate(_read_lines(path), 1):
         if not line.strip():
@@ -67,12 +72,16 @@ def _jsonl_prompts(path: Path) -> list[Prompt]:
         except json.JSONDecodeError as e:
             raise InputError(f"{path}:{number}: not a JSON object ({e.msg})") from None
         if not isinstance(record, dict):
+            unusable.append({"prompt_id": f"{path.name}:{number}", "reason": "not a JSON object"})
             continue
         pid = str(record.get("id", record.get("task_id", f"line{number}")))
         if isinstance(record.get("prompt"), str) and record["prompt"].strip():
             prompts.append(Prompt(pid, text=record["prompt"]))
         elif _messages_ok(record.get("messages")):
             prompts.append(Prompt(pid, messages=record["messages"]))
+        else:
+            unusable.append({"prompt_id": f"{path.name}:{number}",
+                             "reason": "no non-empty 'prompt' text or 'messages' list with contents"})
     return prompts
 
 

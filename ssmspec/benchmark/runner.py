@@ -58,12 +58,14 @@ def run_bench(config: BenchConfig, on_progress: ProgressFn | None = None) -> Ben
     from ..tokenization import tokenizer_for
 
     specs, note = resolve_methods(config)
-    dataset, prompts = load_prompts(config.dataset)
+    unusable: list[dict] = []
+    dataset, prompts = load_prompts(config.dataset, unusable)
     dispatch.set_backend(config.backend)
     target = load_target(config.target, dtype=config.dtype, device=config.device)
     drafter = load_drafter(config.drafter, target) if config.drafter is not None else None
     tokenizer = tokenizer_for(target)
     result = BenchResult(config, dataset, specs, environment=environment(target.model))
+    result.skipped.extend(unusable)  # the prompts file's records without a prompt, each said
     if note:
         result.notes.append(note)
     if not result.lossless_applicable:
