@@ -503,6 +503,7 @@ def test_bandit_on_the_device_side_iteration_equals_the_host_loop(arch):
     assert runs[0].accepted_per_call == runs[1].accepted_per_call  # same trees: the same acceptance
     for run in runs[1:]:
         assert min(run.stats["tree_policy"]["pulls"]) >= 1 and sum(run.stats["tree_policy"]["pulls"]) == run.stats["target_calls"]
+    assert runs[0].stats["tree"] == arms.spec()  # the arms, not the largest one alone
 
 
 def test_warm_up_prepares_every_prefill_chain_and_tree(monkeypatch):

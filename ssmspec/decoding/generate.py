@@ -591,7 +591,8 @@ def decode_loop(
     new_tokens = len(out.tokens)
     stats = {
         "method": cfg.method,
-        "tree": None if cfg.method == "ar" else cfg.tree.spec(),
+        # a bandit's arms, not the largest arm it keeps buffers for (which arm ran: "tree_policy")
+        "tree": None if cfg.method == "ar" else (cfg.tree_policy.to_arms() if cfg.tree_policy is not None else cfg.tree).spec(),
         "new_tokens": new_tokens,
         "target_calls": calls,
         # The prefill's token is not a decoding call's; a call's tokens = accepted drafts + bonus.
