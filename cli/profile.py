@@ -33,7 +33,10 @@ def _load(path: Optional[Path], preset: Optional[str], what: str, dtype, device,
         return load_model(path, dtype=dtype, device=device).model.eval(), str(path)
     from ssmspec.models.presets import build_model
 
-    return build_model(preset, vocab_size=vocab_size, dtype=dtype, device=device).eval(), f"preset {preset}"
+    # vocab_size is the target's, for a drafter: take it exactly. A preset's padding to a multiple of
+    # 16 would make it wider than a target of, say, 301 tokens, and run_profile refuses that.
+    model = build_model(preset, vocab_size=vocab_size, pad_vocab=False, dtype=dtype, device=device)
+    return model.eval(), f"preset {preset}"
 
 
 def _resolve_device(device: str):

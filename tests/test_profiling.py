@@ -563,6 +563,22 @@ def test_cli_profiles_a_new_model_tiny_hybrid(tmp_path):
     assert (out.parent / "profile.png").stat().st_size > 10_000
 
 
+def test_cli_drafter_preset_takes_the_targets_vocabulary_exactly(tmp_path):
+    # A preset pads a vocabulary it is given to a multiple of 16 (drafter-2l: 301 -> 304); a drafter
+    # built for a target must not, or run_profile refuses the pair after loading both.
+    from ssmspec.models.loading import save_model
+    from ssmspec.models.presets import build_model
+    from test_loading import make_tokenizer
+
+    save_model(build_model("tiny-hybrid", vocab_size=301), tmp_path / "target", tokenizer=make_tokenizer(300))
+    r = _invoke(["--target", str(tmp_path / "target"), "--drafter-preset", "drafter-2l", "--sizes", "1,2,4",
+                 "--methods", "stree", "--repeats", "1", "--warmup", "0", "--prompt-len", "4", "--configs", "2,1",
+                 "--device", "cpu", "--out", str(tmp_path / "p"), "--no-plot"])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    prof = load_profile(tmp_path / "p" / "profile.json").data
+    assert prof["target"]["config"]["vocab_size"] == prof["drafter"]["config"]["vocab_size"] == 301
+
+
 @pytest.mark.parametrize("args, message", [
     (["--sizes", "0,2"], "--sizes"),
     (["--sizes", "two"], "--sizes"),
