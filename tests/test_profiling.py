@@ -504,6 +504,18 @@ def test_settings_validation():
         profiling.parse_configs("3,a")
 
 
+def test_parse_sizes_refuses_empty_items_like_the_other_list_options():
+    for text in ("1,,2", "1,2,4,", ",1,2,4", "1, ,2"):
+        with pytest.raises(InputError, match="--sizes .* has an empty item"):
+            profiling.parse_sizes(text)
+    for text, item in (("1,2,x", "'x'"), ("1,2,1.5", "'1.5'"), ("-1,2,4", "'-1'"), ("0,2,4", "'0'")):
+        with pytest.raises(InputError, match=f"--sizes .* has {item}"):
+            profiling.parse_sizes(text)
+    with pytest.raises(InputError, match="--configs .* has an empty item"):
+        profiling.parse_configs("3,,1")
+    assert profiling.parse_sizes(" 4, 1,2 ") == (1, 2, 4)
+
+
 # -- CLI -----------------------------------------------------------------------------------------
 def _invoke(args):
     from typer.testing import CliRunner
@@ -582,6 +594,7 @@ def test_cli_drafter_preset_takes_the_targets_vocabulary_exactly(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--sizes", "0,2"], "--sizes"),
     (["--sizes", "two"], "--sizes"),
+    (["--sizes", "1,,2,4"], "empty item"),
     (["--methods", "stree,warp"], "--methods"),
     (["--dtype", "int4"], "--dtype"),
     (["--device", "tpu"], "--device"),

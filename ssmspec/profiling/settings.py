@@ -71,15 +71,24 @@ class ProfileSettings:
                 raise InputError(f"tree configuration {cfg} must be a non-empty list of positive integers")
 
 
+def positive_ints(text: str, flag: str, example: str) -> tuple[int, ...]:
+    """`3,2,1` -> (3, 2, 1); an empty item, a non-integer or a number below 1 is an InputError naming `flag`."""
+    numbers = []
+    for item in (t.strip() for t in text.split(",")):
+        try:
+            n = int(item)
+        except ValueError:
+            n = 0
+        if n < 1:
+            what = "an empty item" if not item else f"{item!r}"
+            raise InputError(f"{flag} takes comma-separated positive integers such as {example}; {text!r} has {what}")
+        numbers.append(n)
+    return tuple(numbers)
+
+
 def parse_sizes(text: str) -> tuple[int, ...]:
     """`1,2,4,8` -> (1, 2, 4, 8), sorted and deduplicated; clear errors on anything else."""
-    try:
-        sizes = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
-    except ValueError:
-        raise InputError(f"--sizes must be comma-separated positive integers such as 1,2,4,8, got {text!r}") from None
-    if not sizes or any(n < 1 for n in sizes):
-        raise InputError(f"--sizes must be comma-separated positive integers such as 1,2,4,8, got {text!r}")
-    return tuple(sorted(set(sizes)))
+    return tuple(sorted(set(positive_ints(text, "--sizes", "1,2,4,8"))))
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
@@ -98,13 +107,7 @@ def parse_configs(text: str) -> tuple[tuple[int, ...], ...]:
         part = part.strip()
         if not part:
             continue
-        try:
-            cfg = tuple(int(t) for t in part.split(","))
-        except ValueError:
-            raise InputError(f"--configs must look like 3,2,1;4,2,1,1, got {text!r}") from None
-        if any(n < 1 for n in cfg):
-            raise InputError(f"every level of a tree configuration must be >= 1, got {part!r}")
-        out.append(cfg)
+        out.append(positive_ints(part, "--configs", "3,2,1;4,2,1,1"))
     if not out:
         raise InputError(f"--configs must look like 3,2,1;4,2,1,1, got {text!r}")
     return tuple(out)
