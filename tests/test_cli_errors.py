@@ -25,7 +25,7 @@ MISSING = "/nonexistent/ssmspec-test-path"
 # Bad values of string options that take free text (anything else must refuse an unknown name).
 FREE_TEXT = {
     "--prompt": [""], "--drafter": ["", MISSING], "--tree": ["3,,1"], "--stop": [""], "--data": [""],
-    "--text-field": [""], "--lora-targets": [], "--sizes": ["0,2", "two", "1,,2,4"], "--methods": ["stree,warp"],
+    "--text-field": [""], "--lora-targets": [], "--sizes": ["0,2", "two", "1,,2,4", "4"], "--methods": ["stree,warp"],
     "--configs": ["3;x"], "--device": ["tpu", "cuda:x"],
 }
 

@@ -323,7 +323,7 @@ def test_run_profile_uses_and_reports_its_thread_count_and_restores_it(monkeypat
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     before = torch.get_num_threads()
     seen = []
-    s = ProfileSettings(sizes=(1, 2), methods=("chain",), repeats=1, warmup=0, prompt_len=4, configs=())
+    s = ProfileSettings(sizes=(1, 2, 4), methods=("chain",), repeats=1, warmup=0, prompt_len=4, configs=())
     prof = run_profile(tiny_model(layers=("mamba",)), settings=s,
                        progress=lambda *_: seen.append(torch.get_num_threads()))
     assert prof["settings"]["threads"] == 1 and set(seen) == {1} and "1 threads" in prof["device"]["name"]
@@ -405,9 +405,9 @@ def test_run_profile_leaves_prefilled_cache_reusable():
     # replay must not accumulate: the attention cache capacity is prompt + max size + margin,
     # so many repeats at the largest size would overflow it if the length were not reset.
     model = tiny_model(layers=("attention", "mamba"))
-    s = ProfileSettings(sizes=(8,), methods=("chain",), repeats=20, warmup=2, prompt_len=4, configs=())
+    s = ProfileSettings(sizes=(2, 4, 8), methods=("chain",), repeats=20, warmup=2, prompt_len=4, configs=())
     prof = run_profile(model, settings=s)
-    assert len(prof["timings"]["chain"][0]["samples"]) == 20
+    assert [len(r["samples"]) for r in prof["timings"]["chain"]] == [20, 20, 20]
 
 
 def test_profile_json_round_trip(tmp_path, hybrid_profile):
@@ -489,7 +489,7 @@ def test_plot_writes_png(tmp_path, hybrid_profile):
 
 
 def test_settings_validation():
-    for bad in (dict(sizes=()), dict(sizes=(0, 2)), dict(methods=("stree", "fast")), dict(repeats=0),
+    for bad in (dict(sizes=()), dict(sizes=(0, 2, 4)), dict(methods=("stree", "fast")), dict(repeats=0),
                 dict(batch=0), dict(warmup=-1), dict(configs=((2, 0),))):
         with pytest.raises(InputError):
             ProfileSettings(**bad).validate()
@@ -504,6 +504,15 @@ def test_settings_validation():
         profiling.parse_configs("3,a")
 
 
+def test_sizes_need_as_many_distinct_sizes_as_a_cost_model_has_coefficients():
+    # One size gave "perfect" fits (R^2 1.0 through a single point) that tune-tree then trusted.
+    assert profiling.MIN_FIT_SIZES == 3  # t = aN^2 + bN + c
+    for sizes in ((4,), (1, 2), (2, 2, 4), ()):
+        with pytest.raises(InputError, match="at least 3 different sizes"):
+            ProfileSettings(sizes=sizes).validate()
+    ProfileSettings(sizes=(2, 4, 8)).validate()
+
+
 def test_parse_sizes_refuses_empty_items_like_the_other_list_options():
     for text in ("1,,2", "1,2,4,", ",1,2,4", "1, ,2"):
         with pytest.raises(InputError, match="--sizes .* has an empty item"):
@@ -514,6 +523,23 @@ def test_parse_sizes_refuses_empty_items_like_the_other_list_options():
     with pytest.raises(InputError, match="--configs .* has an empty item"):
         profiling.parse_configs("3,,1")
     assert profiling.parse_sizes(" 4, 1,2 ") == (1, 2, 4)
+
+
+def test_run_profile_without_the_ar_step_warns_before_timing(caplog):
+    logged_before_timing = []
+
+    def progress(*_):
+        if not logged_before_timing:
+            logged_before_timing.extend(r.getMessage() for r in caplog.records if r.name == "ssmspec.profiling")
+
+    s = ProfileSettings(sizes=(2, 4, 8), methods=("chain",), repeats=1, warmup=0, prompt_len=4, configs=())
+    with caplog.at_level("WARNING", logger="ssmspec.profiling"):
+        prof = run_profile(tiny_model(layers=("mamba",)), settings=s, progress=progress)
+    (w,) = logged_before_timing
+    assert "--sizes has no 1" in w and "no AR step" in w and w in prof["warnings"]
+    assert all(r["ratio_vs_ar"] is None for r in prof["break_even"]["table"]["chain"])
+    assert ProfileSettings(sizes=(2, 4, 8)).warnings(with_drafter=True) != [w]  # the drafter times the AR step
+    assert ProfileSettings(sizes=(1, 2, 4)).warnings(with_drafter=False) == []
 
 
 # -- CLI -----------------------------------------------------------------------------------------
@@ -595,6 +621,7 @@ def test_cli_drafter_preset_takes_the_targets_vocabulary_exactly(tmp_path):
     (["--sizes", "0,2"], "--sizes"),
     (["--sizes", "two"], "--sizes"),
     (["--sizes", "1,,2,4"], "empty item"),
+    (["--sizes", "4"], "at least 3 different sizes"),
     (["--methods", "stree,warp"], "--methods"),
     (["--dtype", "int4"], "--dtype"),
     (["--device", "tpu"], "--device"),

@@ -7,8 +7,8 @@
 from __future__ import annotations
 
 from .fits import (
-    Fit, break_even_ratio, compute_break_even, compute_fits, fit_cost_model, fit_warnings, fitted_sizes,
-    primary_fit_kind, r_squared,
+    MIN_FIT_SIZES, Fit, break_even_ratio, compute_break_even, compute_fits, fit_cost_model, fit_warnings,
+    fitted_sizes, primary_fit_kind, r_squared,
 )
 from .measure import balanced_tree, count_items, run_profile, timing_warnings
 from .plot import plot_profile
@@ -22,8 +22,8 @@ from .settings import (
 from .timing import Timing, cpu_threads, default_cpu_threads, samples_disagree, time_call
 
 __all__ = [
-    "DEFAULT_CONFIGS", "DTYPES", "METHODS", "SCHEMA_NAME", "SCHEMA_VERSION", "Fit", "Profile", "ProfileSettings",
-    "ProgressFn", "Timing", "architecture_of", "balanced_tree", "break_even_ratio", "check_profile_matches",
+    "DEFAULT_CONFIGS", "DTYPES", "METHODS", "MIN_FIT_SIZES", "SCHEMA_NAME", "SCHEMA_VERSION", "Fit", "Profile",
+    "ProfileSettings", "ProgressFn", "Timing", "architecture_of", "balanced_tree", "break_even_ratio", "check_profile_matches",
     "compute_break_even", "compute_fits", "config_summary", "count_items", "cpu_threads", "default_cpu_threads",
     "dtype_name", "fit_cost_model", "fit_warnings", "fitted_sizes", "load_profile", "model_fingerprint",
     "parse_configs", "parse_methods", "parse_sizes", "plot_profile", "primary_fit_kind", "r_squared", "run_profile",

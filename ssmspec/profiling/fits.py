@@ -21,6 +21,12 @@ import numpy as np
 
 from ..errors import InputError
 
+COST_MODELS = {"linear": ("k", "C"), "quadratic": ("a", "b", "c")}
+"""The coefficients of each cost model: t = k*N + C and t = a*N^2 + b*N + c."""
+MIN_FIT_SIZES = max(len(names) for names in COST_MODELS.values())
+"""Distinct sizes both cost models need: with fewer, a fit passes through every point (R^2 = 1) and
+predicts nothing."""
+
 
 @dataclass
 class Fit:
@@ -63,18 +69,18 @@ def fit_cost_model(sizes: Sequence[float], times: Sequence[float], kind: str) ->
     Where the unconstrained fit has no negative coefficient it is the answer; otherwise the best
     fit with some coefficients held at 0 (see `nonnegative_lstsq`), so t(N) >= 0 and never
     decreases for N >= 0. With fewer distinct sizes than coefficients the system is
-    underdetermined; numpy's lstsq then returns the minimum-norm solution, and R^2 is still reported.
+    underdetermined; numpy's lstsq then returns the minimum-norm solution, and R^2 is still reported
+    (`ProfileSettings.validate` asks for MIN_FIT_SIZES sizes, so a profile never has such a fit).
     """
     n = np.asarray(sizes, dtype=float)
     t = np.asarray(times, dtype=float)
     if n.shape != t.shape or n.ndim != 1 or n.size == 0:
         raise InputError("fit needs equally long, non-empty lists of sizes and times")
-    if kind == "linear":
-        design, names = np.stack([n, np.ones_like(n)], axis=1), ("k", "C")
-    elif kind == "quadratic":
-        design, names = np.stack([n**2, n, np.ones_like(n)], axis=1), ("a", "b", "c")
-    else:
+    if kind not in COST_MODELS:
         raise InputError(f"unknown fit kind {kind!r}; use linear or quadratic")
+    names = COST_MODELS[kind]
+    powers = [n**p for p in range(len(names) - 1, -1, -1)]  # N^2, N, 1 for the quadratic
+    design = np.stack(powers, axis=1)
     coef = nonnegative_lstsq(design, t)
     fitted = design @ coef
     return Fit(kind, {k: float(v) for k, v in zip(names, coef)}, r_squared(t, fitted), [float(r) for r in t - fitted])
@@ -115,7 +121,7 @@ def break_even_ratio(fit2: Fit, n2, fit1: Fit, n1: float):
 
 
 def fitted_sizes(sizes: Sequence[int]) -> list[int]:
-    """The sizes a cost model is fitted on: the verify calls (N >= 2) when there are three or more.
+    """The sizes a cost model is fitted on: the verify calls (N >= 2) when there are MIN_FIT_SIZES or more.
 
     Size 1 is the autoregressive step, a different code path (`model.step`, a fused single-token
     update) that on a GPU costs about half of the smallest verify call; fitting it together with
@@ -123,7 +129,7 @@ def fitted_sizes(sizes: Sequence[int]) -> list[int]:
     break-even table's `ratio_vs_ar`.
     """
     verify = [n for n in sizes if n >= 2]
-    return verify if len(verify) >= 3 else list(sizes)
+    return verify if len(verify) >= MIN_FIT_SIZES else list(sizes)
 
 
 def compute_fits(timings: dict, architecture: str) -> dict:

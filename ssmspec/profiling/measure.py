@@ -96,6 +96,9 @@ def run_profile(
             f"drafter vocabulary ({drafter.config.vocab_size}) differs from the target's "
             f"({target.config.vocab_size}); profile a drafter made for this target"
         )
+    early = s.warnings(with_drafter=drafter is not None)
+    for w in early:  # before timing: a run that lacks what the user wanted can be stopped now
+        log.warning(w)
     threads = (s.threads or default_cpu_threads()) if device.type == "cpu" else None
     with cpu_threads(threads):
         threads_used = torch.get_num_threads()
@@ -103,9 +106,10 @@ def run_profile(
         timings, drafter_timings = _measure(target, drafter, s, device, progress)
     arch = architecture_of(target)
     fits = compute_fits(timings, arch)
-    warnings = timing_warnings(timings, drafter_timings) + fit_warnings(fits, timings)
-    for w in warnings:
+    late = timing_warnings(timings, drafter_timings) + fit_warnings(fits, timings)
+    for w in late:
         log.warning(w)
+    warnings = early + late
     return {
         "schema": SCHEMA_NAME,
         "version": SCHEMA_VERSION,

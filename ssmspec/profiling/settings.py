@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 
 from ..errors import InputError
+from .fits import MIN_FIT_SIZES
 
 
 METHODS = ("stree", "unrolled", "chain")
@@ -47,11 +48,13 @@ class ProfileSettings:
     seed: int = 0
 
     def validate(self) -> None:
-        if not self.sizes:
-            raise InputError("--sizes needs at least one size, e.g. 1,2,4,8")
         bad = [n for n in self.sizes if not isinstance(n, int) or n < 1]
         if bad:
             raise InputError(f"sizes must be positive integers, got {bad}")
+        if len(set(self.sizes)) < MIN_FIT_SIZES:
+            given = ",".join(map(str, sorted(set(self.sizes)))) or "none"
+            raise InputError(f"--sizes needs at least {MIN_FIT_SIZES} different sizes to fit the cost models "
+                             f"(t = aN^2 + bN + c has {MIN_FIT_SIZES} coefficients), e.g. 1,2,4,8; got {given}")
         if not self.methods:
             raise InputError(f"--methods needs at least one of {', '.join(METHODS)}")
         unknown = [m for m in self.methods if m not in METHODS]
@@ -69,6 +72,21 @@ class ProfileSettings:
         for cfg in self.configs:
             if not cfg or any(n < 1 for n in cfg):
                 raise InputError(f"tree configuration {cfg} must be a non-empty list of positive integers")
+
+    def warnings(self, with_drafter: bool) -> list[str]:
+        """Sentences about settings that measure less than a profile usually holds (none: nothing missing).
+
+        Size 1, the autoregressive step, is only a reference: the fits leave it out once there are
+        enough verify sizes, and tune-tree reads the AR step from the drafter timings, which time it
+        on their own when --sizes lacks it. Without it the break-even table has no ratio against
+        plain decoding, and a profile without a drafter holds no AR step at all.
+        """
+        if 1 in self.sizes:
+            return []
+        ar_step = ("the drafter timings still time the AR step, for tune-tree" if with_drafter
+                   else "the profile holds no AR step")
+        return [f"--sizes has no 1 (the autoregressive step): the break-even table gets no ratio against plain "
+                f"decoding and {ar_step}; add 1 to --sizes to time it"]
 
 
 def positive_ints(text: str, flag: str, example: str) -> tuple[int, ...]:
