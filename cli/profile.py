@@ -113,7 +113,7 @@ def profile_command(
 
         check_same_vocab(tgt, drf)
 
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    name = profiling.device_name(dev, profiling.timing_threads(settings, dev))
     console.print(f"[bold]ssmspec profile[/]: {tgt_src} ({profiling.architecture_of(tgt)}, "
                   f"{sum(p.numel() for p in tgt.parameters()) / 1e6:.1f}M params) on [bold]{name}[/], {dtype}, "
                   f"batch {batch}, prompt {prompt_len}" + (f"; drafter {drf_src}" if drf is not None else ""))

@@ -326,11 +326,12 @@ def test_run_profile_uses_and_reports_its_thread_count_and_restores_it(monkeypat
     s = ProfileSettings(sizes=(1, 2, 4), methods=("chain",), repeats=1, warmup=0, prompt_len=4, configs=())
     prof = run_profile(tiny_model(layers=("mamba",)), settings=s,
                        progress=lambda *_: seen.append(torch.get_num_threads()))
-    assert prof["settings"]["threads"] == 1 and set(seen) == {1} and "1 threads" in prof["device"]["name"]
+    assert prof["settings"]["threads"] == 1 and set(seen) == {1} and prof["device"]["name"].endswith(", 1 thread)")
     assert torch.get_num_threads() == before
     s.threads = 2
     prof = run_profile(tiny_model(layers=("mamba",)), settings=s)
     assert prof["settings"]["threads"] == 2 and torch.get_num_threads() == before
+    assert prof["device"]["name"].endswith(", 2 threads)")
     with pytest.raises(InputError, match="threads"):
         ProfileSettings(threads=0).validate()
 
@@ -599,6 +600,25 @@ def test_cli_profiles_a_new_model_tiny_hybrid(tmp_path):
     assert set(prof["timings"]) == {"stree", "chain"} and prof["drafter_timings"] is None
     assert prof["fits"]["stree"]["sizes"] == [2, 3, 4]
     assert (out.parent / "profile.png").stat().st_size > 10_000
+
+
+def test_cli_header_names_the_thread_count_timing_runs_on(tmp_path, saved_models):
+    # Timing runs on default_cpu_threads() (1 unless OMP_NUM_THREADS is set) whatever torch's count is
+    # outside it; the header said torch's count ("CPU (2 threads)") while profile.json said "1 threads".
+    timing = default_cpu_threads()
+    before = torch.get_num_threads()
+    torch.set_num_threads(timing + 1)
+    try:
+        r = _invoke(["--target", str(saved_models / "target"), "--sizes", "1,2,4", "--methods", "chain",
+                     "--repeats", "1", "--warmup", "0", "--prompt-len", "4", "--device", "cpu",
+                     "--out", str(tmp_path / "p"), "--no-plot"])
+    finally:
+        torch.set_num_threads(before)
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    name = load_profile(tmp_path / "p" / "profile.json").data["device"]["name"]
+    assert name.endswith(f", {timing} thread)" if timing == 1 else f", {timing} threads)")
+    header = " ".join(r.output.split()).split("ssmspec profile:")[1].split(", fp32")[0]
+    assert header.endswith(f"on {name}")
 
 
 def test_cli_drafter_preset_takes_the_targets_vocabulary_exactly(tmp_path):

@@ -10,7 +10,7 @@ from .fits import (
     MIN_FIT_SIZES, Fit, break_even_ratio, compute_break_even, compute_fits, fit_cost_model, fit_warnings,
     fitted_sizes, primary_fit_kind, r_squared,
 )
-from .measure import balanced_tree, count_items, run_profile, timing_warnings
+from .measure import balanced_tree, count_items, device_name, run_profile, timing_threads, timing_warnings
 from .plot import plot_profile
 from .schema import (
     SCHEMA_NAME, SCHEMA_VERSION, Profile, architecture_of, check_profile_matches, config_summary, dtype_name,
@@ -23,9 +23,10 @@ from .timing import Timing, cpu_threads, default_cpu_threads, samples_disagree, 
 
 __all__ = [
     "DEFAULT_CONFIGS", "DTYPES", "METHODS", "MIN_FIT_SIZES", "SCHEMA_NAME", "SCHEMA_VERSION", "Fit", "Profile",
-    "ProfileSettings", "ProgressFn", "Timing", "architecture_of", "balanced_tree", "break_even_ratio", "check_profile_matches",
-    "compute_break_even", "compute_fits", "config_summary", "count_items", "cpu_threads", "default_cpu_threads",
-    "dtype_name", "fit_cost_model", "fit_warnings", "fitted_sizes", "load_profile", "model_fingerprint",
-    "parse_configs", "parse_methods", "parse_sizes", "plot_profile", "primary_fit_kind", "r_squared", "run_profile",
-    "samples_disagree", "save_profile", "time_call", "timing_warnings", "validate_profile",
+    "ProfileSettings", "ProgressFn", "Timing", "architecture_of", "balanced_tree", "break_even_ratio",
+    "check_profile_matches", "compute_break_even", "compute_fits", "config_summary", "count_items", "cpu_threads",
+    "default_cpu_threads", "device_name", "dtype_name", "fit_cost_model", "fit_warnings", "fitted_sizes",
+    "load_profile", "model_fingerprint", "parse_configs", "parse_methods", "parse_sizes", "plot_profile",
+    "primary_fit_kind", "r_squared", "run_profile", "samples_disagree", "save_profile", "time_call",
+    "timing_threads", "timing_warnings", "validate_profile",
 ]

@@ -99,8 +99,7 @@ def run_profile(
     early = s.warnings(with_drafter=drafter is not None)
     for w in early:  # before timing: a run that lacks what the user wanted can be stopped now
         log.warning(w)
-    threads = (s.threads or default_cpu_threads()) if device.type == "cpu" else None
-    with cpu_threads(threads):
+    with cpu_threads(timing_threads(s, device)):
         threads_used = torch.get_num_threads()
         device_info = _device_info(device)
         timings, drafter_timings = _measure(target, drafter, s, device, progress)
@@ -448,13 +447,22 @@ def _measure_loop(target, drafter, s: ProfileSettings, device, use_graph: bool, 
             "overhead_ms": max(loop.median - bare.median, 0.0)}
 
 
-def _device_info(device: torch.device) -> dict:
+def timing_threads(settings: ProfileSettings, device: torch.device) -> int | None:
+    """CPU threads `run_profile` times on (None on a GPU: torch's count is left as it is)."""
+    return (settings.threads or default_cpu_threads()) if device.type == "cpu" else None
+
+
+def device_name(device: torch.device, threads: int | None = None) -> str:
+    """The GPU's name, or the CPU's with the thread count timing runs on (default: torch's current one)."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        cpu = platform.processor() or platform.machine() or "cpu"
-        name = f"CPU ({cpu}, {torch.get_num_threads()} threads)"
-    return {"type": device.type, "name": name, "torch": torch.__version__, "cuda": torch.version.cuda}
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine() or "cpu"
+    n = torch.get_num_threads() if threads is None else threads
+    return f"CPU ({cpu}, {n} thread{'' if n == 1 else 's'})"
+
+
+def _device_info(device: torch.device) -> dict:
+    return {"type": device.type, "name": device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda}
 
 
 def _backend_report(device: torch.device) -> dict:
