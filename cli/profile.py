@@ -39,16 +39,6 @@ def _load(path: Optional[Path], preset: Optional[str], what: str, dtype, device,
     return model.eval(), f"preset {preset}"
 
 
-def _resolve_device(device: str):
-    import torch
-
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise InputError("--device cuda asked for, but CUDA is not available on this machine; use --device cpu")
-    return torch.device(device)
-
-
 def profile_command(
     target: Optional[Path] = typer.Option(None, "--target", exists=True, file_okay=False, help="Target model directory."),
     target_preset: Optional[str] = options.choice(None, "--target-preset", choices=tuple(PRESETS),
@@ -86,7 +76,8 @@ def profile_command(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ssmspec.ops import dispatch
+    from ssmspec.api import resolve_device
+    from ssmspec.ops import dispatch, paths
 
     console = Console()
     settings = profiling.ProfileSettings(
@@ -96,7 +87,7 @@ def profile_command(
     )
     settings.validate()
     outputs.claim(out, "profile", inputs={"--target": target, "--drafter": drafter}, overwrite=overwrite)
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     if dtype == "auto":
         dtype = "bf16" if dev.type == "cuda" else "fp32"
     torch_dtype = profiling.DTYPES[dtype]
@@ -104,6 +95,7 @@ def profile_command(
         dispatch.set_backend(backend)
     except ValueError as e:
         raise InputError(str(e)) from None
+    paths.check_device(dev)  # a backend that cannot run there fails now, not after the first timings
 
     tgt, tgt_src = _load(target, target_preset, "target", torch_dtype, dev)
     drf, drf_src = _load(drafter, drafter_preset, "drafter", torch_dtype, dev,

@@ -147,14 +147,15 @@ def test_usage_errors_are_one_line(files, tmp_path, monkeypatch, capsys, args, m
     assert_one_line_error(code, err, mentions=mentions)
 
 
-@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["prepare"]])
-def test_the_triton_backend_off_cuda_is_refused_before_any_kernel(files, monkeypatch, capsys, command):
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["prepare"], ["profile", "--out", "{fresh}"]])
+def test_the_triton_backend_off_cuda_is_refused_before_any_kernel(files, tmp_path, monkeypatch, capsys, command):
     from ssmspec.ops import settings
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(settings, "_process", settings._process)  # --backend sets it for the process: restored after
-    code, _, err = run_cli([command[0], "--target", files / "target", *command[1:], "--backend", "triton",
-                            "--device", "cpu"], monkeypatch, capsys)
+    rest = [a.format(fresh=tmp_path / "out") for a in command[1:]]
+    code, _, err = run_cli([command[0], "--target", files / "target", *rest, "--backend", "triton", "--device", "cpu"],
+                           monkeypatch, capsys)
     assert_one_line_error(code, err, mentions="the triton backend runs on a CUDA GPU")
 
 
