@@ -26,7 +26,7 @@ MISSING = "/nonexistent/ssmspec-test-path"
 FREE_TEXT = {
     "--prompt": [""], "--drafter": ["", MISSING], "--tree": ["3,,1"], "--stop": [""], "--data": [""],
     "--text-field": [""], "--lora-targets": [], "--sizes": ["0,2", "two", "1,,2,4", "4"], "--methods": ["stree,warp"],
-    "--configs": ["3;x"], "--device": ["tpu", "cuda:x"],
+    "--configs": ["3;x", "3,2;;1"], "--device": ["tpu", "cuda:x"],
 }
 
 

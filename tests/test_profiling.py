@@ -523,6 +523,9 @@ def test_parse_sizes_refuses_empty_items_like_the_other_list_options():
             profiling.parse_sizes(text)
     with pytest.raises(InputError, match="--configs .* has an empty item"):
         profiling.parse_configs("3,,1")
+    for text in ("3,2;;1", "3,2;", ";3,2"):
+        with pytest.raises(InputError, match="--configs .* has an empty configuration"):
+            profiling.parse_configs(text)
     assert profiling.parse_sizes(" 4, 1,2 ") == (1, 2, 4)
 
 

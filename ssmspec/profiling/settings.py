@@ -120,12 +120,9 @@ def parse_methods(text: str) -> tuple[str, ...]:
 
 def parse_configs(text: str) -> tuple[tuple[int, ...], ...]:
     """`3,2,1;4,2,1,1` -> ((3, 2, 1), (4, 2, 1, 1))."""
-    out = []
-    for part in text.split(";"):
-        part = part.strip()
-        if not part:
-            continue
-        out.append(positive_ints(part, "--configs", "3,2,1;4,2,1,1"))
-    if not out:
+    parts = [part.strip() for part in text.split(";")]
+    if not any(parts):
         raise InputError(f"--configs must look like 3,2,1;4,2,1,1, got {text!r}")
-    return tuple(out)
+    if not all(parts):  # as --candidates and bandit arms: a stray ';' is a mistake, not a separator to skip
+        raise InputError(f"--configs {text!r} has an empty configuration (a stray ';'); write e.g. 3,2,1;4,2,1,1")
+    return tuple(positive_ints(part, "--configs", "3,2,1;4,2,1,1") for part in parts)
