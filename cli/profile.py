@@ -91,10 +91,7 @@ def profile_command(
     if dtype == "auto":
         dtype = "bf16" if dev.type == "cuda" else "fp32"
     torch_dtype = profiling.DTYPES[dtype]
-    try:
-        dispatch.set_backend(backend)
-    except ValueError as e:
-        raise InputError(str(e)) from None
+    dispatch.set_backend(backend)
     paths.check_device(dev)  # a backend that cannot run there fails now, not after the first timings
 
     tgt, tgt_src = _load(target, target_preset, "target", torch_dtype, dev)

@@ -22,7 +22,7 @@ from .decoding import Engine, GenerationConfig, GenerationResult, ModelDrafter, 
 from .errors import InputError
 from .limits import check_context, declared_context
 from .models.loading import LoadedModel, check_same_vocab, load_model
-from .ops import paths
+from .ops import paths, triton_warmup
 from .runtime import configure_threads
 from .tokenization import encode_prompt, tokenizer_for
 
@@ -40,8 +40,6 @@ def load_target(path: str | Path, *, dtype=None, device: str | None = None) -> L
     resolved = resolve_device(device)
     paths.check_device(resolved)  # a backend that cannot run there fails now, not at the first kernel
     if resolved.type == "cuda":
-        from .ops import triton_warmup
-
         triton_warmup.start()  # Triton's once-per-process key, hashed while the weights load
     return load_model(path, dtype=dtype, device=resolved)
 

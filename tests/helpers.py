@@ -143,8 +143,6 @@ def run_interpreted(test_file: str) -> None:
     The child runs in the background from the end of collection (conftest, `start_interpreted`)
     when the calling test's name ends in one of INTERPRETED_TEST_SUFFIXES; otherwise it starts here.
     """
-    from pathlib import Path
-
     rel = Path(test_file).resolve().relative_to(REPO).as_posix()
     start_interpreted([rel])
     passed, failures = _interpreted_runs[rel].verdict(rel)

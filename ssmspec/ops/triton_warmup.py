@@ -10,7 +10,6 @@ and the first generation (`ssmspec generate` after `ssmspec prepare`) does not p
 """
 from __future__ import annotations
 
-import functools
 import threading
 from typing import Callable
 
@@ -27,7 +26,7 @@ def _triton_key() -> Callable[[], str] | None:
         except ImportError:
             return None
     # Only a function that keeps its result is worth computing ahead.
-    return triton_key if isinstance(triton_key, functools._lru_cache_wrapper) else None
+    return triton_key if hasattr(triton_key, "cache_info") else None
 
 
 def start() -> threading.Thread | None:
