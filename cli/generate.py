@@ -24,7 +24,8 @@ def read_prompt(prompt: str) -> str:
         return prompt
     raw = getattr(sys.stdin, "buffer", None)  # bytes, decoded strictly whatever the locale's error handler
     try:
-        return raw.read().decode("utf-8") if raw is not None else sys.stdin.read()
+        # utf-8-sig: a file saved with a BOM (`--prompt - < prompt.txt`) must not start the prompt with it
+        return raw.read().decode("utf-8-sig") if raw is not None else sys.stdin.read()
     except UnicodeDecodeError as e:
         raise InputError(f"--prompt -: stdin is not UTF-8 text (bad byte at offset {e.start}); convert it first, "
                          "e.g. with iconv") from None

@@ -13,15 +13,17 @@ from . import options, outputs
 
 
 def _vocab_source(path: Path):
-    """(tokenizer, vocab size to use, whether to use it unpadded) from a tokenizer or model directory."""
+    """(tokenizer or None, vocab size to use, whether to use it unpadded) from a tokenizer or model directory."""
     from ssmspec.models.loading import TOKENIZER_FILES
 
     if not path.is_dir():
         raise InputError(f"--vocab-from {path} is not a directory; pass a tokenizer or model directory")
-    if not any((path / f).exists() for f in TOKENIZER_FILES):
-        raise InputError(f"--vocab-from {path} holds no tokenizer files ({', '.join(TOKENIZER_FILES)})")
-    tokenizer = _read_tokenizer(path)
-    vocab, exact = len(tokenizer), False
+    has_tokenizer = any((path / f).exists() for f in TOKENIZER_FILES)
+    if not has_tokenizer and not (path / "config.json").exists():
+        raise InputError(f"--vocab-from {path} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}) and no model")
+    # A model without a tokenizer (a byte-vocabulary target from new-model) still has a vocabulary.
+    tokenizer = _read_tokenizer(path) if has_tokenizer else None
+    vocab, exact = (len(tokenizer) if tokenizer is not None else 0), False
     if (path / "config.json").exists():
         # A model directory: match its (possibly padded) embedding size exactly, without the
         # preset's own padding, so that check_same_vocab accepts the pair.
@@ -36,6 +38,9 @@ def _vocab_source(path: Path):
             model_vocab = None
         if model_vocab is not None and model_vocab >= vocab:
             vocab, exact = model_vocab, True
+    if not vocab:
+        raise InputError(f"--vocab-from {path} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}) and its "
+                         "config.json names no vocabulary size")
     return tokenizer, vocab, exact
 
 
@@ -88,5 +93,6 @@ def new_model_command(
     typer.echo(
         f"wrote preset {preset}: {info['params']:,} parameters ({layers} layers, d_model {info['d_model']}, "
         f"vocab {model.config.vocab_size}), {dtype}, {fmt_name} format, to {out}"
-        + (f" with the tokenizer of {vocab_from}" if tokenizer is not None else "")
+        + (f" with the tokenizer of {vocab_from}" if tokenizer is not None
+           else f" with the vocabulary of {vocab_from}" if vocab_from is not None else "")
     )

@@ -64,6 +64,11 @@ def claim(out: Path, command: str, *, inputs: Mapping[str, Optional[Path]], over
     check_not_an_input(out, inputs)
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file; give a directory")
+    # A file where a parent directory must go fails only when the output is written, after the
+    # whole run: refuse it now.
+    parent = next((p for p in out.expanduser().absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise InputError(f"--out {out} cannot be made: {parent} is a file, not a directory")
     if not _is_main_process():
         return
     empty = not out.exists() or not any(out.iterdir())

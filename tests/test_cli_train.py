@@ -82,7 +82,8 @@ def test_help_of_the_new_flags(monkeypatch, capsys):
     assert run(["distill", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "--final-eval" in text and "--no-final-eval" in text and "--loss-chunk" in text
-    assert "auto (fla, then mamba_ssm, when importable on a GPU, else parallel), fla, mamba_ssm, parallel, ssmspec (the reference)" in text
+    assert ("auto (on a GPU fla, then mamba_ssm, when importable, else parallel; on the CPU ssmspec), fla, mamba_ssm, "
+            "parallel, ssmspec (the reference)") in text
     assert "0 = none during training" in text
 
 

@@ -312,6 +312,51 @@ def test_accelerate_launch_two_gpus_trains_with_near_double_throughput(tmp_path)
 
 
 @pytest.mark.slow
+def test_a_signal_to_one_of_two_processes_stops_both_at_one_checkpoint(tmp_path, token_data):
+    """SIGTERM reaches rank 1 only: both ranks stop after the same log step and the run checkpoints
+    it (alone, rank 1 left while rank 0 waited for it in the next all-reduce)."""
+    import time
+
+    from ssmspec.models.loading import save_model
+    from ssmspec.training.loop import latest_checkpoint
+
+    save_model(bigram_target(), tmp_path / "target")
+    exe = str(Path(sys.executable).parent / "ssmspec")
+    out = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", exe, "distill", "--target",
+           str(tmp_path / "target"), "--student-preset", "tiny", "--data", str(token_data), "--steps", "100000",
+           "--seq-len", "32", "--batch-size", "2", "--eval-every", "0", "--log-every", "2", "--save-every", "0",
+           "--dtype", "fp32", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group: the finally stops the workers too
+    try:
+        deadline = time.time() + 120
+
+        def steps_logged():
+            log = out / "log.jsonl"
+            return sum('"event": "step"' in line for line in open(log)) if log.exists() else 0
+
+        while steps_logged() < 2:
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            assert time.time() < deadline, "no step logged in 120 s"
+            time.sleep(0.5)
+        ranks = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "ssmspec"], capture_output=True, text=True).stdout.split()
+        workers = [int(p) for p in ranks]
+        assert len(workers) == 2, ranks
+        rank1 = next(p for p in workers if "LOCAL_RANK=1" in open(f"/proc/{p}/environ").read().replace("\0", " "))
+        os.kill(rank1, signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    events = [json.loads(line) for line in open(out / "log.jsonl")]
+    stopped = [e for e in events if e["event"] == "interrupted"]
+    assert len(stopped) == 1 and stopped[0]["step"] % 2 == 0, (stopped, err[-2000:])
+    assert latest_checkpoint(out).name == f"step-{stopped[0]['step']:08d}"
+
+
+@pytest.mark.slow
 def test_two_cpu_processes_reproduce_the_single_process_run(tmp_path, token_data):
     """DDP over 2 CPU processes (torchrun, gloo), batch 2 each, trains exactly the 1-process batch-4 run."""
     from pathlib import Path

@@ -53,7 +53,7 @@ def read_prompts_file(path: Path, unusable: list | None = None) -> list[Prompt]:
     if suffix in (".jsonl", ".jsonl.gz"):
         prompts = _jsonl_prompts(path, [] if unusable is None else unusable)
     elif suffix == ".txt":
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = _read_lines(path)
         prompts = [Prompt(f"line{i + 1}", text=line) for i, line in enumerate(lines) if line.strip()]
     else:
         raise InputError(f"prompts file {path} must end in .jsonl or .txt")
@@ -92,9 +92,13 @@ def _messages_ok(messages) -> bool:
 
 
 def _read_lines(path: Path) -> list[str]:
+    """The file's lines: a leading UTF-8 BOM dropped (editors on Windows write one), split at line
+    ends only (\n, \r\n, \r). str.splitlines also splits at form feeds and U+2028, which JSON
+    strings and code may hold."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return f.read().splitlines()
+    with opener(path, "rt", encoding="utf-8-sig") as f:  # text mode reads \r\n and \r as \n
+        lines = f.read().split("\n")
+    return lines[:-1] if lines[-1] == "" else lines  # the last line's end starts no line
 
 
 def _humaneval(path: Path) -> list[Prompt]:
@@ -117,11 +121,17 @@ _VENDORED = {"humaneval": _humaneval, "mt-bench": _mt_bench, "sharegpt": _shareg
 
 def encode(tokenizer, prompt: Prompt) -> list[int]:
     """Token ids of a prompt: chat messages through the tokenizer's chat template when it has
-    one (with the generation prompt), else their contents joined by blank lines."""
+    one (with the generation prompt), else their contents joined by blank lines. InputError
+    when the template refuses the messages."""
     if prompt.text is not None:
         return list(tokenizer.encode(prompt.text))
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True)
+        from jinja2 import TemplateError  # transformers renders chat templates with jinja2
+
+        try:
+            ids = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True)
+        except TemplateError as e:  # raise_exception(...) in the template: roles it does not take, say
+            raise InputError(f"the tokenizer's chat template refuses the messages of prompt {prompt.id}: {e}") from None
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)

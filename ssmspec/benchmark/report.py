@@ -37,9 +37,14 @@ def summarize(result: BenchResult) -> dict[str, dict]:
             "peak_memory_bytes": info.get("peak_memory_bytes"),
             "time_split": info.get("time_split"),
         }
-    ar = out.get("ar")
+    # Against ar on the same prompts: an interrupted method finished only the first few (prompts
+    # run in the same order for every method), and tokens/s differs from prompt to prompt.
+    ar_rows = [r for r in result.records if r["method"] == "ar"]
     for summary in out.values():
-        summary["speedup"] = summary["tokens_per_s"] / ar["tokens_per_s"] if ar and ar["tokens_per_s"] > 0 else None
+        same = ar_rows[:summary["prompts"]]
+        ar_elapsed = sum(r["elapsed_s"] for r in same)
+        ar_rate = sum(r["new_tokens"] for r in same) / ar_elapsed if ar_elapsed > 0 else 0.0
+        summary["speedup"] = summary["tokens_per_s"] / ar_rate if ar_rate > 0 else None
     return out
 
 

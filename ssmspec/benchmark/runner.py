@@ -12,6 +12,7 @@ import torch
 from ..decoding.engine import Engine
 from ..decoding.generate import GenerationConfig, GenerationResult
 from ..errors import InputError
+from ..limits import context_limit, declared_context
 from .config import BenchConfig, MethodSpec, resolve_methods
 from .lossless import Verdict, check_lossless
 from .prompts import Prompt, encode, load_prompts
@@ -143,12 +144,9 @@ def _time_split(engine: Engine, encoded, gen_cfg) -> dict:
 def _context_limit(target, config: BenchConfig) -> int | None:
     if config.max_context is not None:
         return config.max_context
-    # Pure Mamba models have no position limit; attention models may carry one.
-    for name in ("max_position_embeddings", "max_seq_len", "n_positions"):
-        value = getattr(target.model.config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    # Pure Mamba models have no position limit; attention models may carry one, declared in
+    # their config.json (the ModelConfig holds none): the limit `generate` refuses beyond.
+    return context_limit(target.model.config, declared_context(target.path))[0]
 
 
 def _encode_all(prompts: list[Prompt], tokenizer, config: BenchConfig, context: int | None,
@@ -158,7 +156,11 @@ def _encode_all(prompts: list[Prompt], tokenizer, config: BenchConfig, context: 
     for prompt in prompts:
         if config.limit is not None and len(encoded) >= config.limit:
             break
-        ids = encode(tokenizer, prompt)
+        try:
+            ids = encode(tokenizer, prompt)
+        except InputError as e:  # one record the chat template refuses does not stop the run
+            result.skipped.append({"prompt_id": prompt.id, "reason": str(e)})
+            continue
         if not ids:
             result.skipped.append({"prompt_id": prompt.id, "reason": "empty after tokenization"})
         elif context is not None and len(ids) + config.max_new_tokens > context:

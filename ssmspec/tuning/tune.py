@@ -59,6 +59,11 @@ class TuneSettings:
             if t.num_nodes > self.budget or t.max_depth > self.max_depth:
                 raise InputError(f"candidate {t.spec()} has {t.num_nodes} nodes and depth {t.max_depth}: "
                                  f"beyond --budget {self.budget} / --max-depth {self.max_depth}")
+            # Ranks past --width are not measured, and the prediction counts them as never accepted.
+            widest = max(len(children) for children in t.child_lists())
+            if widest > self.width:
+                raise InputError(f"candidate {t.spec()} has up to {widest} children per node: beyond --width "
+                                 f"{self.width} (the sibling ranks measured); raise --width")
 
     def to_json(self) -> dict:
         d = asdict(self)
