@@ -7,6 +7,7 @@ Examples:
 """
 from __future__ import annotations
 
+import logging
 import shlex
 import sys
 from pathlib import Path
@@ -59,7 +60,7 @@ EVAL_N = options.count(_EVAL.num_prompts, "--eval-num-prompts", min=1, help="Pro
 EVAL_NEW = options.count(_EVAL.max_new_tokens, "--eval-max-new-tokens", min=1, max=options.MAX_NEW_TOKENS,
                          help="Tokens generated per prompt when measuring acceptance.")
 EVAL_K = options.count(_EVAL.draft_len, "--eval-draft-len", min=1, help="Drafted tokens per target call (chain) when measuring acceptance.")
-SAVE_EVERY = options.count(_CK.save_every, "--save-every", help="Steps between checkpoints (one is always written at the end and on Ctrl-C).")
+SAVE_EVERY = options.count(_CK.save_every, "--save-every", help="Steps between checkpoints (one is always written at the end and on Ctrl-C or SIGTERM).")
 KEEP = options.count(_CK.keep, "--keep-checkpoints", min=1, help="Checkpoints kept on disk.")
 LOG_EVERY = options.count(_CK.log_every, "--log-every", min=1, help="Steps between log lines.")
 RESUME = options.flag(False, "--resume", help="Continue the run in --out from its latest checkpoint.")
@@ -69,8 +70,8 @@ LORA_RANK = options.count(_LORA.rank, "--lora-rank", min=1, help="LoRA rank.")
 LORA_ALPHA = options.real(_LORA.alpha, "--lora-alpha", above=True, help="LoRA alpha.")
 LORA_TARGETS = typer.Option(",".join(_LORA.targets), "--lora-targets", help="Linear layers given adapters, where present.")
 SCAN = typer.Option(_RUN.scan, "--scan", metavar="NAME", callback=options.one_of(SCAN_BACKENDS),
-                    help="Training scan, one of: auto (fla, then mamba_ssm, when importable on a GPU, else parallel), fla, mamba_ssm, "
-                         "parallel, ssmspec (the reference).")
+                    help="Training scan, one of: auto (on a GPU fla, then mamba_ssm, when importable, else parallel; on the CPU "
+                         "ssmspec), fla, mamba_ssm, parallel, ssmspec (the reference).")
 RECOMPUTE = options.flag(_RUN.recompute, "--recompute/--no-recompute",
                          help="Recompute each sublayer's activations in the backward pass: the same gradients in less GPU "
                               "memory (larger --batch-size fits), about a third more compute.")
@@ -197,6 +198,11 @@ def _run(mode: str, kw: dict, inputs: dict) -> None:
     if outputs.owner_of(out) is None and _run_mode(out) == mode:
         outputs.mark(out, mode)  # a run written before output markers existed: its run.json says whose it is
     outputs.claim(out, mode, inputs={**inputs, **data_paths}, overwrite=cfg.overwrite, resume=cfg.resume)
+    # The callbacks print every warning the training library logs; without a handler of its own,
+    # Python's last-resort handler printed each one a second time, unformatted.
+    logger = logging.getLogger("ssmspec.training")
+    if not logger.handlers:
+        logger.addHandler(logging.NullHandler())
     ui = RichProgress()
     cb = type("CLIProgress", (TrainCallbacks,), {})()
     for name in ("on_start", "on_step", "on_eval", "on_eval_progress", "on_message", "on_end"):
@@ -206,7 +212,9 @@ def _run(mode: str, kw: dict, inputs: dict) -> None:
     except KeyboardInterrupt:
         ui.close()
         if latest_checkpoint(out) is None:
-            print(f"{mode} interrupted before its first checkpoint: nothing to resume", file=sys.stderr)
+            # --out now holds the run's start (run.json, log.jsonl): a plain rerun is refused there
+            print(f"{mode} interrupted before its first checkpoint: nothing to resume; start over with --overwrite",
+                  file=sys.stderr)
         else:
             print(f"{mode} interrupted; continue with: {resume_command()}", file=sys.stderr)
         raise typer.Exit(130) from None
@@ -263,7 +271,7 @@ def distill_command(
 ):
     """Distil a Mamba-2 drafter from a frozen target's next-token distribution.
 
-    Ctrl-C saves a checkpoint, prints the command that resumes the run, and exits with status 130.
+    Ctrl-C (or SIGTERM) saves a checkpoint, prints the command that resumes the run, and exits with status 130.
 
     Example: ssmspec distill --target tgt --student-preset drafter-2l --data corpus/ --out drafter --steps 2000
     """
@@ -275,7 +283,8 @@ def distill_command(
 def sft_command(
     student: Optional[Path] = typer.Option(None, "--student", **MODEL_DIR, help="Mamba-2 checkpoint directory to fine-tune."),
     student_preset: Optional[str] = options.choice(None, "--student-preset", choices=tuple(PRESETS),
-                                                   help="Or a fresh model from a preset (pretraining; needs --tokenizer)."),
+                                                   help="Or a fresh model from a preset (pretraining), with the vocabulary of --target "
+                                                        "or --tokenizer, else the preset's, reading text as UTF-8 bytes."),
     target: Optional[Path] = typer.Option(None, "--target", **MODEL_DIR, help="A target to measure acceptance against during training."),
     model: Optional[Path] = options.deprecated("--model", use="--student", **MODEL_DIR),
     init_preset: Optional[str] = options.deprecated("--init-preset", use="--student-preset", callback=options.one_of(tuple(PRESETS))),
@@ -295,7 +304,7 @@ def sft_command(
 ):
     """Next-token fine-tuning (chat: loss on assistant turns only) or pretraining on raw text.
 
-    Ctrl-C saves a checkpoint, prints the command that resumes the run, and exits with status 130.
+    Ctrl-C (or SIGTERM) saves a checkpoint, prints the command that resumes the run, and exits with status 130.
 
     Example: ssmspec sft --student drafter --data sharegpt.json --format chat --out drafter-chat
     """

@@ -128,7 +128,7 @@ class CheckpointConfig:
     """Checkpoint and log cadence."""
 
     save_every: int = 500
-    """Steps between checkpoints (one is always written at the end and on Ctrl-C)."""
+    """Steps between checkpoints (one is always written at the end and on Ctrl-C or SIGTERM)."""
     keep: int = 2
     """Most recent checkpoints kept on disk."""
     log_every: int = 10

@@ -64,7 +64,10 @@ class BadRecords:
             if self.report is not None:
                 self.report(text)
         elif self.count == self.max_reported + 1:
-            log.warning("more malformed records skipped; the total is reported at the end")
+            text = "more malformed records skipped; the total is reported at the end"
+            log.warning(text)
+            if self.report is not None:
+                self.report(text)
 
 
 # -- finding and reading files --------------------------------------------------------------------
@@ -174,8 +177,12 @@ def _skip_ws(text: str, pos: int) -> int:
     return pos
 
 
-def _iter_txt(path: Path, bad: BadRecords) -> Iterator[tuple[object, str]]:
-    """One document per file, yielded in pieces cut at line ends so huge files stream."""
+def _iter_txt(path: Path, bad: BadRecords, text_field: str = "text") -> Iterator[tuple[object, str]]:
+    """One document per file, yielded in pieces cut at line ends so huge files stream.
+
+    Each piece is a record whose `text_field` holds the text, so --text-field (meant for .jsonl and
+    other records) does not make .txt files beside them unreadable.
+    """
     piece: list[str] = []
     size, start = 0, 1
     with _open_binary(path) as f:
@@ -188,10 +195,10 @@ def _iter_txt(path: Path, bad: BadRecords) -> Iterator[tuple[object, str]]:
             piece.append(line)
             size += len(line)
             if size >= _TXT_PIECE_CHARS:
-                yield {"text": "".join(piece), "_continues": True}, f"{path}:{start}"
+                yield {text_field: "".join(piece), "_continues": True}, f"{path}:{start}"
                 piece, size, start = [], 0, lineno + 1
     if piece:
-        yield {"text": "".join(piece)}, f"{path}:{start}"
+        yield {text_field: "".join(piece)}, f"{path}:{start}"
 
 
 def _iter_parquet(path: Path, bad: BadRecords) -> Iterator[tuple[object, str]]:
@@ -223,13 +230,14 @@ def _iter_hub(name: str, split: str) -> Iterator[tuple[object, str]]:
         yield rec, f"{name}[{split}]:row {i + 1}"
 
 
-def iter_records(spec: str, bad: BadRecords, hub_split: str = "train") -> Iterator[tuple[object, str]]:
-    """Every record of the spec with its location ("file:line", "file:row n", ...)."""
+def iter_records(spec: str, bad: BadRecords, hub_split: str = "train", text_field: str = "text") -> Iterator[tuple[object, str]]:
+    """Every record of the spec with its location ("file:line", "file:row n", ...); .txt text under `text_field`."""
     files = resolve_files(spec)
     if isinstance(files, str):
         yield from _iter_hub(files, hub_split)
         return
-    readers = {".jsonl": _iter_jsonl, ".json": _iter_json, ".txt": _iter_txt, ".parquet": _iter_parquet}
+    readers = {".jsonl": _iter_jsonl, ".json": _iter_json, ".parquet": _iter_parquet,
+               ".txt": lambda path, bad: _iter_txt(path, bad, text_field)}
     for path in files:
         yield from readers[_kind(path)](path, bad)
 
@@ -243,8 +251,10 @@ def _messages(record: dict) -> list[dict]:
     """ShareGPT `conversations` (from/value) or `messages` (role/content) as role/content dicts."""
     if "messages" in record:
         raw, role_key, content_key = record["messages"], "role", "content"
-    else:
+    elif "conversations" in record:
         raw, role_key, content_key = record["conversations"], "from", "value"
+    else:  # --format chat given for text records (a .txt file, say)
+        raise RecordError("a chat record needs a 'messages' or 'conversations' field")
     if not isinstance(raw, list) or not raw:
         raise RecordError("the conversation is not a non-empty list")
     out = []
@@ -405,7 +415,7 @@ def is_held_out(index: int, fraction: float) -> bool:
 
 def _blocks(cfg: DataConfig, tokenize: Tokenize, bad: BadRecords) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     def examples():
-        for record, where in iter_records(cfg.spec, bad, cfg.hub_split):
+        for record, where in iter_records(cfg.spec, bad, cfg.hub_split, cfg.text_field):
             try:
                 ids, mask = tokenize(record)
             except RecordError as e:
@@ -565,7 +575,11 @@ def read_prompts(path: str, tokenizer, vocab_size: int, bad: BadRecords) -> list
     if _kind(p) == ".txt":
         with _open_binary(p) as f:
             for lineno, raw in enumerate(f, 1):
-                line = raw.decode("utf-8", errors="strict").strip()
+                try:
+                    line = raw.decode("utf-8").strip()
+                except UnicodeDecodeError:  # as the training data's .txt reader: named, and --on-bad-record applies
+                    bad(f"{p}:{lineno}", "not valid UTF-8")
+                    continue
                 if line:
                     if tokenizer is None:
                         raise DataError(f"{p}: text prompts need a tokenizer; pass --tokenizer DIR")

@@ -117,4 +117,6 @@ def evaluate(student: nn.Module, target: nn.Module | None, held_out, prompts, cf
                                               progress=lambda done, _: progress(batches + done, total)))
     elif target is not None and prompts:
         metrics["acceptance_note"] = "speculative decoding does not support this target kind yet; see agreement"
+    if not metrics:  # else each evaluation printed its step and nothing else
+        metrics["acceptance_note"] = "nothing to evaluate: no held-out sequences (--held-out or --max-held-out 0, or too little data)"
     return metrics

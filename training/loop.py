@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ssmspec.errors import InputError, ModelLoadError, TokenizerMismatchError
+from ssmspec.errors import DataError, InputError, ModelLoadError, TokenizerMismatchError
 
 from .config import RunConfig
 from .data import BadRecords, Blocks, Tokenize, resolve_files
@@ -284,10 +284,12 @@ def prepare_out_dir(cfg: RunConfig, clean: bool = True) -> Path | None:
 def latest_checkpoint(out: Path) -> Path | None:
     ckdir = out / CHECKPOINT_DIR
     latest = ckdir / LATEST_FILE
-    if latest.exists():
+    try:
         path = ckdir / json.loads(latest.read_text())["name"]
         if (path / STATE_FILE).exists():
             return path
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # missing or unreadable (a crash or full disk while writing it): the newest step-* below
     found = sorted(p for p in ckdir.glob("step-*") if (p / STATE_FILE).exists()) if ckdir.exists() else []
     return found[-1] if found else None
 
@@ -347,37 +349,58 @@ def save_checkpoint(out: Path, step: int, student: nn.Module, optimizer, schedul
 
 # -- the loop ------------------------------------------------------------------------------------------------
 class _StopFlag:
-    """Ctrl-C sets a flag checked between steps, so the checkpoint written on exit is a clean one.
+    """Ctrl-C (SIGINT) or SIGTERM sets a flag checked between steps, so the checkpoint written on exit is a clean one.
 
-    A second Ctrl-C interrupts at once.
+    SIGTERM is what `kill`, job schedulers and container runtimes send before they kill a process:
+    without a handler it ended the run at once, with nothing saved since the last --save-every.
+    A second signal interrupts at once.
     """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.requested = False
-        self._previous = None
+        self._previous = {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.getsignal(signal.SIGINT)
-
             def handler(signum, frame):
                 if self.requested:
                     raise KeyboardInterrupt
                 self.requested = True
 
-            signal.signal(signal.SIGINT, handler)
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.getsignal(sig)
+                signal.signal(sig, handler)
         return self
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
         return False
+
+
+def _stop_agreed(run: _Run, requested: bool) -> bool:
+    """Whether to stop after this step. Alone, as soon as a signal came. Across processes, every
+    one must leave after the same step (the checkpoint waits for all of them, and one that left
+    alone would keep the others in the next gradient all-reduce): a signal reaches the ranks at
+    different moments, so they agree by a sum of their flags, on log steps only, where the loop
+    reads the loss back anyway (no extra host sync in between)."""
+    if run.accelerator.num_processes == 1:
+        return requested
+    if run.step % run.cfg.checkpoint.log_every and run.step < run.cfg.optim.steps:
+        return False
+    flag = torch.tensor([float(requested)], device=run.device)
+    return run.accelerator.reduce(flag, reduction="sum").item() > 0
 
 
 def _resolve_precision(p: str) -> str:
     """--dtype as the run uses it: fp32, bf16 or fp16 (auto: bf16 where the GPU has it)."""
     if p == "auto":
         return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+    if p == "fp16" and not torch.cuda.is_available():
+        # accelerate has no fp16 autocast on the CPU: the run trained in fp32 while its log said fp16
+        raise InputError("--dtype fp16 needs a CUDA GPU; on the CPU use fp32 or bf16")
     return p
 
 
@@ -513,7 +536,11 @@ def start_run(cfg: RunConfig, callbacks, target, student, tokenizer) -> _Run:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim))
     step, position = 0, 0
     if resume_from is not None:
-        state = torch.load(resume_from / STATE_FILE, map_location=accelerator.device, weights_only=False)
+        try:
+            state = torch.load(resume_from / STATE_FILE, map_location=accelerator.device, weights_only=False)
+        except Exception as e:  # a truncated or damaged file: torch raises several types
+            raise InputError(f"--resume: {resume_from / STATE_FILE} is unreadable; delete {resume_from} to resume from "
+                             f"an earlier checkpoint, or start over with --overwrite ({type(e).__name__}: {str(e)[:120]})") from e
         student.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -713,9 +740,11 @@ def finish(run: _Run) -> TrainResult:
     run.info["step_mode_used"] = {"mode": run.micro_step.plan.name, "graphs_captured": run.micro_step.captured}
     if run.device.type == "cuda":
         run.info["throughput"]["peak_memory_gb"] = torch.cuda.max_memory_allocated(run.device) / 2**30
+    # The checkpoint comes before the final evaluation: Ctrl-C during a long evaluation then leaves
+    # every trained step saved, and --resume only evaluates and writes the model.
+    checkpoint(run, run.step, run.position, _rng_state())
     if run.cfg.eval.final_eval:
         run_eval(run, run.step)
-    checkpoint(run, run.step, run.position, _rng_state())
     cache_counts = cache_report(run)  # every process: the counts are summed across them
     if run.main:
         from ssmspec.models.loading import save_model
@@ -755,7 +784,7 @@ def train(cfg: RunConfig, callbacks: TrainCallbacks | None = None, *, target: nn
             with _StopFlag() as stop:
                 while run.step < cfg.optim.steps:
                     after_step(run, *optimizer_step(run))
-                    if stop.requested:
+                    if _stop_agreed(run, stop.requested):
                         raise KeyboardInterrupt
         except KeyboardInterrupt:
             save_interrupted(run)
@@ -810,6 +839,8 @@ def _eval_prompts(cfg: RunConfig, blocks: Blocks, tokenizer, vocab_size: int, ba
 
     if cfg.eval.eval_prompts:
         prompts = read_prompts(cfg.eval.eval_prompts, tokenizer, vocab_size, bad)
+        if not prompts:  # else acceptance went unmeasured without a word
+            raise DataError(f"--eval-prompts {cfg.eval.eval_prompts}: the file holds no usable prompt")
     else:
         held = blocks.held_out[0]
         prompts = [row[: cfg.eval.prompt_len].tolist() for row in held]
