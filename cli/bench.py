@@ -28,7 +28,7 @@ def bench_command(
     methods: str = typer.Option(",".join(_DEFAULTS["methods"]), "--methods", callback=options.comma_choices(METHODS, "method"),
                                 help="Comma-separated methods: ar, chain, stree (ar always runs first at temperature 0)."),
     tree: Optional[List[str]] = typer.Option(None, "--tree", callback=options.tree_specs,
-                                             help="A tree for stree, such as 3,2,1 or a tree.json (repeatable: one row each)."),
+                                             help="A tree for stree, such as 3,2,1 or a tree.json or tune-tree's --out (repeatable: one row each)."),
     draft_len: Optional[List[int]] = options.count(None, "--draft-len", min=1, help="A chain's draft length (repeatable: one row each; default 4)."),
     max_new_tokens: int = options.count(_DEFAULTS["max_new_tokens"], "--max-new-tokens", min=1, max=options.MAX_NEW_TOKENS,
                                         help="New tokens per prompt."),

@@ -62,7 +62,7 @@ def generate_command(
                                           callback=options.non_empty),
     method: Optional[str] = options.choice(None, "--method", choices=("ar", "chain", "stree"),
                                            help="Decoding method (default: stree with a drafter, else ar)."),
-    tree: Optional[str] = typer.Option(None, "--tree", help="Tree configuration such as 3,2,2,1, 'parents:-1,0,0', or a tree.json."),
+    tree: Optional[str] = typer.Option(None, "--tree", help="Tree configuration such as 3,2,2,1, 'parents:-1,0,0', or a tree.json (or the tune-tree --out holding one)."),
     draft_len: Optional[int] = options.count(None, "--draft-len", min=1, help="Short form of --tree 1,1,...,1 (a chain of N drafted tokens)."),
     max_new_tokens: int = options.count(_DEFAULTS["max_new_tokens"], "--max-new-tokens", min=1, max=options.MAX_NEW_TOKENS,
                                         help="Stop after this many new tokens."),

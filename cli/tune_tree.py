@@ -8,6 +8,7 @@ from typing import List, Optional
 import typer
 
 from ssmspec.errors import InputError
+from ssmspec.trees.tree import TREE_FILE
 from ssmspec.tuning.treefile import MODES
 from ssmspec.tuning.tune import TuneSettings
 
@@ -111,7 +112,8 @@ def tune_tree_command(
     from ssmspec.api import load_target
     from ssmspec.models.loading import check_same_vocab, load_model
     from ssmspec.ops import dispatch
-    from ssmspec.benchmark.prompts import encode, read_prompts_file
+    from ssmspec.benchmark.prompts import encode_fitting, read_prompts_file
+    from ssmspec.limits import context_limit, declared_context
     from ssmspec.tokenization import tokenizer_for
     from ssmspec.tuning.static import CostModel
     from ssmspec.tuning.treefile import write_tree_file
@@ -138,7 +140,15 @@ def tune_tree_command(
         console.print(f"[yellow]warning:[/] {warning}")
     cost = CostModel.from_profile(prof)
     tokenizer = tokenizer_for(loaded)
-    ids = [encode(tokenizer, p) for p in prompt_items]
+    # As bench: prompts that do not fit the context the model declares (with the tokens each
+    # measurement generates) are reported and left out, not measured past the context.
+    context = context_limit(loaded.model.config, declared_context(target))[0]
+    encoded, skipped = encode_fitting(prompt_items, tokenizer, max_new_tokens, context)
+    for entry in skipped:
+        console.print(f"[yellow]skipped[/] {entry['prompt_id']}: {entry['reason']}")
+    ids = [prompt_ids for _, prompt_ids in encoded]
+    if not ids and skipped:
+        raise InputError(f"no prompt of {prompts} fits: {skipped[0]['reason']}")
 
     try:
         with console.status("tuning") as status:
@@ -153,7 +163,7 @@ def tune_tree_command(
     meta = {"target": {"fingerprint": profiling.model_fingerprint(loaded.model), "source": str(target)},
             "drafter": {"fingerprint": profiling.model_fingerprint(drafter_loaded.model), "source": str(drafter)},
             "profile": {"path": str(profile_file), "device": prof.device_name, "dtype": prof.dtype}}
-    path = write_tree_file(result.to_json(settings, meta), out / "tree.json")
+    path = write_tree_file(result.to_json(settings, meta), out / TREE_FILE)
     render(result, settings, Console())
     if plot and result.policy is not None:
         from ssmspec.tuning.plot import plot_bandit

@@ -51,6 +51,15 @@ def test_tree_file_round_trip(tmp_path):
     assert load_tree_file(path) == explicit
 
 
+def test_a_tree_spec_may_name_the_directory_tune_tree_wrote(tmp_path):
+    tree = Tree.from_config((2, 1))
+    save_tree_file(tree, tmp_path / "tree.json")
+    assert parse_tree_spec(str(tmp_path)) == tree
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TreeSpecError, match="directory without a tree.json"):
+        parse_tree_spec(str(tmp_path / "empty"))
+
+
 def test_a_root_alone_is_no_draft_tree(tmp_path):
     for spec in ("parents:-1", "bandit:2,1;parents:-1"):
         with pytest.raises(TreeSpecError, match="at least one node below the root"):

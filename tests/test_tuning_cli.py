@@ -126,6 +126,28 @@ def test_refusals_are_one_line(workdir, tmp_path, monkeypatch, capsys, extra, me
     assert not (tmp_path / "out" / "tree.json").exists()
 
 
+def test_prompts_past_the_declared_context_are_skipped(workdir, tmp_path, monkeypatch, capsys):
+    """As bench: a prompt that, with the tokens each measurement generates, does not fit the
+    context the model's config.json declares is reported and left out; none fitting is refused."""
+    import shutil
+
+    short = tmp_path / "short"
+    shutil.copytree(workdir / "other", short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 24}))
+    (tmp_path / "prompts.txt").write_text("abcabcabc\n" + "x" * 40 + "\n")
+    args = _tune(workdir, tmp_path / "out", "--force")
+    for flag, value in (("--target", short), ("--drafter", short), ("--prompts", tmp_path / "prompts.txt")):
+        args[args.index(flag) + 1] = str(value)
+    code, _, err = run_cli(args, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 0, err
+    assert "skipped line2: 40 prompt tokens + 12 new tokens exceed the context of 24" in " ".join(err.split())
+    (tmp_path / "prompts.txt").write_text("x" * 40 + "\n")
+    code, _, err = run_cli(args + ["--overwrite"], monkeypatch=monkeypatch, capsys=capsys)
+    last = err.strip().splitlines()[-1]  # after the profile warnings (--force) and the skipped line
+    assert code != 0 and last.startswith("error: no prompt of") and "fits: 40 prompt tokens" in last, err
+
+
 def test_cli_defaults_are_the_settings_defaults():
     import inspect
 

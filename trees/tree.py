@@ -10,6 +10,8 @@ from typing import Sequence
 import torch
 
 TREE_FILE_VERSION = 1
+TREE_FILE = "tree.json"
+"""The file name `ssmspec tune-tree` writes in its --out directory (a --tree may name the directory)."""
 MAX_TREE_NODES = 4096
 
 
@@ -198,12 +200,17 @@ def _int_list(value, name: str) -> list[int]:
 def parse_tree_spec(text: str) -> "Tree | TreeArms":
     """`3,2,2,1` (a configuration), `parents:-1,0,0,1` (explicit), `bandit:4,2,1;3,2,2,1,1` (arms
     for the UCB bandit, options as `bandit[lambda_ucb=0.5,lambda_gamma=0.1,state=keep]:...`), or
-    the path of a tree.json (a tree, or an arm set written by `ssmspec tune-tree`)."""
+    the path of a tree.json (a tree, or an arm set written by `ssmspec tune-tree`), or of the
+    directory holding one (tune-tree's --out, as --profile takes profile's)."""
     text = text.strip()
     if not text:
         raise TreeSpecError("empty tree spec; write a configuration such as 3,2,1 or a tree.json path")
     if text.startswith("bandit"):
         return parse_bandit_spec(text)
+    if Path(text).is_dir():
+        if not (Path(text) / TREE_FILE).is_file():
+            raise TreeSpecError(f"tree spec {text} is a directory without a {TREE_FILE} (`ssmspec tune-tree --out` writes one)")
+        return load_tree_file(Path(text) / TREE_FILE)
     if text.endswith(".json") or Path(text).is_file():
         return load_tree_file(text)
     return _parse_one_tree(text)

@@ -101,6 +101,31 @@ def _read_lines(path: Path) -> list[str]:
     return lines[:-1] if lines[-1] == "" else lines  # the last line's end starts no line
 
 
+def encode_fitting(prompts: list[Prompt], tokenizer, max_new_tokens: int, context: int | None,
+                   limit: int | None = None) -> tuple[list[tuple[str, list[int]]], list[dict]]:
+    """(id, token ids) of the first `limit` prompts that tokenize to something and leave room for
+    `max_new_tokens` within `context` (None: no limit), and {"prompt_id", "reason"} for each
+    prompt left out before the limit was reached. A record the chat template refuses is left
+    out, not fatal."""
+    encoded, skipped = [], []
+    for prompt in prompts:
+        if limit is not None and len(encoded) >= limit:
+            break
+        try:
+            ids = encode(tokenizer, prompt)
+        except InputError as e:
+            skipped.append({"prompt_id": prompt.id, "reason": str(e)})
+            continue
+        if not ids:
+            skipped.append({"prompt_id": prompt.id, "reason": "empty after tokenization"})
+        elif context is not None and len(ids) + max_new_tokens > context:
+            skipped.append({"prompt_id": prompt.id, "reason": f"{len(ids)} prompt tokens + {max_new_tokens} "
+                            f"new tokens exceed the context of {context}"})
+        else:
+            encoded.append((prompt.id, ids))
+    return encoded, skipped
+
+
 def _humaneval(path: Path) -> list[Prompt]:
     # Code completion: the model continues the signature and docstring, no chat turn.
     return [Prompt(r["task_id"], text=r["prompt"]) for r in map(json.loads, _read_lines(path))]

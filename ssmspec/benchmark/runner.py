@@ -15,7 +15,7 @@ from ..errors import InputError
 from ..limits import context_limit, declared_context
 from .config import BenchConfig, MethodSpec, resolve_methods
 from .lossless import Verdict, check_lossless
-from .prompts import Prompt, encode, load_prompts
+from .prompts import Prompt, encode_fitting, load_prompts
 
 ProgressFn = Callable[[int, int, str], None]
 """on_progress(done, total, label): prompts finished across all methods' timed passes."""
@@ -152,22 +152,8 @@ def _context_limit(target, config: BenchConfig) -> int | None:
 def _encode_all(prompts: list[Prompt], tokenizer, config: BenchConfig, context: int | None,
                 result: BenchResult) -> list[tuple[str, list[int]]]:
     """(id, token ids) of the first `limit` prompts that fit; the others are noted in `result.skipped`."""
-    encoded = []
-    for prompt in prompts:
-        if config.limit is not None and len(encoded) >= config.limit:
-            break
-        try:
-            ids = encode(tokenizer, prompt)
-        except InputError as e:  # one record the chat template refuses does not stop the run
-            result.skipped.append({"prompt_id": prompt.id, "reason": str(e)})
-            continue
-        if not ids:
-            result.skipped.append({"prompt_id": prompt.id, "reason": "empty after tokenization"})
-        elif context is not None and len(ids) + config.max_new_tokens > context:
-            result.skipped.append({"prompt_id": prompt.id, "reason": f"{len(ids)} prompt tokens + {config.max_new_tokens} "
-                                   f"new tokens exceed the context of {context}"})
-        else:
-            encoded.append((prompt.id, ids))
+    encoded, skipped = encode_fitting(prompts, tokenizer, config.max_new_tokens, context, config.limit)
+    result.skipped.extend(skipped)
     return encoded
 
 
