@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Callable
 
@@ -82,7 +83,8 @@ def generate_text(
     ids = encode_prompt(tokenizer, prompt, chat)
     if config.eos_token_id is None:
         eos = getattr(tokenizer, "eos_token_id", None)  # 0 is a valid id: test for None, not falsiness
-        config.eos_token_id = eos if eos is not None else target.model.config.eos_token_id
+        # On a copy: set on the caller's config, this target's EOS stayed for later calls with another target.
+        config = dataclasses.replace(config, eos_token_id=eos if eos is not None else target.model.config.eos_token_id)
     # The context a checkpoint declares lives in its config.json; `generate` checks the rest.
     check_context(target.model.config, len(ids), config.max_new_tokens,
                   config.tree.num_nodes if config.method != "ar" and config.tree is not None else 0,

@@ -7,7 +7,6 @@ it repeatedly on models it prepared, keeping its buffers and graphs between call
 """
 from __future__ import annotations
 
-import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -23,11 +22,21 @@ from ..ops import dispatch
 from .acceptance import accept_deterministic, accept_greedy, accept_sampled
 from .drafters import Draft, ModelDrafter
 from .graphs import ChainPrefill, GreedyTreeGraph, SpeculativeIterationGraph, StepGraph
-from .sampling import SamplingParams, probabilities, race_noise_, race_scores, sample
+from .sampling import SamplingParams, is_integer, probabilities, race_noise_, race_scores, sample
 
 METHODS = ("ar", "chain", "stree")
 DEFAULT_STREE = (3, 2, 1, 1)
 DEFAULT_CHAIN = 4
+
+
+def _all_of(values, check) -> bool:
+    """Whether `values` is a list-like whose every item passes `check` (a str or a tensor is not one)."""
+    if isinstance(values, (str, bytes, torch.Tensor)):
+        return False
+    try:
+        return all(check(v) for v in values)
+    except TypeError:  # not iterable
+        return False
 
 
 @dataclass
@@ -65,11 +74,25 @@ class GenerationConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise InputError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, numbers.Integral):
+        if not is_integer(self.max_new_tokens):
             raise InputError(f"max-new-tokens must be a positive integer, got {self.max_new_tokens!r}")
         if self.max_new_tokens < 1:
             raise InputError(f"max-new-tokens must be a positive integer, got {self.max_new_tokens}")
         self.sampling = SamplingParams(self.temperature, self.top_k, self.top_p)
+        # Checked here, not where first used: a wrong type failed mid-generation with an
+        # AttributeError or in torch.manual_seed, or (eos, stop strings) was silently never matched.
+        if self.seed is not None and not (is_integer(self.seed) and -2 ** 63 <= self.seed < 2 ** 64):
+            raise InputError(f"seed must be an integer (a 64-bit seed) or None, got {self.seed!r}")
+        if self.tree is not None and not isinstance(self.tree, (Tree, TreeArms)):
+            raise InputError(f"tree must be a Tree, e.g. Tree.from_config((3, 2, 1)), or None; got {self.tree!r}")
+        if isinstance(self.stop_strings, str):  # one string, not its characters (each of which stopped the text)
+            self.stop_strings = (self.stop_strings,)
+        if not _all_of(self.stop_strings, lambda s: isinstance(s, str) and s != ""):
+            raise InputError(f"stop_strings must be a list of non-empty strings (an empty one stops at once), "
+                             f"got {self.stop_strings!r}")
+        eos = self.eos_token_id
+        if eos is not None and not (is_integer(eos) or _all_of(eos, is_integer)):
+            raise InputError(f"eos_token_id must be a token id, a list of token ids or None, got {eos!r}")
         if isinstance(self.tree, TreeArms):  # `--tree bandit:...`: a UCB policy over the arms (tuning/bandit.py)
             from ..tuning.bandit import UCBTreePolicy
             self.tree_policy = UCBTreePolicy.from_arms(self.tree)
@@ -77,8 +100,10 @@ class GenerationConfig:
             self.tree = self.tree_policy.largest
         if self.method == "chain":
             self.tree = self.tree or Tree.chain(DEFAULT_CHAIN)
-            if not self.tree.is_chain:
-                raise InputError(f"method chain needs a chain (a configuration of ones), got tree {self.tree.spec()}")
+            # every tree it may draft: a bandit's arms besides its largest
+            for tree in self.tree_policy.arms if self.tree_policy is not None else (self.tree,):
+                if not tree.is_chain:
+                    raise InputError(f"method chain needs a chain (a configuration of ones), got tree {tree.spec()}")
         elif self.method == "stree":
             self.tree = self.tree or Tree.from_config(DEFAULT_STREE)
 
@@ -86,9 +111,9 @@ class GenerationConfig:
     def eos_ids(self) -> set[int]:
         if self.eos_token_id is None:
             return set()
-        if isinstance(self.eos_token_id, int):
-            return {self.eos_token_id}
-        return set(self.eos_token_id)
+        if is_integer(self.eos_token_id):  # numpy's integers too
+            return {int(self.eos_token_id)}
+        return {int(e) for e in self.eos_token_id}
 
 
 @dataclass
@@ -497,6 +522,45 @@ def _speculate_ahead(fast: "_FastPath", drafter: ModelDrafter, cfg: GenerationCo
         queued = ahead if ahead is not None else queue_next()
 
 
+def _prompt_ids(input_ids, vocab_size: int) -> torch.Tensor:
+    """`input_ids` (a list of ids, a (T,) or (1, T) tensor) as a (1, T) int64 tensor. Refused: a
+    batch of several prompts (flattened into one before), ids that are not integers (truncated)
+    and ids outside the vocabulary (an IndexError in the embedding)."""
+    if isinstance(input_ids, str):
+        raise InputError("the prompt is text; give token ids, or use ssmspec.api.generate_text for text")
+    try:
+        prompt = torch.as_tensor(input_ids)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise InputError(f"the prompt must be a list or tensor of token ids, got {type(input_ids).__name__} "
+                         f"({e})") from None
+    if prompt.dim() > 1 and prompt.shape[:-1].numel() != 1:
+        raise InputError(f"the prompt has shape {tuple(prompt.shape)}: one sequence at a time, a list of ids or a "
+                         "(1, T) tensor (batches of prompts are not supported yet)")
+    if prompt.numel() == 0:
+        raise InputError("the prompt is empty; give at least one token")
+    if prompt.dtype == torch.bool or prompt.is_floating_point() or prompt.is_complex():
+        raise InputError(f"the prompt must hold integer token ids, got dtype {prompt.dtype}")
+    low, high = int(prompt.min()), int(prompt.max())
+    if low < 0 or high >= vocab_size:
+        raise InputError(f"the prompt has token id {low if low < 0 else high}, outside the model's vocabulary "
+                         f"(0 to {vocab_size - 1})")
+    return prompt.to(torch.long).reshape(1, -1)
+
+
+def _check_drafter(drafter, target) -> None:
+    """Refuse what cannot draft for `target`, before anything runs: a model given as the drafter
+    (AttributeError at its first draft) and a drafter model of another vocabulary (its tokens
+    indexed past the target's embedding)."""
+    if not hasattr(drafter, "draft"):
+        hint = "ModelDrafter(model)" if isinstance(drafter, torch.nn.Module) else "ModelDrafter(model) or NgramDrafter()"
+        raise InputError(f"the drafter must be a ModelDrafter or NgramDrafter, got {type(drafter).__name__}; "
+                         f"use {hint}")
+    model = getattr(drafter, "model", None)
+    if model is not None and model.config.vocab_size != target.config.vocab_size:
+        raise InputError(f"the drafter's vocabulary has {model.config.vocab_size} tokens but the target's has "
+                         f"{target.config.vocab_size}; both must use the same tokenizer")
+
+
 @torch.no_grad()
 def decode_loop(
     target: LanguageModel,
@@ -511,11 +575,13 @@ def decode_loop(
     """`generate`'s loop, with the fast path (cache and graphs) kept in `fast_paths`: a dict the
     caller holds (an Engine's across calls, or a fresh one). Runs the models as they are."""
     cfg = config or GenerationConfig()
-    prompt = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1).to(target.device)
-    if prompt.shape[1] == 0:
-        raise InputError("the prompt is empty; give at least one token")
+    prompt = _prompt_ids(input_ids, target.config.vocab_size).to(target.device)
     if cfg.method != "ar" and drafter is None:
         raise InputError(f"method {cfg.method} needs a drafter (a model directory or 'ngram')")
+    if cfg.method != "ar":
+        _check_drafter(drafter, target)
+    if cfg.stop_strings and decode is None:  # _Output would never look for them
+        raise InputError("stop_strings need decode (ids -> text) to be found; pass decode=tokenizer.decode")
     # Refuse what cannot fit (tree width, context, memory) before allocating anything.
     by_chunks = ChainPrefill.CHUNK if dispatch.uses_kernel("tree_scan", target.device) else None
     check_generation(target, prompt.shape[1], cfg, drafter, prefill_chunk=by_chunks)

@@ -5,11 +5,22 @@ sampling stays exact for the processed target distribution.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import InputError
+
+
+def is_real(value) -> bool:
+    """A number (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_integer(value) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -22,12 +33,14 @@ class SamplingParams:
     """Keep the smallest set of tokens whose probability reaches top_p (1 = all)."""
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise InputError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise InputError(f"top-k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise InputError(f"top-p must be in (0, 1], got {self.top_p}")
+        # Type checks first: a string failed in a comparison, a float top-k in torch.topk mid-generation,
+        # and a NaN temperature passed `< 0` and sampled from NaN probabilities.
+        if not is_real(self.temperature) or not self.temperature >= 0:
+            raise InputError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not is_integer(self.top_k) or self.top_k < 0:
+            raise InputError(f"top-k must be an integer >= 0, got {self.top_k!r}")
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise InputError(f"top-p must be in (0, 1], got {self.top_p!r}")
 
     @property
     def greedy(self) -> bool:

@@ -96,6 +96,13 @@ def run_profile(
             f"drafter vocabulary ({drafter.config.vocab_size}) differs from the target's "
             f"({target.config.vocab_size}); profile a drafter made for this target"
         )
+    if drafter is not None:  # before timing, not at the config's draft: a node has at most vocab_size children
+        from ssmspec.trees import Tree
+
+        from ..limits import check_tree_width
+
+        for cfg in s.configs:
+            check_tree_width(Tree.from_config(cfg), drafter.config.vocab_size)
     early = s.warnings(with_drafter=drafter is not None)
     for w in early:  # before timing: a run that lacks what the user wanted can be stopped now
         log.warning(w)
@@ -318,6 +325,25 @@ def level_widths(settings: ProfileSettings) -> list[int]:
     return sorted(widths)
 
 
+def level_probe(width: int, vocab_size: int):
+    """The probe tree on which a drafter level of `width` nodes is timed, and that level's index
+    (FusedGreedyDraft.draft_level): `width` parents with one child each. It is (width, 1) where
+    the root can have `width` distinct children; a wider level (a small vocabulary: a node has at
+    most vocab_size distinct children, and more was an IndexError in the top-k) hangs below as
+    few levels as reach it, each at most vocab_size times wider than the one above."""
+    from ssmspec.trees import Tree
+
+    widths = [1, min(vocab_size, width)]  # the root's, then each level's down to `width` nodes
+    while widths[-1] < width:
+        widths.append(min(widths[-1] * vocab_size, width))
+    parents, start = [-1], 0  # start: the first node of the level above
+    for above, level in zip(widths, widths[1:]):
+        parents += [start + j // vocab_size for j in range(level)]  # at most vocab_size children each
+        start += above
+    parents += [start + j for j in range(width)]  # the timed level: one child per node of the last
+    return Tree.from_parents(parents), len(widths) - 1
+
+
 def _measure_drafter(drafter, target, target_step_ms: float, settings: ProfileSettings, device, fit_for,
                      progress: ProgressFn | None, total: int, done: list) -> dict:
     """The fused greedy draft (decoding/drafters.py FusedGreedyDraft), timed in the parts the cost
@@ -359,10 +385,14 @@ def _measure_drafter(drafter, target, target_step_ms: float, settings: ProfileSe
     root = timed("drafter root step", fused(Tree.from_config((1,))).step_root)
     levels = []
     for w in level_widths(s):
-        probe = fused(Tree.from_config((w, 1)))
-        # The first level's (W, V) logits and states: the parents of the timed level, as in decoding.
-        logits = probe.draft_level(0, probe.step_root())
-        t = timed(f"drafter level width {w}", lambda probe=probe, logits=logits: probe.draft_level(1, logits))
+        shape, timed_level = level_probe(w, drafter.config.vocab_size)
+        probe = fused(shape)
+        # The levels above: the (W, V) logits and states of the timed level's parents, as in decoding.
+        logits = probe.step_root()
+        for i in range(timed_level):
+            logits = probe.draft_level(i, logits)
+        t = timed(f"drafter level width {w}",
+                  lambda probe=probe, logits=logits, i=timed_level: probe.draft_level(i, logits))
         levels.append({"width": w, "parent_width": w, "children": 1, **t.to_dict()})
     widths, level_ms = [r["width"] for r in levels], [r["median"] for r in levels]
 

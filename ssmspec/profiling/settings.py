@@ -6,6 +6,8 @@ from typing import Callable
 
 import torch
 
+from ssmspec.trees.tree import MAX_TREE_NODES
+
 from ..errors import InputError
 from .fits import MIN_FIT_SIZES
 
@@ -51,6 +53,9 @@ class ProfileSettings:
         bad = [n for n in self.sizes if not isinstance(n, int) or n < 1]
         if bad:
             raise InputError(f"sizes must be positive integers, got {bad}")
+        if max(self.sizes, default=0) > MAX_TREE_NODES:  # refused now, not by the chain's Tree after timing the rest
+            raise InputError(f"--sizes must be at most {MAX_TREE_NODES} (the largest tree a target call verifies), "
+                             f"got {max(self.sizes)}")
         if len(set(self.sizes)) < MIN_FIT_SIZES:
             given = ",".join(map(str, sorted(set(self.sizes)))) or "none"
             raise InputError(f"--sizes needs at least {MIN_FIT_SIZES} different sizes to fit the cost models "
