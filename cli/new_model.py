@@ -32,11 +32,15 @@ def _vocab_source(path: Path):
         from ssmspec.errors import ModelLoadError
         from ssmspec.models.loading import config_from_dict
 
+        raw = None
         try:
-            model_vocab = config_from_dict(json.loads((path / "config.json").read_text()))[0].vocab_size
+            raw = json.loads((path / "config.json").read_text())
+            model_vocab = config_from_dict(raw)[0].vocab_size
         except (ModelLoadError, ValueError):
-            model_vocab = None
-        if model_vocab is not None and model_vocab >= vocab:
+            # Not an SSM format (a transformers Llama or Qwen2 target, which ssmspec also runs):
+            # its vocab_size field is still the embedding size a drafter must match.
+            model_vocab = raw.get("vocab_size") if isinstance(raw, dict) else None
+        if isinstance(model_vocab, int) and not isinstance(model_vocab, bool) and model_vocab >= vocab:
             vocab, exact = model_vocab, True
     if not vocab:
         raise InputError(f"--vocab-from {path} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}) and its "

@@ -208,15 +208,46 @@ def _meminfo_available() -> int | None:
         return None
 
 
+# Per cgroup version (v2, then v1): the memory limit, the usage, and memory.stat with the page
+# cache the kernel reclaims before it kills (read weights files sit there, counted as usage).
+CGROUP_MEMORY_FILES = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat", "inactive_file"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+     "/sys/fs/cgroup/memory/memory.stat", "total_inactive_file"),
+)
+NO_CGROUP_LIMIT = 1 << 62
+"""cgroup v1 writes "no limit" as a number near 2**63."""
+
+
 def _cgroup_room() -> int | None:
-    """A cgroup v2 memory limit minus what the group uses now, or None where there is none."""
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit == "max":
+    """A cgroup memory limit minus what the group uses now (less its reclaimable page cache), or
+    None where there is none. cgroup v1 too: Docker on older hosts limits memory there, and
+    MemAvailable shows the whole host's."""
+    for limit_file, usage_file, stat_file, cache_key in CGROUP_MEMORY_FILES:
+        try:
+            limit = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        try:
+            if limit == "max" or int(limit) >= NO_CGROUP_LIMIT:
+                return None
+            used = int(Path(usage_file).read_text())
+        except (OSError, ValueError):
             return None
-        return max(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()), 0)
+        return max(int(limit) - used + _stat_value(stat_file, cache_key), 0)
+    return None
+
+
+def _stat_value(stat_file: str, key: str) -> int:
+    """One "key value" line of a cgroup memory.stat, 0 where it cannot be read."""
+    try:
+        for line in Path(stat_file).read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
     except (OSError, ValueError):
-        return None
+        pass
+    return 0
 
 
 def check_memory(estimate: MemoryEstimate, device) -> None:

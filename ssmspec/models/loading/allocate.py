@@ -9,18 +9,31 @@ from ..lm import LanguageModel
 
 
 def check_fits(cfg: ModelConfig, device, dtype: torch.dtype) -> None:
-    """Refuse, before allocating, a model whose weights alone exceed the GPU's free memory."""
+    """Refuse, before allocating, a model whose weights alone exceed the device's free memory.
+
+    On the CPU too: there the allocation itself succeeds (Linux overcommits) and the process is
+    killed without a word once the weights are written, as `new-model --preset hybrid-8b` was on a
+    24 GB machine.
+    """
+    from ...limits import available_bytes  # limits imports the models package
+
     device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
+    gib = 2**30
+    if device.type == "cuda" and torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info(device)
+        has, more = f"{device} has {free / gib:.1f} GiB free of {total / gib:.1f} GiB", "a GPU with more memory"
+    elif device.type == "cpu":
+        free, where = available_bytes(device)
+        if free is None:
+            return
+        has, more = f"{where} {free / gib:.1f} GiB available", "a machine with more memory"
+    else:
         return
     needed = cfg.num_parameters() * torch.empty((), dtype=dtype).element_size()
-    free, total = torch.cuda.mem_get_info(device)
     if needed > free:
-        gib = 2**30
         raise ModelLoadError(
             f"the model needs {needed / gib:.1f} GiB for its weights in {str(dtype).removeprefix('torch.')} but "
-            f"{device} has {free / gib:.1f} GiB free of {total / gib:.1f} GiB; use --dtype bf16, a smaller model, "
-            "or a GPU with more memory"
+            f"{has}; use --dtype bf16, a smaller model, or {more}"
         )
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -70,6 +71,23 @@ def special_ids(cfg: dict, defaults: tuple) -> dict:
         "eos_token_id": _one_token_id(cfg.get("eos_token_id", eos)),
         "pad_token_id": _one_token_id(cfg.get("pad_token_id", pad)),
     }
+
+
+def few_names(keys: list[str], limit: int = 6) -> str:
+    """The first `limit` names, and how many more (for error messages)."""
+    shown = ", ".join(keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def check_not_dangling(file: Path) -> None:
+    """Refuse a symbolic link to nothing, which reads as a missing file.
+
+    A Hugging Face cache snapshot is links into ../../blobs; copied with `cp -r` they dangle, and
+    the directory was said to have no config.json or no weights while `ls` showed them.
+    """
+    if file.is_symlink() and not file.exists():
+        raise ModelLoadError(f"{file} is a symbolic link to {os.readlink(file)}, which does not exist; "
+                             "copy the model with its link targets (cp -rL)")
 
 
 def require_silu(cfg: dict, key: str, fmt: str) -> None:

@@ -1,6 +1,8 @@
 """Which format a config.json is, and its mapping onto one ModelConfig and our tensor names."""
 from __future__ import annotations
 
+import dataclasses
+
 from ...errors import ModelLoadError
 from ..config import ModelConfig
 from ..mlp import ACTIVATIONS
@@ -46,6 +48,7 @@ def parse_config(cfg: dict) -> tuple[ModelConfig, str, Renamer]:
         raise
     except (TypeError, ValueError, KeyError) as e:
         raise ModelLoadError(f"{fmt} config.json cannot be mapped onto an ssmspec model: {e!r}") from e
+    _check_field_types(model_cfg, fmt)
     used = ([model_cfg.mlp.activation] if "mlp" in model_cfg.layers else []) + (
         [model_cfg.moe.activation] if "moe" in model_cfg.layers else []) + (
         [model_cfg.shared_blocks.activation] if model_cfg.shared_blocks is not None else [])
@@ -55,6 +58,47 @@ def parse_config(cfg: dict) -> tuple[ModelConfig, str, Renamer]:
                 f"{fmt} config uses MLP activation {activation!r}; ssmspec implements {', '.join(sorted(ACTIVATIONS))}"
             )
     return model_cfg, fmt, rename
+
+
+# Size fields that may be 0 (off); every other integer size must be positive.
+_MAY_BE_ZERO = {"rotary_dim", "shared_intermediate", "latent_size", "adapter_rank"}
+
+
+def _check_field_types(cfg: ModelConfig, fmt: str) -> None:
+    """Refuse config.json values of the wrong JSON type (a size of 64.0 or "64", a flag of "false").
+
+    The format mappers pass values through as they are; unchecked, a float size failed deep in
+    torch with a traceback, a string flag was truthy ("false" tied the embeddings) and a string
+    eps failed only at the first forward. Only the sub-configs of layer kinds in use are checked.
+    """
+    parts = [("", cfg)] + [(f"{kind}.", getattr(cfg, kind)) for kind in ("mamba", "attention", "mlp", "moe")
+                           if kind in cfg.layers]
+    if cfg.shared_blocks is not None:
+        parts.append(("shared_blocks.", cfg.shared_blocks))
+    for prefix, part in parts:
+        for f in dataclasses.fields(part):
+            value = getattr(part, f.name)
+            if f.type == "int":
+                ok = isinstance(value, int) and not isinstance(value, bool) and (
+                    value > 0 or (value == 0 and f.name in _MAY_BE_ZERO))
+                expected = "a non-negative integer" if f.name in _MAY_BE_ZERO else "a positive integer"
+            elif f.type in ("float", "float | None"):
+                ok = (value is None and f.type != "float") or (
+                    isinstance(value, (int, float)) and not isinstance(value, bool))
+                expected = "a number"
+            elif f.type == "bool":
+                ok = isinstance(value, bool) or (type(value) is int and value in (0, 1))
+                expected = "true or false"
+            elif f.type == "int | None":  # token ids
+                ok = value is None or (isinstance(value, int) and not isinstance(value, bool))
+                expected = "an integer token id or null"
+            else:
+                continue
+            if not ok:
+                raise ModelLoadError(
+                    f"{fmt} config.json gives the model's {prefix}{f.name} the value {value!r}, which is not "
+                    f"{expected}; fix that field of config.json"
+                )
 
 
 def config_from_dict(cfg: dict) -> tuple[ModelConfig, str]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -9,10 +10,10 @@ import torch
 from ...errors import ModelLoadError
 from ..lm import LanguageModel
 from .allocate import check_fits, empty_model
-from .common import LoadedModel, Renamer, resolve_dtype
+from .common import LoadedModel, Renamer, check_not_dangling, few_names, resolve_dtype
 from .formats import parse_config
 from .hf_causal_lm import is_transformers_causal_lm, load_transformers_target
-from .tokenizer import load_tokenizer
+from .tokenizer import check_tokenizer_fits, load_tokenizer
 
 # Weight files in the order we look for them (transformers' own preference: safetensors first).
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -37,6 +38,12 @@ def load_model(path, *, dtype=None, device="cpu") -> LoadedModel:
     cfg, fmt, rename = parse_config(raw)
     source, _ = _read_weights(path)
     state = _map_state(source, rename)
+    if cfg.tie_embeddings and _stores_another_head(state):
+        # transformers keeps both tensors of such a checkpoint (and warns); tying them here loaded
+        # the head over the embeddings, so the model ran on neither of the stored tensors.
+        warnings.warn(f"{path}: config.json ties the embeddings but the weights hold an lm_head that differs "
+                      "from them; both are kept, as transformers does", stacklevel=2)
+        cfg.tie_embeddings = False
     dtype = resolve_dtype(dtype)
     if dtype is None:
         floats = [t.dtype for t in state.values() if t.is_floating_point()]
@@ -46,7 +53,9 @@ def load_model(path, *, dtype=None, device="cpu") -> LoadedModel:
     state = _check_and_fill(state, model, path)
     model.load_state_dict(state, strict=True)
     model.eval()
-    return LoadedModel(model=model, tokenizer=load_tokenizer(path), source_format=fmt, path=path)
+    tokenizer = load_tokenizer(path)
+    check_tokenizer_fits(tokenizer, cfg.vocab_size, path)
+    return LoadedModel(model=model, tokenizer=tokenizer, source_format=fmt, path=path)
 
 
 def _read_config(path: Path) -> dict:
@@ -56,6 +65,7 @@ def _read_config(path: Path) -> dict:
     if not path.is_dir():
         raise ModelLoadError(f"model path {path} is not a directory; pass the directory that holds config.json")
     cfg_file = path / "config.json"
+    check_not_dangling(cfg_file)
     if not cfg_file.exists():
         raise ModelLoadError(
             f"{path} has no config.json; a model directory needs config.json and weights "
@@ -74,6 +84,7 @@ def _read_weights(path: Path) -> tuple[dict[str, torch.Tensor], str]:
     """Every tensor of the first weight file found (all shards of an index), on the CPU, and its name."""
     for name in WEIGHT_FILES:
         file = path / name
+        check_not_dangling(file)
         if not file.exists():
             continue
         if name.endswith(".index.json"):
@@ -81,8 +92,12 @@ def _read_weights(path: Path) -> tuple[dict[str, torch.Tensor], str]:
                 index = json.loads(file.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ModelLoadError(f"{file} is not a valid shard index (needs a weight_map): {e}") from e
+            if not isinstance(index, dict) or not all(isinstance(v, str) for v in index.values()):
+                raise ModelLoadError(f"{file} is not a valid shard index: its weight_map must map tensor names "
+                                     "to shard file names")
             state = {}
             for shard in sorted(set(index.values())):
+                check_not_dangling(path / shard)
                 if not (path / shard).exists():
                     raise ModelLoadError(f"{file} lists shard {shard}, which is missing from {path}")
                 state.update(_load_tensor_file(path / shard))
@@ -99,9 +114,26 @@ def _load_tensor_file(file: Path) -> dict[str, torch.Tensor]:
             from safetensors.torch import load_file
 
             return load_file(str(file), device="cpu")
-        return torch.load(str(file), map_location="cpu", weights_only=True)
+        state = torch.load(str(file), map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated or foreign file: say which one
         raise ModelLoadError(f"cannot read weights file {file}: {e}") from e
+    # A .bin may pickle anything: a training checkpoint ({"model": state_dict, ...}), a list.
+    if not isinstance(state, dict):
+        raise ModelLoadError(f"weights file {file} holds a {type(state).__name__}, not a state dict of tensors; "
+                             "save the model's state_dict() alone")
+    bad = next((k for k, v in state.items() if not isinstance(v, torch.Tensor)), None)
+    if bad is not None:
+        raise ModelLoadError(f"weights file {file} is not a state dict of tensors (its entry {bad!r} is a "
+                             f"{type(state[bad]).__name__}); save the model's state_dict() alone")
+    return state
+
+
+def _stores_another_head(state: dict[str, torch.Tensor]) -> bool:
+    """Whether a checkpoint stores an lm_head that is not a copy of its embeddings."""
+    head, embeddings = state.get("lm_head.weight"), state.get("embeddings.weight")
+    if head is None or embeddings is None or head is embeddings:
+        return False
+    return head.shape != embeddings.shape or not torch.equal(head, embeddings.to(head.dtype))
 
 
 def _map_state(source: dict[str, torch.Tensor], rename: Renamer) -> dict[str, torch.Tensor]:
@@ -127,9 +159,9 @@ def _check_and_fill(state: dict[str, torch.Tensor], model: LanguageModel, where:
     if missing or unexpected:
         parts = []
         if missing:
-            parts.append(f"missing tensors {_names(missing)}")
+            parts.append(f"missing tensors {few_names(missing)}")
         if unexpected:
-            parts.append(f"unexpected tensors {_names(unexpected)}")
+            parts.append(f"unexpected tensors {few_names(unexpected)}")
         raise ModelLoadError(
             f"weights in {where} do not match config.json: {'; '.join(parts)}. "
             "The config and weights must come from the same model"
@@ -141,8 +173,3 @@ def _check_and_fill(state: dict[str, torch.Tensor], model: LanguageModel, where:
                 f"{tuple(expected[k].shape)}; the config and weights must come from the same model"
             )
     return state
-
-
-def _names(keys: list[str], limit: int = 6) -> str:
-    shown = ", ".join(keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
