@@ -22,7 +22,7 @@ import torch
 from .decoding import Engine, GenerationConfig, GenerationResult, ModelDrafter, NgramDrafter
 from .errors import InputError
 from .limits import check_context, declared_context
-from .models.loading import LoadedModel, check_same_vocab, load_model
+from .models.loading import LoadedModel, check_same_vocab, declared_eos_ids, load_model
 from .ops import paths, triton_warmup
 from .runtime import configure_threads
 from .tokenization import encode_prompt, tokenizer_for
@@ -54,6 +54,16 @@ def load_drafter(spec: str, target: LoadedModel, *, dtype=None):
     return ModelDrafter(drafter.model)
 
 
+def stop_token_ids(target: LoadedModel, tokenizer) -> list[int] | None:
+    """The ids that end a generation unless a config names its own: the tokenizer's EOS (else the
+    model config's), and every id the checkpoint's generation_config.json lists."""
+    eos = getattr(tokenizer, "eos_token_id", None)  # 0 is a valid id: test for None, not falsiness
+    if eos is None:
+        eos = target.model.config.eos_token_id
+    ids = ([eos] if eos is not None else []) + [i for i in declared_eos_ids(target.path) if i != eos]
+    return ids or None
+
+
 def generate_text(
     target: LoadedModel,
     prompt: str,
@@ -82,9 +92,8 @@ def generate_text(
     tokenizer = tokenizer_for(target)
     ids = encode_prompt(tokenizer, prompt, chat)
     if config.eos_token_id is None:
-        eos = getattr(tokenizer, "eos_token_id", None)  # 0 is a valid id: test for None, not falsiness
         # On a copy: set on the caller's config, this target's EOS stayed for later calls with another target.
-        config = dataclasses.replace(config, eos_token_id=eos if eos is not None else target.model.config.eos_token_id)
+        config = dataclasses.replace(config, eos_token_id=stop_token_ids(target, tokenizer))
     # The context a checkpoint declares lives in its config.json; `generate` checks the rest.
     check_context(target.model.config, len(ids), config.max_new_tokens,
                   config.tree.num_nodes if config.method != "ar" and config.tree is not None else 0,

@@ -123,6 +123,23 @@ def test_generate_text_leaves_the_callers_config_as_given():
     assert config.eos_token_id is None
 
 
+def test_generation_stops_at_every_eos_id_the_checkpoint_lists(tmp_path):
+    # transformers stops at any id of generation_config.json's eos list (Llama 3, Qwen 2.5 list
+    # several); only the tokenizer's (or config.json's) one was used, so a generation ran on.
+    import json
+
+    model = tiny_model(("mamba",), vocab_size=256, seed=3)
+    ids = ar(model, list(b"hello"), 6)
+    model.config.eos_token_id = 255 if 255 not in ids else 254
+    loaded = LoadedModel(model, None, "ssmspec", tmp_path)
+    config = GenerationConfig(method="ar", max_new_tokens=6)
+    assert generate_text(loaded, "hello", config=config).finish_reason == "length"
+    stop = next(k for k in range(1, len(ids)) if ids[k] not in ids[:k])  # a token not produced before it
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [model.config.eos_token_id, ids[stop]]}))
+    result = generate_text(loaded, "hello", config=config)
+    assert result.finish_reason == "eos" and result.token_ids == ids[:stop + 1]
+
+
 # -- profile ---------------------------------------------------------------------------------------
 
 def test_profile_times_drafter_levels_wider_than_the_vocabulary():

@@ -54,7 +54,7 @@ def run_bench(config: BenchConfig, on_progress: ProgressFn | None = None) -> Ben
     Bad input (unknown method or dataset, no usable prompt) raises InputError before any model
     is loaded. Ctrl-C ends the run early: the result holds what finished, `interrupted` set.
     """
-    from ..api import load_drafter, load_target
+    from ..api import load_drafter, load_target, stop_token_ids
     from ..ops import dispatch
     from ..tokenization import tokenizer_for
 
@@ -71,9 +71,7 @@ def run_bench(config: BenchConfig, on_progress: ProgressFn | None = None) -> Ben
         result.notes.append(note)
     if not result.lossless_applicable:
         result.notes.append("losslessness check not applicable at temperature > 0 (outputs are samples)")
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None:  # an id of 0 is a real id
-        eos = target.model.config.eos_token_id
+    eos = stop_token_ids(target, tokenizer)
     encoded = _encode_all(prompts, tokenizer, config, _context_limit(target, config), result)
     if not encoded:
         raise InputError(f"no prompt of {dataset} fits: {result.skipped[0]['reason'] if result.skipped else 'none given'}")

@@ -11,7 +11,7 @@ and `fingerprint` cover vocabularies and model identity, `allocate` builds the e
 from __future__ import annotations
 
 from .allocate import check_fits, empty_model
-from .common import LoadedModel, Renamer, resolve_dtype
+from .common import LoadedModel, Renamer, declared_eos_ids, resolve_dtype
 from .fingerprint import check_same_vocab, effective_config_dict, model_fingerprint, vocab_fingerprint
 from .formats import config_from_dict, detect_format
 from .hf_mamba2 import mamba2_compatible
@@ -20,12 +20,9 @@ from .native import NATIVE_FORMAT_VERSION, NATIVE_MODEL_TYPE
 from .save import save_model
 from .tokenizer import TOKENIZER_FILES, load_tokenizer
 
-# cli/new_model.py still imports the pre-split private name; drop this alias once it imports load_tokenizer.
-_load_tokenizer = load_tokenizer
-
 __all__ = [
     "LoadedModel", "NATIVE_FORMAT_VERSION", "NATIVE_MODEL_TYPE", "Renamer", "TOKENIZER_FILES", "WEIGHT_FILES",
-    "check_fits", "check_same_vocab", "config_from_dict", "detect_format", "effective_config_dict", "empty_model",
+    "check_fits", "check_same_vocab", "config_from_dict", "declared_eos_ids", "detect_format", "effective_config_dict", "empty_model",
     "load_model", "load_tokenizer", "mamba2_compatible", "model_fingerprint", "resolve_dtype", "save_model",
     "vocab_fingerprint",
 ]

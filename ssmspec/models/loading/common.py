@@ -1,6 +1,7 @@
 """What every format's loader shares: the loaded-model record, dtype names, config-field readers, renamers."""
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -71,6 +72,23 @@ def special_ids(cfg: dict, defaults: tuple) -> dict:
         "eos_token_id": _one_token_id(cfg.get("eos_token_id", eos)),
         "pad_token_id": _one_token_id(cfg.get("pad_token_id", pad)),
     }
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def declared_eos_ids(model_dir: str | Path | None) -> list[int]:
+    """The ids a checkpoint's generation_config.json says end a generation, or [] where it names
+    none. transformers stops at any of them (Llama 3 and Qwen 2.5 chat models list several, and
+    the tokenizer's EOS is only one), so a generation here stops where theirs does."""
+    if model_dir is None:
+        return []
+    try:
+        value = json.loads((Path(model_dir) / GENERATION_CONFIG).read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):  # no file, not JSON, not an object
+        return []
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
 
 
 def few_names(keys: list[str], limit: int = 6) -> str:
