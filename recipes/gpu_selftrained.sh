@@ -19,7 +19,9 @@
 # speedup.
 # Usage: bash recipes/gpu_selftrained.sh [WORKDIR]   (default: runs/gpu-selftrained; run from the
 #   repository root). Sizes can be changed through the environment, e.g. SFT_STEPS=1000 or
-#   DEVICE=cpu DTYPE=fp32 MAMBA_PRESET=tiny DRAFTER_PRESET=tiny (a quick check without a GPU);
+#   DEVICE=cpu DTYPE=fp32 MAMBA_PRESET=tiny DRAFTER_PRESET=tiny CORPUS_MB=1 VOCAB=1024 SFT_STEPS=20
+#   DISTILL_STEPS=20 SFT_BATCH=4 DISTILL_BATCH=4 SEQ_LEN=128 LIMIT=2 NEW_TOKENS=32 (a quick check
+#   without a GPU: about 2 minutes on 2 CPU cores; the default sizes take hours on a CPU);
 #   PAIRS=mamba2 makes and benchmarks only the pure Mamba-2 pair.
 # A larger target: PAIRS=mamba2 MAMBA_PRESET=mamba2-1.3b SFT_STEPS=200 SFT_BATCH=4 SFT_ACCUM=4
 #   SFT_LR=1e-3 DISTILL_STEPS=500 DISTILL_BATCH=16 (at the 1.3b shape a batch of 8 already runs out

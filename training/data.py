@@ -336,6 +336,11 @@ class Tokenize:
         return list(ids), [bool(m) for m in mask]
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        if not hasattr(self.tok, "apply_chat_template"):  # the byte fallback: render the template as transformers does
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            return env.from_string(self.template).render(messages=messages, add_generation_prompt=add_generation_prompt)
         return self.tok.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=self.template
         )
