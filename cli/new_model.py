@@ -14,15 +14,14 @@ from . import options, outputs
 
 def _vocab_source(path: Path):
     """(tokenizer or None, vocab size to use, whether to use it unpadded) from a tokenizer or model directory."""
-    from ssmspec.models.loading import TOKENIZER_FILES
+    from ssmspec.models.loading import TOKENIZER_FILES, load_tokenizer
 
     if not path.is_dir():
         raise InputError(f"--vocab-from {path} is not a directory; pass a tokenizer or model directory")
-    has_tokenizer = any((path / f).exists() for f in TOKENIZER_FILES)
-    if not has_tokenizer and not (path / "config.json").exists():
+    tokenizer = load_tokenizer(path)  # None without tokenizer files
+    if tokenizer is None and not (path / "config.json").exists():
         raise InputError(f"--vocab-from {path} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}) and no model")
     # A model without a tokenizer (a byte-vocabulary target from new-model) still has a vocabulary.
-    tokenizer = _read_tokenizer(path) if has_tokenizer else None
     vocab, exact = (len(tokenizer) if tokenizer is not None else 0), False
     if (path / "config.json").exists():
         # A model directory: match its (possibly padded) embedding size exactly, without the
@@ -46,22 +45,6 @@ def _vocab_source(path: Path):
         raise InputError(f"--vocab-from {path} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}) and its "
                          "config.json names no vocabulary size")
     return tokenizer, vocab, exact
-
-
-def _read_tokenizer(path: Path):
-    # The tokenizer alone (the directory may hold no model); quiet, as transformers warns about
-    # config.json files of model types it does not know.
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception as e:  # noqa: BLE001 -- transformers raises many kinds for a broken tokenizer
-        raise InputError(f"--vocab-from {path}: its tokenizer files do not load ({e})") from e
-    finally:
-        hf_logging.set_verbosity(verbosity)
 
 
 def new_model_command(

@@ -540,7 +540,7 @@ def _prompt_ids(input_ids, vocab_size: int) -> torch.Tensor:
         raise InputError("the prompt is empty; give at least one token")
     if prompt.dtype == torch.bool or prompt.is_floating_point() or prompt.is_complex():
         raise InputError(f"the prompt must hold integer token ids, got dtype {prompt.dtype}")
-    low, high = int(prompt.min()), int(prompt.max())
+    low, high = (int(v) for v in torch.aminmax(prompt))  # both ends in one pass over the ids
     if low < 0 or high >= vocab_size:
         raise InputError(f"the prompt has token id {low if low < 0 else high}, outside the model's vocabulary "
                          f"(0 to {vocab_size - 1})")
