@@ -186,6 +186,14 @@ def test_memory_refusal_gives_both_sizes():
     assert f"{free / 2**30:.0f} GiB available" in message or f"{free / 2**30:.2f} GiB available" in message
 
 
+def test_gpu_room_is_the_free_memory_plus_the_allocators_reusable_blocks(monkeypatch):
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * gib, 80 * gib))
+    stats = {"reserved_bytes": {"all": {"current": 3 * gib}}, "allocated_bytes": {"all": {"current": 1 * gib}}}
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: stats)
+    assert limits.available_bytes("cuda:0") == (6 * gib, "cuda:0 has")
+
+
 def test_memory_estimate_counts_caches_and_the_drafter():
     cfg = tiny_config(HYBRID)
     alone = limits.estimate_generation(cfg, 100, 1000, 4)

@@ -159,6 +159,22 @@ if not INTERPRETED:
         with pytest.raises(ValueError, match="pending slots"):
             model.new_cache(1, 16, pending=-1)
 
+    def test_reset_zeroes_every_tensor_with_one_dtype_per_launch(monkeypatch):
+        # torch's multi-tensor zero takes its one-launch route only for a list of one dtype; a
+        # mixed list (bf16 conv, fp32 SSM, int64 counts) goes tensor by tensor on the GPU.
+        model = tiny_model(("mamba", "attention", "mamba"))
+        cache = model.new_cache(1, 16, pending=4)
+        tensors = [t for layer in cache.layers if layer is not None for t in vars(layer).values() if t is not None]
+        tensors += [cache.seqlen, cache.pending_count]
+        for t in tensors:
+            t.fill_(1)
+        calls = []
+        real = torch._foreach_zero_
+        monkeypatch.setattr(torch, "_foreach_zero_", lambda group: (calls.append({t.dtype for t in group}), real(group)))
+        cache.reset_()
+        assert all(len(dtypes) == 1 for dtypes in calls) and len(calls) == len({t.dtype for t in tensors}) > 1
+        assert all(t.abs().sum() == 0 for t in tensors)
+
 
 def _model_with_pending_matches_plain(layers, backend):
     """Tree iterations on a cache with 6 pending slots (appends and flushes) against a plain

@@ -25,18 +25,31 @@ def fold_norm_weights_(model: nn.Module) -> nn.Module:
     unfolded before (by `generate`) takes those kernels once an Engine folds it."""
     folded = False
     with torch.no_grad():
-        for layer in model.layers:
-            if layer.kind == "mamba":
-                folded |= _fold(layer.norm, [layer.mixer.in_proj])
-                if layer.mixer.norm is not None:  # no gated norm (MambaConfig.gate_norm): nothing to fold
-                    folded |= _fold(layer.mixer.norm, [layer.mixer.out_proj])
-            elif layer.kind == "mlp":
-                mlp = layer.mixer
-                folded |= _fold(layer.norm, [mlp.up_proj] + ([mlp.gate_proj] if mlp.cfg.gated else []))
+        for norm, linears in _fold_pairs(model):
+            folded |= _fold(norm, linears)
     runners = getattr(model, "one_launch", None)
     if folded and runners is not None and all(runners.kept(k, model.device) is None for k in ("step", "verify")):
         model.one_launch = type(runners)()
     return model
+
+
+def _fold_pairs(model: nn.Module) -> list[tuple[nn.Module, list[nn.Linear]]]:
+    """Each foldable norm with the projections it folds into, listed once per model: an Engine
+    checks them before every generation, and walking the layers' submodules each time cost
+    more host time than the checks (0.15 ms per generation at 24 layers)."""
+    pairs = model.__dict__.get("_fold_pairs")  # a plain attribute: not a submodule, not in state_dict
+    if pairs is None:
+        pairs = []
+        for layer in model.layers:
+            if layer.kind == "mamba":
+                pairs.append((layer.norm, [layer.mixer.in_proj]))
+                if layer.mixer.norm is not None:  # no gated norm (MambaConfig.gate_norm): nothing to fold
+                    pairs.append((layer.mixer.norm, [layer.mixer.out_proj]))
+            elif layer.kind == "mlp":
+                mlp = layer.mixer
+                pairs.append((layer.norm, [mlp.up_proj] + ([mlp.gate_proj] if mlp.cfg.gated else [])))
+        model.__dict__["_fold_pairs"] = pairs
+    return pairs
 
 
 def fold_for_kernels(*models) -> None:
