@@ -8,8 +8,9 @@
 # Expected time: about 13 minutes on one H100 80GB (11.5 measured 2026-11-25 with LIMIT=40 on a
 # fresh machine and 300 distillation steps, the CUDA extensions' first builds included; each stage
 # prints its time); the mamba2 pair alone (PAIRS=mamba2, LIMIT=40, today's 1500 distillation steps)
-# spent about 9.5 minutes in its stages on a fresh H100 on 2026-11-27 (sft 117 s, distill 249 s,
-# profile 37 s, tune-tree 90 s, benches 48 s). Figures in docs/BENCHMARKS.md. The default LIMIT=20
+# spent about 7.5 minutes in its stages on a fresh H100 on 2026-11-28 with mamba_ssm importable and
+# the CUDA extensions already built (sft 166 s, distill 187 s, profile 32 s, tune-tree 27 s, benches
+# 53 s; first builds add about a minute each). Figures in docs/BENCHMARKS.md. The default LIMIT=20
 # takes a little less.
 # Resumable: a rerun skips every stage that finished (a stamp in WORKDIR/.stages and its output),
 # so a run cut off (Ctrl-C, a time limit) continues where it stopped; once a stage runs, every
