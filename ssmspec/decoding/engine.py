@@ -23,6 +23,10 @@ class Engine:
     - It owns the target's fast path: the decode cache (one per capacity bucket of
       _FastPath.BUCKET tokens, reset in place) and the CUDA graphs captured on it (steps, tree
       iterations, prefill chains), kept from one generation to the next; they go with the engine.
+      One set is live at a time: a call that needs another (a longer capacity bucket, or `ar`
+      after a speculative method, whose cache keeps pending slots, and back) rebuilds it and
+      captures its graphs again. To alternate methods, use one engine per method (they may share
+      the target: `Engine(target)` for ar, `Engine(target, drafter)` for the others).
       The drafter's buffers and graphs live in the ModelDrafter given here, which the engine
       drives and which is not to be shared with another engine.
 
