@@ -185,7 +185,7 @@ def available_bytes(device) -> tuple[int | None, str]:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         # One read of the allocator's counters: memory_reserved and memory_allocated each flatten
-        # the whole statistics tree (0.25 ms of host time per generation on the H100).
+        # the whole statistics tree (0.25 ms per generation under cProfile on the H100).
         stats = torch.cuda.memory_stats_as_nested_dict(device)
         cached = (stats.get("reserved_bytes", {}).get("all", {}).get("current", 0)
                   - stats.get("allocated_bytes", {}).get("all", {}).get("current", 0))

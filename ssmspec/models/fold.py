@@ -36,7 +36,7 @@ def fold_norm_weights_(model: nn.Module) -> nn.Module:
 def _fold_pairs(model: nn.Module) -> list[tuple[nn.Module, list[nn.Linear]]]:
     """Each foldable norm with the projections it folds into, listed once per model: an Engine
     checks them before every generation, and walking the layers' submodules each time cost
-    more host time than the checks (0.15 ms per generation at 24 layers)."""
+    more host time than the checks (255 against 76 us per check of the 130m shape on a CPU)."""
     pairs = model.__dict__.get("_fold_pairs")  # a plain attribute: not a submodule, not in state_dict
     if pairs is None:
         pairs = []
