@@ -10,6 +10,8 @@ the RMS error held to TF32's size; bf16 ones allow bf16 inputs to every product.
 """
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -52,17 +54,31 @@ def _close(got, want, dtype, name):
     assert rel_rms <= RMS_TOL[dtype], f"{name}: rel RMS err {rel_rms:.3e} > {RMS_TOL[dtype]}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("steps", [1, 63, 64, 2048])
-@pytest.mark.parametrize("chunk", [64, 100])  # the reference's chunk: divides 64 and 2048, or nothing
-@pytest.mark.parametrize("groups", [1, 8])
-@pytest.mark.parametrize("headdim", [32, 64])
-@pytest.mark.parametrize("dstate", [64, 128])
+# (d_state, head dim, groups, chunk, length, dtype). The chunk is the reference's: 64 divides 64 and 2048, 100
+# divides nothing. COVERING holds every value of every factor and every pair of values of two factors except
+# d_state with the length (an 8-run orthogonal array): the kernels autotune and compile for each new shape, about
+# a minute a case on an H100, so the whole product (128 cases a kernel) runs only with --run-slow.
+FACTORS = ([64, 128], [32, 64], [1, 8], [64, 100], [1, 63, 64, 2048], ["fp32", "bf16"])
+COVERING = [(64, 32, 1, 64, 1, "fp32"), (64, 32, 8, 64, 2048, "bf16"), (64, 64, 1, 100, 2048, "fp32"),
+            (64, 64, 8, 100, 1, "bf16"), (128, 32, 1, 100, 63, "bf16"), (128, 32, 8, 100, 64, "fp32"),
+            (128, 64, 1, 64, 64, "bf16"), (128, 64, 8, 64, 63, "fp32")]
+CASES = COVERING + [pytest.param(*case, marks=pytest.mark.slow) for case in itertools.product(*FACTORS)
+                    if case not in COVERING]
+
+
+def test_the_covering_cases_meet_every_pair_of_values_but_one():
+    for i, j in itertools.combinations(range(len(FACTORS)), 2):
+        met = {(case[i], case[j]) for case in COVERING}
+        assert len(met) == len(FACTORS[i]) * len(FACTORS[j]) or (i, j) == (0, 4), (i, j)
+
+
+@pytest.mark.parametrize("dstate, headdim, groups, chunk, steps, precision", CASES)
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_kernel_scan_equals_naive(kernel, dstate, headdim, groups, chunk, steps, dtype):
+def test_kernel_scan_equals_naive(kernel, dstate, headdim, groups, chunk, steps, precision):
     from ssmspec.ops.chunk_scan import naive_chunk_scan
 
     scan = KERNELS[kernel]()
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     inputs = scan_inputs(2, steps, 16, headdim, groups, dstate, dtype=dtype, device=DEV)
     y_ref, f_ref, g_ref = scan_grads(naive_chunk_scan, inputs, chunk)
     y, f, g = scan_grads(scan, inputs, chunk)
