@@ -77,7 +77,9 @@ def run_bench(config: BenchConfig, on_progress: ProgressFn | None = None) -> Ben
         raise InputError(f"no prompt of {dataset} fits: {result.skipped[0]['reason'] if result.skipped else 'none given'}")
 
     model = target.model
-    engine = Engine(model, drafter)  # one for the run: every method's graphs and buffers stay warm
+    # One for the run. Methods run one after another: switching between ar and a speculative method
+    # rebuilds the fast path (Engine), which the warm-up pays (with --warmup 0, the first timed prompt).
+    engine = Engine(model, drafter)
     reference: dict[int, list[int]] = {}  # prompt index -> ar's ids (prompt ids need not be unique)
     total, done = len(specs) * len(encoded), 0
     if on_progress:
