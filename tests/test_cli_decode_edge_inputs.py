@@ -12,7 +12,7 @@ from helpers import run_cli
 from ssmspec.benchmark import BenchConfig, report, runner
 from ssmspec.benchmark.config import MethodSpec
 from ssmspec.benchmark.prompts import Prompt, encode, read_prompts_file
-from ssmspec.decoding.sampling import SamplingParams, probabilities, race_noise_, race_scores
+from ssmspec.decoding.sampling import SHIFT_BELOW_TEMPERATURE, SamplingParams, probabilities, race_noise_, race_scores
 from ssmspec.errors import InputError
 from ssmspec.models.loading import load_model, save_model
 from ssmspec.models.presets import build_model
@@ -30,8 +30,10 @@ def test_a_tiny_temperature_samples_the_argmax_instead_of_nan():
         assert torch.equal(p, torch.nn.functional.one_hot(logits.argmax(-1), 4).float())
         noise = race_noise_(torch.empty(logits.shape), torch.Generator().manual_seed(0))
         assert torch.equal(race_scores(logits, params, noise).argmax(-1), logits.argmax(-1))
-    # An ordinary temperature keeps its distribution.
+    # An ordinary temperature keeps its distribution; the shift's threshold changes nothing either side.
     assert torch.allclose(probabilities(logits, SamplingParams(0.7)), torch.softmax(logits / 0.7, -1))
+    for t in (SHIFT_BELOW_TEMPERATURE * 0.999, SHIFT_BELOW_TEMPERATURE):
+        assert torch.allclose(probabilities(logits, SamplingParams(t)), torch.softmax(logits / t, -1))
 
 
 def test_prompts_files_drop_a_bom_and_split_at_line_ends_only(tmp_path):

@@ -23,6 +23,13 @@ def is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+SHIFT_BELOW_TEMPERATURE = 1e-2
+"""`probabilities` shifts the logits to a maximum of 0 below this temperature only. logits / T
+overflows to +inf only where |logit| > 3.4e38 * T, which no working model reaches at T >= 0.01;
+there the shift's reduction and extra pass (a launch each, per drafted level and per verify on
+the decode path) are skipped."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -56,9 +63,11 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    # Shifted to a maximum of 0 first (softmax is shift-invariant): a tiny temperature then sends
-    # the others to -inf, not the best to +inf, which made the softmax NaN (inf - inf).
-    logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature
+    if params.temperature < SHIFT_BELOW_TEMPERATURE:
+        # Shifted to a maximum of 0 first (softmax is shift-invariant): a tiny temperature then sends
+        # the others to -inf, not the best to +inf, which made the softmax NaN (inf - inf).
+        logits = logits - logits.amax(-1, keepdim=True)
+    logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
