@@ -97,6 +97,8 @@ if not INTERPRETED:
 
 else:
     from helpers import assert_close
+    from ssmspec.ops.causal_conv import triton as CC
+    from ssmspec.ops.causal_conv.naive import naive_causal_conv
     from ssmspec.ops.state_replay import triton as SR
     from ssmspec.ops.state_replay.naive import naive_replay_conv_state, naive_replay_ssm_state
     from ssmspec.ops.step_update import triton as SU
@@ -333,6 +335,46 @@ else:
         # groups longer than one chunk (1024): several programs per group
         y, z, w = torch.randn(2, 5000), torch.randn(2, 5000), torch.randn(5000)
         assert_close(SU.gated_rms_norm(y, z, w, 2500, 1e-5), naive_gated_rms_norm(y, z, w, 2500, 1e-5), atol=1e-5, rtol=1e-5)
+
+    @pytest.mark.parametrize("T", [1, 2, 37, 70])
+    def test_causal_conv_matches_reference(nan_outputs, T):
+        """Lengths below K-1, inside one token block and across blocks; 150 channels (a partial
+        block); xBC a slice of a wider projection (its token stride is not C); with and without
+        the conv state and the bias."""
+        g = torch.Generator().manual_seed(T)
+        B, C, K = 2, 150, 4
+        xBC = torch.randn(B, T, C + 20, generator=g)[..., 10 : 10 + C]
+        weight, bias = torch.randn(C, K, generator=g), torch.randn(C, generator=g)
+        state = torch.randn(B, C, K - 1, generator=g)
+        for conv_state in (None, state):
+            for b in (None, bias):
+                assert_close(CC.causal_conv(xBC, conv_state, weight, b), naive_causal_conv(xBC, conv_state, weight, b),
+                             atol=1e-5, rtol=1e-5, name=f"T {T}, state {conv_state is not None}, bias {b is not None}")
+
+    def test_model_forward_through_the_conv_kernel_matches_reference(monkeypatch):
+        """A prompt fed in pieces of 5, 2 (below K-1) and 1 tokens through Mamba2Mixer.forward's
+        kernel branch equals the conv1d branch: outputs and conv states."""
+        from ssmspec.ops import dispatch
+
+        model = _tiny_model_with_head_dim(("mamba", "mlp", "mamba"), 8)
+        prompt = torch.randint(0, 64, (2, 8))
+
+        def run():
+            cache = model.new_cache(2, 32)
+            with torch.no_grad():
+                logits = [model(prompt[:, a:b], cache) for a, b in ((0, 5), (5, 7), (7, 8))]
+            return logits, cache
+
+        ref_logits, ref_cache = run()
+        monkeypatch.setattr(dispatch, "uses_kernel", lambda op, device: op == "causal_conv")
+        monkeypatch.setattr(dispatch, "resolve", lambda op, device: CC.causal_conv if op == "causal_conv"
+                            else dispatch._REFERENCE[op])
+        logits, cache = run()
+        for i, (mine, theirs) in enumerate(zip(logits, ref_logits)):
+            assert_close(mine, theirs, atol=1e-5, rtol=1e-4, name=f"piece {i}")
+        for mine, theirs in zip(cache.layers, ref_cache.layers):
+            if hasattr(mine, "conv_state"):  # a later layer's inputs differ by the rounding of the one before
+                assert_close(mine.conv_state, theirs.conv_state, atol=1e-5, rtol=1e-5, name="conv_state")
 
     def test_time_step_matches_reference(nan_outputs):
         dt_raw = torch.randn(3, 5, 7) * 10  # both sides of softplus's linear threshold

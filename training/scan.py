@@ -18,7 +18,8 @@ from ssmspec.errors import InputError
 class TrainingScan:
     """The scan a run uses: its name (for log.jsonl), why it was chosen, and the function itself.
 
-    fn has `naive_chunk_scan`'s contract: (x, dt, A, B, C, D, chunk_size, initial_state) -> (y fp32, final fp32).
+    fn has `naive_chunk_scan`'s contract: (x, dt, A, B, C, D, chunk_size, initial_state) -> (y, final fp32),
+    y in fp32 or in x's dtype (the mixer rounds it to the layer's dtype next either way).
     """
 
     name: str
@@ -96,12 +97,13 @@ def _mamba_ssm_scan() -> Callable | None:
     _keep_autotuning_on_disk(mamba_chunk_scan_combined)
 
     def scan(x, dt, A, B, C, D, chunk_size=64, initial_state=None):
-        # dt is already softplus'd and clamped (no dt_bias, no softplus inside); y and state in fp32.
+        # dt is already softplus'd and clamped (no dt_bias, no softplus inside). y stays in x's dtype:
+        # a cast to fp32 here would be a copy each way per layer that the mixer rounds back at once.
         y, final = mamba_chunk_scan_combined(
             x, dt.to(x.dtype), A.float(), B, C, chunk_size, D=D, initial_states=initial_state,
             return_final_states=True,
         )
-        return y.float(), final.float()
+        return y, final.float()
 
     return scan
 

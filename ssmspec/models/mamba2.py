@@ -129,12 +129,18 @@ class Mamba2Mixer(nn.Module):
         z, xBC, dt_raw = self._split_projection(h)
         T = h.shape[1]
         K = self.cfg.conv_kernel
-        if cache is not None:
-            extended = torch.cat([cache.conv_state.transpose(1, 2).to(xBC.dtype), xBC], dim=1)  # (B, K-1+T, C)
-            cache.conv_state.copy_(extended[:, -(K - 1):].transpose(1, 2))
+        state = None if cache is None else cache.conv_state  # (B, C, K-1): the inputs before this call's
+        if not torch.is_grad_enabled() and dispatch.uses_kernel("causal_conv", xBC.device):
+            # conv and silu in one launch reading xBC in place (eager inference: a distillation
+            # target, evaluation); conv1d would transpose xBC around a generic depthwise kernel
+            xBC_conv = dispatch.causal_conv(xBC, state, self.conv_weight, self.conv1d.bias)
         else:
-            extended = F.pad(xBC, (0, 0, K - 1, 0))
-        xBC_conv = F.silu(self._causal_conv(extended, T))
+            extended = (F.pad(xBC, (0, 0, K - 1, 0)) if state is None else
+                        torch.cat([state.transpose(1, 2).to(xBC.dtype), xBC], dim=1))  # (B, K-1+T, C)
+            xBC_conv = F.silu(self._causal_conv(extended, T))
+        if cache is not None:  # after the conv has read it: the last K-1 inputs, this call's and before
+            tail = torch.cat([cache.conv_state.transpose(1, 2).to(xBC.dtype), xBC[:, -(K - 1):]], dim=1)
+            cache.conv_state.copy_(tail[:, -(K - 1):].transpose(1, 2))
         x, B, C = self._split_conv_out(xBC_conv)
         dt = self._time_step(dt_raw)
         y, final = dispatch.chunk_scan(

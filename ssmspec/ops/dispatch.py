@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import paths
+from .causal_conv.naive import naive_causal_conv
 from .chunk_scan.naive import naive_chunk_scan
 from .gemv.naive import naive_linear, naive_norm_linear
 from .greedy_accept.naive import naive_greedy_accept
@@ -40,6 +41,7 @@ _REFERENCE = {
     "settle_pending_layers": naive_settle_pending_layers,
     "advance_positions": naive_advance_positions,
     "chunk_scan": naive_chunk_scan,
+    "causal_conv": naive_causal_conv,
     "mamba_step": naive_mamba_step,
     "mamba_step_out": naive_mamba_step_out,
     "rms_norm": naive_rms_norm,
@@ -114,6 +116,11 @@ def advance_positions(seqlen, count, path_len, width, capacity):
 
 def chunk_scan(x, dt, A, B, C, D, chunk_size=64, initial_state=None):
     return resolve("chunk_scan", x.device)(x, dt, A, B, C, D, chunk_size, initial_state)
+
+
+def causal_conv(xBC, conv_state, weight, bias):
+    """silu(causal depthwise conv1d) of a whole sequence xBC (B, T, C); conv_state (B, C, K-1) or None (zeros)."""
+    return resolve("causal_conv", xBC.device)(xBC, conv_state, weight, bias)
 
 
 def mamba_step(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,

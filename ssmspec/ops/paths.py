@@ -57,6 +57,7 @@ TRITON_KERNELS = {
     "replay_states_layers": ("ssmspec.ops.state_replay.triton", "replay_states_layers"),
     "settle_pending_layers": ("ssmspec.ops.state_replay.triton", "settle_pending_layers"),
     "advance_positions": ("ssmspec.ops.state_replay.triton", "advance_positions"),
+    "causal_conv": ("ssmspec.ops.causal_conv.triton", "causal_conv"),
     "mamba_step": ("ssmspec.ops.step_update.triton", "mamba_step"),
     "mamba_step_out": ("ssmspec.ops.step_update.triton", "mamba_step_out"),
     "rms_norm": ("ssmspec.ops.triton_common", "rms_norm"),

@@ -1,0 +1,30 @@
+"""Plain-torch reference of the causal depthwise conv1d + SiLU over a whole sequence."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def naive_causal_conv(
+    xBC: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """silu(causal depthwise conv1d of xBC), in fp32, rounded once to xBC's dtype.
+
+    Args:
+        xBC: (B, T, C) pre-conv inputs.
+        conv_state: (B, C, K-1) the K-1 inputs before xBC's first (oldest first), rounded to xBC's
+            dtype first; None: zeros (a sequence that starts here).
+        weight: (C, K) depthwise taps (weight[:, -1] multiplies the current token); bias: (C,) or None.
+    Returns:
+        (B, T, C) in xBC's dtype.
+    """
+    B, T, C = xBC.shape
+    K = weight.shape[-1]
+    if conv_state is None:
+        extended = F.pad(xBC, (0, 0, K - 1, 0))
+    else:
+        extended = torch.cat([conv_state.transpose(1, 2).to(xBC.dtype), xBC], dim=1)  # (B, K-1+T, C)
+    out = sum(extended[:, k : k + T].float() * weight[:, k].float() for k in range(K))
+    if bias is not None:
+        out = out + bias.float()
+    return F.silu(out).to(xBC.dtype)
