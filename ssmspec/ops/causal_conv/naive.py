@@ -18,8 +18,7 @@ def naive_causal_conv(
     Returns:
         (B, T, C) in xBC's dtype.
     """
-    B, T, C = xBC.shape
-    K = weight.shape[-1]
+    T, K = xBC.shape[1], weight.shape[-1]
     if conv_state is None:
         extended = F.pad(xBC, (0, 0, K - 1, 0))
     else:
