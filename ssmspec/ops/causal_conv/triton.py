@@ -87,6 +87,19 @@ each row of x, dy, y and dx moves once."""
 
 
 @triton.jit
+def _taps(w_ptr, b_ptr, c, mask_c, swc, swk, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The four taps and the bias (0 without one) of channels c, in fp32."""
+    w0 = tl.load(w_ptr + c * swc, mask=mask_c, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + c * swc + swk, mask=mask_c, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + c * swc + 2 * swk, mask=mask_c, other=0.0).to(tl.float32)
+    w3 = tl.load(w_ptr + c * swc + 3 * swk, mask=mask_c, other=0.0).to(tl.float32)
+    bias = tl.zeros((BLOCK_C,), tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + c, mask=mask_c, other=0.0).to(tl.float32)
+    return w0, w1, w2, w3, bias
+
+
+@triton.jit
 def _train_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, C, sxb, sxt, swc, swk,
                       HAS_BIAS: tl.constexpr, SPAN: tl.constexpr, BLOCK_C: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -95,13 +108,7 @@ def _train_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, C, sxb, sxt, swc, swk,
     mask_c = c < C
     x_row = x_ptr + b * sxb + c
     zero = tl.zeros((BLOCK_C,), tl.int32)  # token positions as vectors: masks are built from them
-    w0 = tl.load(w_ptr + c * swc, mask=mask_c, other=0.0).to(tl.float32)
-    w1 = tl.load(w_ptr + c * swc + swk, mask=mask_c, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + c * swc + 2 * swk, mask=mask_c, other=0.0).to(tl.float32)
-    w3 = tl.load(w_ptr + c * swc + 3 * swk, mask=mask_c, other=0.0).to(tl.float32)
-    bias = tl.zeros((BLOCK_C,), tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + c, mask=mask_c, other=0.0).to(tl.float32)
+    w0, w1, w2, w3, bias = _taps(w_ptr, b_ptr, c, mask_c, swc, swk, HAS_BIAS, BLOCK_C)
     x1 = tl.load(x_row + (t0 - 1) * sxt, mask=mask_c & (zero + t0 >= 1), other=0.0).to(tl.float32)  # x[t-1]
     x2 = tl.load(x_row + (t0 - 2) * sxt, mask=mask_c & (zero + t0 >= 2), other=0.0).to(tl.float32)
     x3 = tl.load(x_row + (t0 - 3) * sxt, mask=mask_c & (zero + t0 >= 3), other=0.0).to(tl.float32)
@@ -143,13 +150,7 @@ def _train_bwd_kernel(x_ptr, w_ptr, b_ptr, gy_ptr, gx_ptr, gw_ptr, gb_ptr, T, C,
     x_row = x_ptr + b * sxb + c
     gy_row = gy_ptr + b * sgb + c
     zero = tl.zeros((BLOCK_C,), tl.int32)
-    w0 = tl.load(w_ptr + c * swc, mask=mask_c, other=0.0).to(tl.float32)
-    w1 = tl.load(w_ptr + c * swc + swk, mask=mask_c, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + c * swc + 2 * swk, mask=mask_c, other=0.0).to(tl.float32)
-    w3 = tl.load(w_ptr + c * swc + 3 * swk, mask=mask_c, other=0.0).to(tl.float32)
-    bias = tl.zeros((BLOCK_C,), tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + c, mask=mask_c, other=0.0).to(tl.float32)
+    w0, w1, w2, w3, bias = _taps(w_ptr, b_ptr, c, mask_c, swc, swk, HAS_BIAS, BLOCK_C)
     t_end = t0 + SPAN
     g1 = _silu_grad_at(x_row, gy_row, t_end, T, sxt, sgt, mask_c, w0, w1, w2, w3, bias)  # g[t+1] .. g[t+3]
     g2 = _silu_grad_at(x_row, gy_row, t_end + 1, T, sxt, sgt, mask_c, w0, w1, w2, w3, bias)
