@@ -134,6 +134,9 @@ class Mamba2Mixer(nn.Module):
             # conv and silu in one launch reading xBC in place (eager inference: a distillation
             # target, evaluation); conv1d would transpose xBC around a generic depthwise kernel
             xBC_conv = dispatch.causal_conv(xBC, state, self.conv_weight, self.conv1d.bias)
+        elif state is None and K == 4 and dispatch.uses_kernel("causal_conv_train", xBC.device):
+            # training: one launch each way, each row of x, dy, y and dx moved once (ops/causal_conv)
+            xBC_conv = dispatch.causal_conv_train(xBC, self.conv_weight, self.conv1d.bias)
         else:
             extended = (F.pad(xBC, (0, 0, K - 1, 0)) if state is None else
                         torch.cat([state.transpose(1, 2).to(xBC.dtype), xBC], dim=1))  # (B, K-1+T, C)

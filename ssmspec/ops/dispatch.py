@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import paths
-from .causal_conv.naive import naive_causal_conv
+from .causal_conv.naive import naive_causal_conv, naive_causal_conv_train
 from .chunk_scan.naive import naive_chunk_scan
 from .gemv.naive import naive_linear, naive_norm_linear
 from .greedy_accept.naive import naive_greedy_accept
@@ -42,6 +42,7 @@ _REFERENCE = {
     "advance_positions": naive_advance_positions,
     "chunk_scan": naive_chunk_scan,
     "causal_conv": naive_causal_conv,
+    "causal_conv_train": naive_causal_conv_train,
     "mamba_step": naive_mamba_step,
     "mamba_step_out": naive_mamba_step_out,
     "rms_norm": naive_rms_norm,
@@ -121,6 +122,11 @@ def chunk_scan(x, dt, A, B, C, D, chunk_size=64, initial_state=None):
 def causal_conv(xBC, conv_state, weight, bias):
     """silu(causal depthwise conv1d) of a whole sequence xBC (B, T, C); conv_state (B, C, K-1) or None (zeros)."""
     return resolve("causal_conv", xBC.device)(xBC, conv_state, weight, bias)
+
+
+def causal_conv_train(xBC, weight, bias):
+    """silu(causal depthwise conv1d) of xBC (B, T, C) from zeros before t = 0, differentiable (training)."""
+    return resolve("causal_conv_train", xBC.device)(xBC, weight, bias)
 
 
 def mamba_step(xBC, dt_raw, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 import warnings
 from typing import Callable
 
@@ -58,6 +59,7 @@ TRITON_KERNELS = {
     "settle_pending_layers": ("ssmspec.ops.state_replay.triton", "settle_pending_layers"),
     "advance_positions": ("ssmspec.ops.state_replay.triton", "advance_positions"),
     "causal_conv": ("ssmspec.ops.causal_conv.triton", "causal_conv"),
+    "causal_conv_train": ("ssmspec.ops.causal_conv.triton", "causal_conv_train"),
     "mamba_step": ("ssmspec.ops.step_update.triton", "mamba_step"),
     "mamba_step_out": ("ssmspec.ops.step_update.triton", "mamba_step_out"),
     "rms_norm": ("ssmspec.ops.triton_common", "rms_norm"),
@@ -87,16 +89,26 @@ def _import_kernel(op: str) -> tuple[Callable | None, str | None]:
         return None, f"the Triton kernel does not import ({type(e).__name__}: {e})"
 
 
+@torch.compiler.assume_constant_result
+def _kernel_imports(op: str) -> bool:
+    """Whether the Triton kernel of `op` imports (importing it). torch.compile runs this for real
+    while it traces a caller and takes the answer as a constant: importlib cannot be traced, and
+    the graph break it would leave in every Mamba layer's training forward splits the graph."""
+    return _import_kernel(op)[0] is not None
+
+
 def kernel(op: str, device: torch.device) -> Callable | None:
     """The Triton kernel that runs `op` for tensors on `device` now, or None: the reference.
     (Runs for every op of every layer of every eager decode step: no more than a few lookups.)"""
     backend = settings().backend
     if backend == "reference" or (backend == "auto" and device.type != "cuda"):
         return None
-    impl, missing = _import_kernel(op)
-    if impl is None and backend == "triton" and op in TRITON_KERNELS:
-        raise CodePathError(f"the triton backend was asked for, but {missing} for {op}")
-    return impl
+    if not _kernel_imports(op):
+        if backend == "triton" and op in TRITON_KERNELS:
+            raise CodePathError(f"the triton backend was asked for, but {_import_kernel(op)[1]} for {op}")
+        return None
+    module, name = TRITON_KERNELS[op]
+    return getattr(sys.modules[module], name)  # imported by _kernel_imports; a lookup torch.compile traces
 
 
 def check_device(device: torch.device) -> None:

@@ -390,3 +390,26 @@ def test_causal_conv_gpu(batch, T, channels, state, dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: one rounding on each side, maybe a different one
     assert got.dtype == dtype and got.is_contiguous()
     assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch, T, channels", [(16, 512, 1792), (8, 512, 4352), (3, 300, 200)])
+def test_causal_conv_train_gpu(batch, T, channels, dtype):
+    """The training conv both ways at the 130m and 1.3b training shapes (xBC a slice of in_proj's
+    output), against autograd through naive_causal_conv with fp32 taps, as under autocast."""
+    from ssmspec.ops.causal_conv.naive import naive_causal_conv
+    from ssmspec.ops.causal_conv.triton import causal_conv_train
+
+    g = torch.Generator(device=DEV).manual_seed(T)
+    x = torch.randn(batch, T, channels + 300, device=DEV, generator=g).to(dtype)[..., 200 : 200 + channels]
+    x.requires_grad_()
+    w = (0.5 * torch.randn(channels, K, device=DEV, generator=g)).requires_grad_()
+    b = (0.3 * torch.randn(channels, device=DEV, generator=g)).requires_grad_()
+    gy = torch.randn(batch, T, channels, device=DEV, generator=g).to(dtype)
+    got_y, want_y = causal_conv_train(x, w, b), naive_causal_conv(x, None, w, b)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert_close(got_y.float(), want_y.float(), atol=tol, rtol=tol, name="y")
+    for name, got, want in zip(("dx", "dw", "db"), torch.autograd.grad(got_y, (x, w, b), gy),
+                               torch.autograd.grad(want_y, (x, w, b), gy)):
+        scale = want.float().abs().max().item()  # dw, db sum over batch x T terms: tolerance by their size
+        assert_close(got.float(), want.float(), atol=(1e-5 if dtype == torch.float32 else 2e-2) * scale, rtol=tol, name=name)

@@ -1,4 +1,5 @@
-"""Causal depthwise conv1d + SiLU over full sequences (the inference forward of a Mamba-2 layer)."""
-from .naive import naive_causal_conv
+"""Causal depthwise conv1d + SiLU over full sequences: the inference forward of a Mamba-2 layer
+(`naive_causal_conv`) and the training form with its backward (`naive_causal_conv_train`)."""
+from .naive import naive_causal_conv, naive_causal_conv_train
 
-__all__ = ["naive_causal_conv"]
+__all__ = ["naive_causal_conv", "naive_causal_conv_train"]

@@ -27,3 +27,8 @@ def naive_causal_conv(
     if bias is not None:
         out = out + bias.float()
     return F.silu(out).to(xBC.dtype)
+
+
+def naive_causal_conv_train(xBC: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The training form (zeros before t = 0, differentiable through torch's autograd)."""
+    return naive_causal_conv(xBC, None, weight, bias)
