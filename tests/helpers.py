@@ -173,10 +173,10 @@ def run_cli(args, monkeypatch, capsys, stdin: str = ""):
     return code, out, err
 
 
-def scan_training_step_grads(scan: str, reference: str, precision: str, device: str = "cuda"):
-    """One training step of a 2-layer Mamba-2 model (d_model 256, 8 heads of 64, d_state 128)
-    through the training scan `scan` and through `reference`, under the run's autocast:
-    (scan's reported name, loss, grads, reference loss, reference grads)."""
+def training_step_grads(choice: str, precision: str, device: str = "cuda"):
+    """One training step of a 2-layer Mamba-2 model (d_model 256, 8 heads of 64, d_state 128) through
+    the training scan `choice` under the run's autocast (bf16) or none (fp32): (the scan's reported
+    name, loss, every parameter's gradient). The same weights and tokens on every call."""
     import dataclasses
 
     from ssmspec.models import LanguageModel, MambaConfig
@@ -187,19 +187,20 @@ def scan_training_step_grads(scan: str, reference: str, precision: str, device: 
     cfg = dataclasses.replace(tiny_config(("mamba", "mamba")), d_model=256,
                               mamba=MambaConfig(n_heads=8, head_dim=64, d_state=128, n_groups=1, chunk_size=256))
     model = init_weights(LanguageModel(cfg), seed=0, std=0.05).to(device)
-    ids = torch.randint(0, cfg.vocab_size, (2, 301), device=device)
+    ids = torch.randint(0, cfg.vocab_size, (2, 301), generator=torch.Generator().manual_seed(0)).to(device)
     mask = torch.ones(2, 300, dtype=torch.bool, device=device)
+    with training_scan(choice, torch.device(device)) as picked, \
+            torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        loss = cross_entropy(model(ids[:, :-1]), ids[:, 1:], mask)
+    loss.backward()
+    return picked.name, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    def loss_and_grads(choice):
-        model.zero_grad(set_to_none=True)
-        with training_scan(choice, torch.device(device)) as picked, \
-                torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = cross_entropy(model(ids[:, :-1]), ids[:, 1:], mask)
-        loss.backward()
-        return picked.name, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    name, loss, grads = loss_and_grads(scan)
-    _, loss_ref, grads_ref = loss_and_grads(reference)
+def scan_training_step_grads(scan: str, reference: str, precision: str, device: str = "cuda"):
+    """`training_step_grads` through `scan` and through `reference`:
+    (scan's reported name, loss, grads, reference loss, reference grads)."""
+    name, loss, grads = training_step_grads(scan, precision, device)
+    _, loss_ref, grads_ref = training_step_grads(reference, precision, device)
     return name, loss, grads, loss_ref, grads_ref
 
 

@@ -88,16 +88,44 @@ def test_kernel_scan_equals_naive(kernel, dstate, headdim, groups, chunk, steps,
         _close(got, want, dtype, f"d{name}")
 
 
+def _no_worse_than_reference(got, ref, gold, name, factor=2.0):
+    """got's error against gold at most `factor` times ref's, at the largest element and in RMS (plus a
+    floor of 1e-3 of gold's RMS, where both are near exact)."""
+    got, ref, gold = got.detach().float(), ref.detach().float(), gold.detach().float()
+    err, ref_err = (got - gold).abs(), (ref - gold).abs()
+    floor = 1e-3 * gold.pow(2).mean().sqrt().item()
+    rms = lambda e: e.pow(2).mean().sqrt().item()  # noqa: E731
+    assert err.max().item() <= factor * ref_err.max().item() + floor, \
+        f"{name}: max err {err.max().item():.3e} against the reference's {ref_err.max().item():.3e}"
+    assert rms(err) <= factor * rms(ref_err) + floor, f"{name}: RMS err {rms(err):.3e} against the reference's {rms(ref_err):.3e}"
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_a_training_step_through_a_kernel_scan_equals_the_plain_torch_one(kernel, precision):
-    """The whole model under the run's autocast: loss and every parameter's gradient, kernel vs plain torch."""
-    from helpers import scan_training_step_grads
+    """The whole model: loss and every parameter's gradient, kernel scan vs plain torch.
+
+    fp32: against each other, within TF32's tolerances. bf16 (the run's autocast): both against the
+    plain-torch step in fp32, the kernel's error at most twice the plain-torch bf16 step's own (the
+    standard for low-precision kernels). The plain-torch bf16 step is itself ~1e-2 off fp32 in relative
+    RMS on every gradient (CPU, 2026-11-28), and a per-element bound against it alone failed where
+    bf16 cancels: mamba_ssm, H200 2026-11-28, in_proj.weight's gradient 1.7e-4 off at one element
+    against 5.6e-5 + 3%, its relative RMS error 6.8e-3 (mamba_ssm keeps chunk states in bf16 between
+    its backward kernels)."""
+    from helpers import scan_training_step_grads, training_step_grads
 
     KERNELS[kernel]()
-    name, loss, grads, loss_ref, grads_ref = scan_training_step_grads(kernel, "ssmspec", precision)
+    if precision == "fp32":
+        name, loss, grads, loss_ref, grads_ref = scan_training_step_grads(kernel, "ssmspec", precision)
+        assert name.startswith(f"{kernel}:")
+        _close(loss, loss_ref, torch.float32, "loss")
+        for n in grads_ref:
+            _close(grads[n], grads_ref[n], torch.float32, f"grad {n}")
+        return
+    name, loss, grads = training_step_grads(kernel, "bf16")
     assert name.startswith(f"{kernel}:")
-    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    _close(loss, loss_ref, dtype, "loss")
-    for n in grads_ref:
-        _close(grads[n], grads_ref[n], dtype, f"grad {n}")
+    _, loss_ref, grads_ref = training_step_grads("ssmspec", "bf16")
+    _, loss_gold, grads_gold = training_step_grads("ssmspec", "fp32")
+    _no_worse_than_reference(loss, loss_ref, loss_gold, "loss")
+    for n in grads_gold:
+        _no_worse_than_reference(grads[n], grads_ref[n], grads_gold[n], f"grad {n}")
