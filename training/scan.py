@@ -92,9 +92,9 @@ def _keep_autotuning_on_disk(entry: Callable) -> None:
 
 MAMBA_SSM_CHUNK = 128
 """The largest chunk mamba_ssm's SSD trains with (the result does not depend on it, only rounding does).
-sft at the mamba2-130m shape (chunk 256 in its config), 16 x 512, H200, 2026-11-28, 40-step runs with
-other jobs on the host's other GPUs: chunks of 128 ran 6-18% more tokens a second than of 256 (two pairs)
-and 5-9% more than of 64; at the 1.3b shape 128 gave 32.5% MFU, 256 32.9% (separate runs)."""
+sft at the mamba2-130m shape (chunk 256 in its config), 16 x 512, H200, 2026-11-28, 40-step runs beside
+other jobs on the host's other GPUs: chunks of 128 beat 256 in all four pairs (by 6-40%: noisy runs) and
+64 in both pairs (by 5-9%); at the 1.3b shape 128 gave 32.5% MFU, 256 32.9% (separate runs)."""
 
 
 def _mamba_ssm_scan() -> Callable | None:
