@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import dispatch, overlap, paths
+from ..ops.causal_conv.naive import with_conv_history
 from .cache import MambaLayerCache
 from .config import MambaConfig
 
@@ -138,12 +139,10 @@ class Mamba2Mixer(nn.Module):
             # training: one launch each way, each row of x, dy, y and dx moved once (ops/causal_conv)
             xBC_conv = dispatch.causal_conv_train(xBC, self.conv_weight, self.conv1d.bias)
         else:
-            extended = (F.pad(xBC, (0, 0, K - 1, 0)) if state is None else
-                        torch.cat([state.transpose(1, 2).to(xBC.dtype), xBC], dim=1))  # (B, K-1+T, C)
-            xBC_conv = F.silu(self._causal_conv(extended, T))
+            xBC_conv = F.silu(self._causal_conv(with_conv_history(xBC, state, K), T))
         if cache is not None:  # after the conv has read it: the last K-1 inputs, this call's and before
-            tail = torch.cat([cache.conv_state.transpose(1, 2).to(xBC.dtype), xBC[:, -(K - 1):]], dim=1)
-            cache.conv_state.copy_(tail[:, -(K - 1):].transpose(1, 2))
+            tail = with_conv_history(xBC[:, -(K - 1):], state, K)[:, -(K - 1):]
+            cache.conv_state.copy_(tail.transpose(1, 2))
         x, B, C = self._split_conv_out(xBC_conv)
         dt = self._time_step(dt_raw)
         y, final = dispatch.chunk_scan(

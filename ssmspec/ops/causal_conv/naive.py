@@ -5,6 +5,14 @@ import torch
 import torch.nn.functional as F
 
 
+def with_conv_history(xBC: torch.Tensor, conv_state: torch.Tensor | None, K: int) -> torch.Tensor:
+    """(B, K-1+T, C): the K-1 inputs before xBC (B, T, C), from conv_state (B, C, K-1, oldest first,
+    rounded to xBC's dtype) or zeros when None, then xBC."""
+    if conv_state is None:
+        return F.pad(xBC, (0, 0, K - 1, 0))
+    return torch.cat([conv_state.transpose(1, 2).to(xBC.dtype), xBC], dim=1)
+
+
 def naive_causal_conv(
     xBC: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -19,10 +27,7 @@ def naive_causal_conv(
         (B, T, C) in xBC's dtype.
     """
     T, K = xBC.shape[1], weight.shape[-1]
-    if conv_state is None:
-        extended = F.pad(xBC, (0, 0, K - 1, 0))
-    else:
-        extended = torch.cat([conv_state.transpose(1, 2).to(xBC.dtype), xBC], dim=1)  # (B, K-1+T, C)
+    extended = with_conv_history(xBC, conv_state, K)
     out = sum(extended[:, k : k + T].float() * weight[:, k].float() for k in range(K))
     if bias is not None:
         out = out + bias.float()

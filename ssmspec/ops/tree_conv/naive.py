@@ -6,6 +6,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from ..causal_conv.naive import with_conv_history
+
 
 def conv_window_indices(parents: torch.Tensor, kernel_size: int) -> torch.Tensor:
     """Where each node's conv window reads from, in the sequence [conv_state (K-1), tree (N)].
@@ -64,7 +66,7 @@ def naive_tree_conv(
     """
     kernel_size = weight.shape[-1]
     idx = conv_window_indices(parents.cpu(), kernel_size).to(xBC.device)  # (N, K)
-    extended = torch.cat([conv_state.transpose(1, 2).to(xBC.dtype), xBC], dim=1)  # (B, K-1+N, C)
+    extended = with_conv_history(xBC, conv_state, kernel_size)  # (B, K-1+N, C)
     windows = extended[:, idx]  # (B, N, K, C)
     out = torch.einsum("bnkc,ck->bnc", windows.float(), weight.float())
     if bias is not None:
