@@ -184,6 +184,19 @@ else:
         for name, got, want in zip(GRAD_NAMES, g, g_ref):
             assert_close(got, want, atol=2e-4, rtol=2e-4, name=f"d{name}")
 
+    def test_mamba_ssm_scan_without_initial_state_runs_through_its_custom_ops():
+        """Training's case (no initial state): the kernels behind training/scan_op.py's ops."""
+        from ssmspec.ops.chunk_scan import naive_chunk_scan
+
+        scan = _interpretable_mamba_ssm()
+        inputs = scan_inputs(2, 40, 4, 16, 1, 16, initial=False)
+        y_ref, f_ref, g_ref = scan_grads(naive_chunk_scan, inputs, 16)
+        y, f, g = scan_grads(scan, inputs, 16)
+        assert_close(y, y_ref, atol=1e-4, rtol=1e-4, name="y")
+        assert_close(f, f_ref, atol=1e-4, rtol=1e-4, name="final_state")
+        for name, got, want in zip(GRAD_NAMES, g, g_ref):
+            assert_close(got, want, atol=2e-4, rtol=2e-4, name=f"d{name}")
+
     def test_fla_scan_without_initial_state_or_D():
         from ssmspec.ops.chunk_scan import naive_chunk_scan
 

@@ -13,6 +13,8 @@ import torch
 
 from ssmspec.errors import InputError
 
+from .scan_op import scan_ops
+
 
 @dataclass
 class TrainingScan:
@@ -25,6 +27,7 @@ class TrainingScan:
     name: str
     reason: str
     fn: Callable
+    traceable: bool = False  # torch.compile can trace fn (custom ops inside); else it runs as one disabled call
 
 
 def _import_mamba_ssd() -> Callable | None:
@@ -102,16 +105,31 @@ def _mamba_ssm_scan() -> Callable | None:
     if mamba_chunk_scan_combined is None:
         return None
     _keep_autotuning_on_disk(mamba_chunk_scan_combined)
+    kernels = mamba_chunk_scan_combined.__globals__  # ssd_combined's namespace (out of sys.modules again)
+    ssd_fwd, ssd_bwd = kernels["_mamba_chunk_scan_combined_fwd"], kernels["_mamba_chunk_scan_combined_bwd"]
+
+    def forward(x, dt, A, B, C, D, chunk_size):
+        out, _, _, _, _, final = ssd_fwd(x, dt, A, B, C, chunk_size, D=D)
+        return out, final
+
+    def backward(dy, dfinal, x, dt, A, B, C, D, y, chunk_size):
+        # recomputes the chunk states from the inputs, as mamba_ssm's own autograd Function does
+        dx, ddt, dA, dB, dC, dD, *_ = ssd_bwd(dy, x, dt, A, B, C, y, chunk_size, D=D, dfinal_states=dfinal)
+        return dx, ddt, dA, dB, dC, dD
+
+    through_ops = scan_ops("ssmspec_mamba_ssm", forward, backward)
+    continued = torch.compiler.disable(mamba_chunk_scan_combined)  # from a given state (rare in training)
 
     def scan(x, dt, A, B, C, D, chunk_size=64, initial_state=None):
         # dt is already softplus'd and clamped (no dt_bias, no softplus inside) and stays fp32: the
         # kernel takes it to fp32 before its cumsum anyway, and rounding it to bf16 first put bf16
         # error into every decay. y stays in x's dtype: a cast to fp32 here would be a copy each way
         # per layer that the mixer rounds back at once.
-        y, final = mamba_chunk_scan_combined(
-            x, dt, A.float(), B, C, min(chunk_size, MAMBA_SSM_CHUNK), D=D, initial_states=initial_state,
-            return_final_states=True,
-        )
+        chunk = min(chunk_size, MAMBA_SSM_CHUNK)
+        if initial_state is None:
+            return through_ops(x, dt, A.float(), B, C, D, chunk)
+        y, final = continued(x, dt, A.float(), B, C, chunk, D=D, initial_states=initial_state,
+                             return_final_states=True)
         return y, final.float()
 
     return scan
@@ -141,7 +159,8 @@ def pick_training_scan(choice: str, device: torch.device) -> TrainingScan:
     if choice in ("auto", "mamba_ssm"):
         scan = _mamba_ssm_scan() if on_cuda else None
         if scan is not None:
-            return TrainingScan("mamba_ssm:mamba_chunk_scan_combined", "mamba_ssm imports and the device is CUDA", scan)
+            return TrainingScan("mamba_ssm:mamba_chunk_scan_combined", "mamba_ssm imports and the device is CUDA", scan,
+                                traceable=True)
         if choice == "mamba_ssm":
             raise InputError("--scan mamba_ssm asked for, but mamba_ssm is not importable on a GPU here; use --scan parallel or ssmspec")
     if choice == "parallel" or (choice == "auto" and on_cuda):
@@ -162,9 +181,10 @@ def training_scan(choice: str, device: torch.device):
     picked = pick_training_scan(choice, device)
     original = dispatch.chunk_scan
     # Mamba2Mixer looks the function up on the module at call time. To torch.compile it is one
-    # opaque call: fla and mamba_ssm are autograd Functions around Triton kernels, and Inductor
-    # fails on the plain-torch scans' cumsums (SplitScan codegen, torch 2.11).
-    dispatch.chunk_scan = torch.compiler.disable(picked.fn)
+    # opaque node: mamba_ssm's kernels as custom ops (training/scan_op.py); fla's autograd Function
+    # and the plain-torch scans (Inductor fails on their cumsums: SplitScan codegen, torch 2.11)
+    # as a disabled call, a graph break in every layer.
+    dispatch.chunk_scan = picked.fn if picked.traceable else torch.compiler.disable(picked.fn)
     try:
         yield picked
     finally:
