@@ -5,7 +5,7 @@ spends about 1.4 ms of host time per layer forward and 3.5 ms per backward launc
 kernels (H100, mamba2-130m, 16 x 512 tokens: GPU busy 101 ms of a 206 ms step). Two remedies:
 
 - torch.compile of the student's forward (Inductor fuses each layer's elementwise work; the scan
-  stays one opaque call, see training/scan.py): GPU time per step 101 -> 45 ms at that shape.
+  stays one opaque node, see training/scan.py): GPU time per step 101 -> 45 ms at that shape.
 - A CUDA graph per micro-batch shape: the whole forward, loss and backward captured once, after
   WARMUP_RUNS ordinary runs of that shape (autotuning, lazy initialisation, compiles), then
   replayed with the next batch copied into its input buffers. The host launches one graph.

@@ -27,7 +27,8 @@ _REGISTERED: dict[str, Callable] = {}
 
 def scan_ops(namespace: str, forward: Callable, backward: Callable) -> Callable:
     """The scan `(x, dt, A, B, C, D, chunk_size) -> (y, final fp32)` through `namespace`'s custom ops,
-    registered on the first call (later calls return the same function: torch keeps one op per name)."""
+    registered on the first call; later calls return that scan, whatever they pass (torch keeps one
+    op per name)."""
     if namespace in _REGISTERED:
         return _REGISTERED[namespace]
 
