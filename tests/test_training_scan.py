@@ -172,27 +172,15 @@ else:
         autotuner.Autotuner.check_disk_cache = lambda self, key, configs, bench: bench() and False
         return scan
 
-    @pytest.mark.parametrize("steps", [1, 20, 63, 64, 130])
+    # without an initial state, training's case: mamba_ssm through training/scan_op.py's custom ops
+    @pytest.mark.parametrize("steps,initial", [(1, True), (20, True), (63, True), (64, True), (130, True), (40, False)])
     @pytest.mark.parametrize("groups,headdim", [(1, 16), (2, 32)])
     @pytest.mark.parametrize("kernel", ["fla", "mamba_ssm"])
-    def test_kernel_scan_equals_naive_outputs_and_gradients(kernel, steps, groups, headdim):
+    def test_kernel_scan_equals_naive_outputs_and_gradients(kernel, steps, initial, groups, headdim):
         from ssmspec.ops.chunk_scan import naive_chunk_scan
 
         scan = {"fla": _interpretable_fla, "mamba_ssm": _interpretable_mamba_ssm}[kernel]()
-        inputs = scan_inputs(1, steps, 4, headdim, groups, 16)
-        y_ref, f_ref, g_ref = scan_grads(naive_chunk_scan, inputs, 16)
-        y, f, g = scan_grads(scan, inputs, 16)
-        assert_close(y, y_ref, atol=1e-4, rtol=1e-4, name="y")
-        assert_close(f, f_ref, atol=1e-4, rtol=1e-4, name="final_state")
-        for name, got, want in zip(GRAD_NAMES, g, g_ref):
-            assert_close(got, want, atol=2e-4, rtol=2e-4, name=f"d{name}")
-
-    def test_mamba_ssm_scan_without_initial_state_runs_through_its_custom_ops():
-        """Training's case (no initial state): the kernels behind training/scan_op.py's ops."""
-        from ssmspec.ops.chunk_scan import naive_chunk_scan
-
-        scan = _interpretable_mamba_ssm()
-        inputs = scan_inputs(2, 40, 4, 16, 1, 16, initial=False)
+        inputs = scan_inputs(1, steps, 4, headdim, groups, 16, initial=initial)
         y_ref, f_ref, g_ref = scan_grads(naive_chunk_scan, inputs, 16)
         y, f, g = scan_grads(scan, inputs, 16)
         assert_close(y, y_ref, atol=1e-4, rtol=1e-4, name="y")
