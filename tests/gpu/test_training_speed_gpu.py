@@ -6,7 +6,7 @@ log.jsonl and written with its command to $OUT/train_speed*.json when $OUT is se
 
 - `sft --student-preset mamba2-130m`, 300 steps of 16 x 512, once as a user gets it (`--scan auto`,
   the compiled and CUDA-graphed micro-step) and once on the plain-torch path (`--scan ssmspec
-  --no-compile --no-cuda-graphs`): tokens/s, MFU, wall time, and the two loss curves, which must
+  --no-compile --no-cuda-graphs` with SSMSPEC_BACKEND=reference): tokens/s, MFU, wall time, and the two loss curves, which must
   agree (plotted to $OUT/train_speed.png). The issue asks 10x.
 - `distill --student-preset drafter-2l` from that 130m target, the same two ways: the issue asks 5x.
 - `sft --student-preset mamba2-1.3b`, 16 x 512 tokens a step: the issue asks 30% MFU.
@@ -34,12 +34,14 @@ def _make(*args: str) -> None:
                    capture_output=True, timeout=600)
 
 
-def _run(out: Path, command: str, *options: str, timeout: int = 900) -> dict:
-    """Run `ssmspec COMMAND --out OUT ...` and return what its log.jsonl says (and its wall time)."""
+def _run(out: Path, command: str, *options: str, timeout: int = 900, plain: bool = False) -> dict:
+    """Run `ssmspec COMMAND --out OUT ...` and return what its log.jsonl says (and its wall time);
+    plain: every op in plain torch (`SSMSPEC_BACKEND=reference`, besides PLAIN_TORCH's options)."""
     cmd = [sys.executable, "-m", "ssmspec", command, "--out", str(out), "--overwrite", "--dtype", "bf16",
            "--eval-every", "0", "--no-final-eval", "--save-every", "0", *options]
     began = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    env = {**os.environ, "SSMSPEC_BACKEND": "reference"} if plain else None
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     wall = time.perf_counter() - began
     assert proc.returncode == 0, proc.stderr[-4000:]
     events = [json.loads(line) for line in open(out / "log.jsonl")]
@@ -48,11 +50,13 @@ def _run(out: Path, command: str, *options: str, timeout: int = 900) -> dict:
     return {"scan": start["scan"], "step_mode": start["step_mode"], "step_mode_used": end["step_mode"],
             "device": start["device_name"], "tokens_per_s": end["throughput"]["tokens_per_s"],
             "mfu": end["throughput"]["mfu"], "peak_memory_gb": end["throughput"].get("peak_memory_gb"),
-            "wall_s": wall, "command": " ".join(cmd),
+            "wall_s": wall, "command": ("SSMSPEC_BACKEND=reference " if plain else "") + " ".join(cmd),
             "losses": {e["step"]: e["loss"] for e in events if e["event"] == "step"}}
 
 
 PLAIN_TORCH = ("--scan", "ssmspec", "--no-compile", "--no-cuda-graphs")
+"""With `_run(plain=True)`: the issue's baseline, no kernel anywhere (the training conv and the eager
+target's conv would otherwise take their Triton kernels on CUDA)."""
 FAST = {"mode": "torch.compile + CUDA graph", "graphs_captured": 1}
 
 
@@ -66,10 +70,10 @@ def work(tmp_path_factory) -> Path:
     return work
 
 
-def _sft(work: Path, name: str, *options: str, steps: int = 300) -> dict:
+def _sft(work: Path, name: str, *options: str, steps: int = 300, plain: bool = False) -> dict:
     return _run(work / f"sft-{name}", "sft", "--student-preset", "mamba2-130m", "--data", str(work / "corpus"),
                 "--tokenizer", str(work / "tokenizer"), "--steps", str(steps), "--batch-size", "16", "--seq-len", "512",
-                "--lr", "1.5e-3", "--log-every", "10", *options)
+                "--lr", "1.5e-3", "--log-every", "10", *options, plain=plain)
 
 
 def _write(name: str, summary: dict) -> None:
@@ -107,7 +111,7 @@ def _plot(summary: dict, path: Path) -> None:
 
 def test_sft_speed_and_loss_curve_fast_vs_plain_torch(work):
     fast = _sft(work, "fast", "--scan", "auto")
-    reference = _sft(work, "reference", *PLAIN_TORCH)
+    reference = _sft(work, "reference", *PLAIN_TORCH, plain=True)
     speedup = fast["tokens_per_s"] / reference["tokens_per_s"]
     summary = {"fast": fast, "reference": reference, "speedup": speedup}
     _write("train_speed.json", summary)
@@ -139,12 +143,12 @@ def _target_130m(work: Path) -> Path:
 def test_distill_speed_fast_vs_plain_torch(work):
     target = _target_130m(work)
 
-    def distill(name, *options):
+    def distill(name, *options, plain=False):
         return _run(work / f"distill-{name}", "distill", "--target", str(target), "--student-preset", "drafter-2l",
                     "--data", str(work / "corpus"), "--steps", "150", "--batch-size", "32", "--seq-len", "512",
-                    "--lr", "3e-3", "--log-every", "10", *options)
+                    "--lr", "3e-3", "--log-every", "10", *options, plain=plain)
 
-    fast, reference = distill("fast"), distill("reference", *PLAIN_TORCH)
+    fast, reference = distill("fast"), distill("reference", *PLAIN_TORCH, plain=True)
     speedup = fast["tokens_per_s"] / reference["tokens_per_s"]
     _write("train_speed_distill.json", {"fast": fast, "reference": reference, "speedup": speedup})
     for name, r in (("fast", fast), ("reference", reference)):
