@@ -118,7 +118,7 @@ def _mamba_ssm_scan() -> Callable | None:
         return dx, ddt, dA, dB, dC, dD
 
     through_ops = scan_ops("ssmspec_mamba_ssm", forward, backward)
-    continued = torch.compiler.disable(mamba_chunk_scan_combined)  # from a given state (rare in training)
+    continued = torch.compiler.disable(mamba_chunk_scan_combined)  # from a given state, or without D
 
     def scan(x, dt, A, B, C, D, chunk_size=64, initial_state=None):
         # dt is already softplus'd and clamped (no dt_bias, no softplus inside) and stays fp32: the
@@ -126,7 +126,7 @@ def _mamba_ssm_scan() -> Callable | None:
         # error into every decay. y stays in x's dtype: a cast to fp32 here would be a copy each way
         # per layer that the mixer rounds back at once.
         chunk = min(chunk_size, MAMBA_SSM_CHUNK)
-        if initial_state is None:
+        if initial_state is None and D is not None:  # a Mamba-2 layer in training
             return through_ops(x, dt, A.float(), B, C, D, chunk)
         y, final = continued(x, dt, A.float(), B, C, chunk, D=D, initial_states=initial_state,
                              return_final_states=True)
