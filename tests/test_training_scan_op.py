@@ -19,8 +19,8 @@ def _naive_forward(x, dt, A, B, C, D, chunk_size):
 
 def _naive_backward(dy, dfinal, x, dt, A, B, C, D, y, chunk_size):
     # torch.func, not autograd: a custom op's body runs with autograd's dispatch keys switched off
-    _, pullback = torch.func.vjp(lambda *inputs: naive_chunk_scan(*inputs, chunk_size), x, dt, A, B, C, D)
-    return pullback((dy, torch.zeros_like(_[1]) if dfinal is None else dfinal))
+    (_, final), pullback = torch.func.vjp(lambda *inputs: naive_chunk_scan(*inputs, chunk_size), x, dt, A, B, C, D)
+    return pullback((dy, torch.zeros_like(final) if dfinal is None else dfinal))
 
 
 def _op_scan():
