@@ -1,7 +1,7 @@
 """training/micro_step.py on a GPU (opt in: --run-gpu): the compiled, CUDA-graphed micro-step trains as the eager one.
 
 A tiny hybrid (Mamba-2 + attention) model through the chunk-parallel scan or mamba_ssm's, bf16 autocast, fused
-AdamW, two micro-batches per optimizer step: the same losses and the same weights after six
+AdamW, two micro-batches per optimizer step and one: the same losses and the same weights after six
 optimizer steps, within bf16 rounding (Inductor sums in another order), with the graph captured
 once and replayed for every later micro-batch.
 """
@@ -54,10 +54,12 @@ def _train(plan: StepPlan, batches, accum: int = 2, **overrides):
 SCANS = {"parallel": {}, "mamba_ssm": {"mamba": MambaConfig(n_heads=4, head_dim=16, d_state=16, n_groups=1, chunk_size=16)}}
 
 
+@pytest.mark.parametrize("accum", [2, 1])
 @pytest.mark.parametrize("scan", SCANS)
-def test_compiled_graphed_micro_steps_train_as_eager_ones(scan):
+def test_compiled_graphed_micro_steps_train_as_eager_ones(scan, accum):
     """Through the chunk-parallel scan (a disabled call under compile) and through mamba_ssm's SSD
-    as torch custom ops (training/scan_op.py), where its sources import."""
+    as torch custom ops (training/scan_op.py), where its sources import. accum 2: the graph adds
+    into the .grad tensors it saw; 1: it writes its own, put back at every replay."""
     if scan == "mamba_ssm":
         from ssmspec.training.scan import _import_mamba_ssd
 
@@ -67,12 +69,13 @@ def test_compiled_graphed_micro_steps_train_as_eager_ones(scan):
     batches = [torch.randint(0, 64, (4, 65), generator=gen).cuda() for _ in range(2)] * 6  # learnable: seen 6 times
     graphed = StepPlan(True, True, "compile + graphs", compile_asked=True, graphs_asked=True)
     with training_scan(scan, torch.device("cuda")):
-        eager_losses, eager, _ = _train(StepPlan(False, False, "eager"), batches, **SCANS[scan])
-        fast_losses, fast, step = _train(graphed, batches, **SCANS[scan])
-    assert step.keeps_grads and len(step._graphs) == 1  # captured once, at micro-batch WARMUP_RUNS + 1
+        eager_losses, eager, _ = _train(StepPlan(False, False, "eager"), batches, accum, **SCANS[scan])
+        fast_losses, fast, step = _train(graphed, batches, accum, **SCANS[scan])
+    assert step.keeps_grads == (accum > 1) and step.owns_grads == (accum == 1)
+    assert len(step._graphs) == 1  # captured once, at micro-batch WARMUP_RUNS + 1
     assert step._runs[next(iter(step._graphs))] == WARMUP_RUNS + 1
     assert_close(fast_losses, eager_losses, atol=2e-2, rtol=2e-2)
-    assert fast_losses[-1] < fast_losses[0] - 0.1  # it learns: six optimizer steps at lr 3e-3
+    assert fast_losses[-1] < fast_losses[0] - 0.1  # it learns: 6 or 12 optimizer steps at lr 3e-3
     # The weights' updates agree in direction and size (Adam moves near-zero gradients of either sign by lr).
     start = _model(**SCANS[scan])
     d_fast = torch.cat([(p.detach().cpu() - p0).flatten() for p, p0 in zip(fast.parameters(), start.parameters())])
