@@ -428,38 +428,15 @@ else:
         for name in want:
             assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, name=name)
 
-    def test_model_forward_through_the_conv_kernel_matches_reference(monkeypatch):
-        """A prompt fed in pieces of 5, 2 (below K-1) and 1 tokens through Mamba2Mixer.forward's
-        kernel branch equals the conv1d branch: outputs and conv states."""
-        from ssmspec.ops import dispatch
-
-        model = _tiny_model_with_head_dim(("mamba", "mlp", "mamba"), 8)
-        prompt = torch.randint(0, 64, (2, 8))
-
-        def run():
-            cache = model.new_cache(2, 32)
-            with torch.no_grad():
-                logits = [model(prompt[:, a:b], cache) for a, b in ((0, 5), (5, 7), (7, 8))]
-            return logits, cache
-
-        ref_logits, ref_cache = run()
-        monkeypatch.setattr(dispatch, "uses_kernel", lambda op, device: op == "causal_conv")
-        monkeypatch.setattr(dispatch, "resolve", lambda op, device: CC.causal_conv if op == "causal_conv"
-                            else dispatch._REFERENCE[op])
-        logits, cache = run()
-        for i, (mine, theirs) in enumerate(zip(logits, ref_logits)):
-            assert_close(mine, theirs, atol=1e-5, rtol=1e-4, name=f"piece {i}")
-        for mine, theirs in zip(cache.layers, ref_cache.layers):
-            if hasattr(mine, "conv_state"):  # a later layer's inputs differ by the rounding of the one before
-                assert_close(mine.conv_state, theirs.conv_state, atol=1e-5, rtol=1e-5, name="conv_state")
-
-    def test_model_forward_through_the_scan_kernel_matches_reference(monkeypatch):
-        """A prompt fed in pieces of 5, 2 and 1 tokens through Mamba2Mixer.forward's inference scan
-        (the forward-only kernel, continuing from the cached state) equals the reference path:
-        outputs and SSM states."""
+    @pytest.mark.parametrize("op", ["causal_conv", "chunk_scan_forward"])
+    def test_model_forward_through_an_inference_kernel_matches_reference(monkeypatch, op):
+        """A prompt fed in pieces of 5, 2 (below K-1) and 1 tokens through Mamba2Mixer.forward's kernel
+        branch for the conv or the scan (each piece continuing from the cached states) equals the
+        reference path: outputs, conv states and SSM states."""
         from ssmspec.ops import dispatch
 
         monkeypatch.setattr(CS, "TILE", (16, 16, 4))
+        kernel = {"causal_conv": CC.causal_conv, "chunk_scan_forward": CS.chunk_scan_forward}[op]
         model = _tiny_model_with_head_dim(("mamba", "mlp", "mamba"), 16)
         prompt = torch.randint(0, 64, (2, 8))
 
@@ -471,15 +448,16 @@ else:
 
         ref_logits, ref_cache = run()
         calls = []
-        monkeypatch.setattr(dispatch, "uses_kernel", lambda op, device: op == "chunk_scan_forward")
-        monkeypatch.setattr(dispatch, "resolve", lambda op, device: (lambda *a: calls.append(1) or CS.chunk_scan_forward(*a))
-                            if op == "chunk_scan_forward" else dispatch._REFERENCE[op])
+        monkeypatch.setattr(dispatch, "uses_kernel", lambda name, device: name == op)
+        monkeypatch.setattr(dispatch, "resolve", lambda name, device: (lambda *a: calls.append(1) or kernel(*a))
+                            if name == op else dispatch._REFERENCE[name])
         logits, cache = run()
         assert len(calls) == 6  # two Mamba layers, three pieces
         for i, (mine, theirs) in enumerate(zip(logits, ref_logits)):
             assert_close(mine, theirs, atol=1e-5, rtol=1e-4, name=f"piece {i}")
         for mine, theirs in zip(cache.layers, ref_cache.layers):
-            if hasattr(mine, "ssm_state"):
+            if hasattr(mine, "ssm_state"):  # a later layer's inputs differ by the rounding of the one before
+                assert_close(mine.conv_state, theirs.conv_state, atol=1e-5, rtol=1e-4, name="conv_state")
                 assert_close(mine.ssm_state, theirs.ssm_state, atol=1e-5, rtol=1e-4, name="ssm_state")
 
     def test_time_step_matches_reference(nan_outputs):
