@@ -346,7 +346,7 @@ else:
         slice of a wider tensor; 16-bit inputs within their tolerance."""
         from test_training_scan import scan_inputs
 
-        monkeypatch.setattr(CS, "TILE", (16, 16, 4))
+        monkeypatch.setattr(CS, "TILE", (16, 16, 4, 1))
         x, dt, A, B, C, D, h0 = [None if t is None else t.detach() for t in
                                  scan_inputs(2, steps, 4, head_dim, groups, 16, initial=initial)]
         x = torch.cat([x, x], dim=-1)[..., :head_dim]  # unit channel stride, a wider head stride
@@ -435,7 +435,7 @@ else:
         reference path: outputs, conv states and SSM states."""
         from ssmspec.ops import dispatch
 
-        monkeypatch.setattr(CS, "TILE", (16, 16, 4))
+        monkeypatch.setattr(CS, "TILE", (16, 16, 4, 1))
         kernel = {"causal_conv": CC.causal_conv, "chunk_scan_forward": CS.chunk_scan_forward}[op]
         model = _tiny_model_with_head_dim(("mamba", "mlp", "mamba"), 16)
         prompt = torch.randint(0, 64, (2, 8))

@@ -13,8 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-TILE = (64, 64, 4)
-"""(tokens a chunk, head channels a program, warps)."""
+TILE = (64, 64, 4, 2)
+"""(tokens a chunk, head channels a program, warps, pipeline stages of the chunk loops: the next
+chunk's loads in flight while this one computes)."""
 
 
 @triton.jit
@@ -23,7 +24,7 @@ def _ssd_forward_kernel(
     T, H, P, N, heads_per_group,
     sxb, sxt, sxh, sdb, sdt, sdh, sBb, sBt, sBg, sCb, sCt, sCg,
     HAS_D: tl.constexpr, HAS_H0: tl.constexpr, IEEE: tl.constexpr,
-    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr,
 ):
     bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
@@ -33,8 +34,9 @@ def _ssd_forward_kernel(
     offs_n = tl.arange(0, BN)
     offs_q = tl.arange(0, Q)
     mp, mn = offs_p < P, offs_n < N
-    precision: tl.constexpr = "ieee" if IEEE else "tf32"  # fp32 operands: exact for fp32 inputs
-    input_precision: tl.constexpr = "ieee" if IEEE else None  # the inputs' own dtype (bf16: the default)
+    # every product takes its operands in the inputs' dtype (bf16 on the tensor cores; fp32 inputs: ieee,
+    # exact) and accumulates in fp32, as mamba_ssm's kernels do; the state itself stays fp32
+    input_precision: tl.constexpr = "ieee" if IEEE else None
     A = tl.load(A_ptr + h).to(tl.float32)
     state_at = ((b * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]  # (b, h, p, n) contiguous
     if HAS_H0:
@@ -42,7 +44,7 @@ def _ssd_forward_kernel(
     else:
         S = tl.zeros((BP, BN), tl.float32)
     causal = offs_q[:, None] >= offs_q[None, :]
-    for start in range(0, T, Q):
+    for start in tl.range(0, T, Q, num_stages=STAGES):
         t = start + offs_q
         mt = t < T
         dt = tl.load(dt_ptr + b * sdb + t * sdt + h * sdh, mask=mt, other=0.0).to(tl.float32)  # 0 past T: no decay
@@ -57,13 +59,13 @@ def _ssd_forward_kernel(
         scores = tl.dot(Cq, tl.trans(Bq), input_precision=input_precision)  # (Q, Q): C_i . B_j
         decay = tl.where(causal, tl.exp(cum[:, None] - cum[None, :]), 0.0) * dt[None, :]
         y = tl.dot((scores * decay).to(x.dtype), x, input_precision=input_precision)  # within the chunk
-        y += tl.dot(Cq.to(tl.float32), tl.trans(S), input_precision=precision) * tl.exp(cum)[:, None]  # from before it
+        y += tl.dot(Cq, tl.trans(S.to(Cq.dtype)), input_precision=input_precision) * tl.exp(cum)[:, None]  # from before
         if HAS_D:
             y += tl.load(D_ptr + h).to(tl.float32) * x.to(tl.float32)
         tl.store(y_ptr + ((b * T + t[:, None]) * H + h) * P + offs_p[None, :], y.to(y_ptr.dtype.element_ty),
                  mask=mt[:, None] & mp[None, :])
         weighted = x.to(tl.float32) * (dt * tl.exp(total - cum))[:, None]  # each token's input, decayed to the end
-        S = S * tl.exp(total) + tl.dot(tl.trans(weighted), Bq.to(tl.float32), input_precision=precision)
+        S = S * tl.exp(total) + tl.dot(tl.trans(weighted.to(Bq.dtype)), Bq, input_precision=input_precision)
     tl.store(hT_ptr + state_at, S, mask=mp[:, None] & mn[None, :])
 
 
@@ -80,7 +82,7 @@ def chunk_scan_forward(x, dt, A, B, C, D=None, chunk_size: int = 64, initial_sta
     y = torch.empty(batch, T, H, P, device=x.device, dtype=x.dtype)
     final = torch.empty(batch, H, P, N, device=x.device, dtype=torch.float32)
     h0 = initial_state.float().contiguous() if initial_state is not None else final
-    Q, bp, warps = TILE
+    Q, bp, warps, stages = TILE
     bp = min(bp, max(16, triton.next_power_of_2(P)))
     _ssd_forward_kernel[(batch * H, triton.cdiv(P, bp))](
         x, dt, A, B, C, D if D is not None else A, h0, y, final,
@@ -88,6 +90,6 @@ def chunk_scan_forward(x, dt, A, B, C, D=None, chunk_size: int = 64, initial_sta
         x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1), dt.stride(2),
         B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2),
         HAS_D=D is not None, HAS_H0=initial_state is not None, IEEE=x.dtype == torch.float32,
-        Q=Q, BP=bp, BN=max(16, triton.next_power_of_2(N)), num_warps=warps,
+        Q=Q, BP=bp, BN=max(16, triton.next_power_of_2(N)), STAGES=stages, num_warps=warps,
     )
     return y, final
