@@ -99,6 +99,8 @@ else:
     from helpers import assert_close
     from ssmspec.ops.causal_conv import triton as CC
     from ssmspec.ops.causal_conv.naive import naive_causal_conv
+    from ssmspec.ops.chunk_scan import triton as CS
+    from ssmspec.ops.chunk_scan.naive import naive_chunk_scan
     from ssmspec.ops.state_replay import triton as SR
     from ssmspec.ops.state_replay.naive import naive_replay_conv_state, naive_replay_ssm_state
     from ssmspec.ops.step_update import triton as SU
@@ -336,6 +338,31 @@ else:
         y, z, w = torch.randn(2, 5000), torch.randn(2, 5000), torch.randn(5000)
         assert_close(SU.gated_rms_norm(y, z, w, 2500, 1e-5), naive_gated_rms_norm(y, z, w, 2500, 1e-5), atol=1e-5, rtol=1e-5)
 
+    @pytest.mark.parametrize("steps, groups, head_dim, initial, chunk", [(1, 1, 16, True, 64), (20, 2, 32, False, 16),
+                                                                       (63, 1, 16, True, 64), (130, 2, 16, True, 32)])
+    def test_chunk_scan_forward_matches_reference(nan_outputs, monkeypatch, steps, groups, head_dim, initial, chunk):
+        """The forward-only scan against naive_chunk_scan: one token, lengths off and across the
+        kernel's chunks (of 16 here), two groups, with and without an initial state and D; x a
+        slice of a wider tensor; 16-bit inputs within their tolerance."""
+        from test_training_scan import scan_inputs
+
+        monkeypatch.setattr(CS, "TILE", (16, 16, 4, 1))
+        x, dt, A, B, C, D, h0 = [None if t is None else t.detach() for t in
+                                 scan_inputs(2, steps, 4, head_dim, groups, 16, initial=initial)]
+        x = torch.cat([x, x], dim=-1)[..., :head_dim]  # unit channel stride, a wider head stride
+        for d in (D, None):
+            want_y, want_f = naive_chunk_scan(x, dt, A, B, C, d, chunk, h0)
+            got_y, got_f = CS.chunk_scan_forward(x, dt, A, B, C, d, chunk, h0)
+            assert_close(got_y, want_y, atol=1e-4, rtol=1e-4, name="y")
+            assert_close(got_f, want_f, atol=1e-4, rtol=1e-4, name="final state")
+        # 16-bit inputs: fp16 here (the interpreter's bf16 tl.dot is wrong, Triton 3.9), bf16 on the GPU
+        xh, Bh, Ch = x.half(), B.half(), C.half()
+        want_y, want_f = naive_chunk_scan(xh, dt, A, Bh, Ch, D, chunk, h0)
+        got_y, got_f = CS.chunk_scan_forward(xh, dt, A, Bh, Ch, D, chunk, h0)
+        assert got_y.dtype == torch.float16
+        assert_close(got_y.float(), want_y, atol=1e-2, rtol=1e-2, name="y fp16")
+        assert_close(got_f, want_f, atol=1e-2, rtol=1e-2, name="final state fp16")
+
     @pytest.mark.parametrize("T", [1, 2, 37, 70])
     def test_causal_conv_matches_reference(nan_outputs, T):
         """Lengths below K-1, inside one token block and across blocks; 150 channels (a partial
@@ -401,12 +428,16 @@ else:
         for name in want:
             assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, name=name)
 
-    def test_model_forward_through_the_conv_kernel_matches_reference(monkeypatch):
-        """A prompt fed in pieces of 5, 2 (below K-1) and 1 tokens through Mamba2Mixer.forward's
-        kernel branch equals the conv1d branch: outputs and conv states."""
+    @pytest.mark.parametrize("op", ["causal_conv", "chunk_scan_forward"])
+    def test_model_forward_through_an_inference_kernel_matches_reference(monkeypatch, op):
+        """A prompt fed in pieces of 5, 2 (below K-1) and 1 tokens through Mamba2Mixer.forward's kernel
+        branch for the conv or the scan (each piece continuing from the cached states) equals the
+        reference path: outputs, conv states and SSM states."""
         from ssmspec.ops import dispatch
 
-        model = _tiny_model_with_head_dim(("mamba", "mlp", "mamba"), 8)
+        monkeypatch.setattr(CS, "TILE", (16, 16, 4, 1))
+        kernel = {"causal_conv": CC.causal_conv, "chunk_scan_forward": CS.chunk_scan_forward}[op]
+        model = _tiny_model_with_head_dim(("mamba", "mlp", "mamba"), 16)
         prompt = torch.randint(0, 64, (2, 8))
 
         def run():
@@ -416,15 +447,18 @@ else:
             return logits, cache
 
         ref_logits, ref_cache = run()
-        monkeypatch.setattr(dispatch, "uses_kernel", lambda op, device: op == "causal_conv")
-        monkeypatch.setattr(dispatch, "resolve", lambda op, device: CC.causal_conv if op == "causal_conv"
-                            else dispatch._REFERENCE[op])
+        calls = []
+        monkeypatch.setattr(dispatch, "uses_kernel", lambda name, device: name == op)
+        monkeypatch.setattr(dispatch, "resolve", lambda name, device: (lambda *a: calls.append(1) or kernel(*a))
+                            if name == op else dispatch._REFERENCE[name])
         logits, cache = run()
+        assert len(calls) == 6  # two Mamba layers, three pieces
         for i, (mine, theirs) in enumerate(zip(logits, ref_logits)):
             assert_close(mine, theirs, atol=1e-5, rtol=1e-4, name=f"piece {i}")
         for mine, theirs in zip(cache.layers, ref_cache.layers):
-            if hasattr(mine, "conv_state"):  # a later layer's inputs differ by the rounding of the one before
-                assert_close(mine.conv_state, theirs.conv_state, atol=1e-5, rtol=1e-5, name="conv_state")
+            if hasattr(mine, "ssm_state"):  # a later layer's inputs differ by the rounding of the one before
+                assert_close(mine.conv_state, theirs.conv_state, atol=1e-5, rtol=1e-4, name="conv_state")
+                assert_close(mine.ssm_state, theirs.ssm_state, atol=1e-5, rtol=1e-4, name="ssm_state")
 
     def test_time_step_matches_reference(nan_outputs):
         dt_raw = torch.randn(3, 5, 7) * 10  # both sides of softplus's linear threshold

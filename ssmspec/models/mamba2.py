@@ -145,9 +145,10 @@ class Mamba2Mixer(nn.Module):
             cache.conv_state.copy_(tail.transpose(1, 2))
         x, B, C = self._split_conv_out(xBC_conv)
         dt = self._time_step(dt_raw)
-        y, final = dispatch.chunk_scan(
-            x, dt, self.A, B, C, self.D, self.cfg.chunk_size, None if cache is None else cache.ssm_state
-        )
+        # inference (a distillation target, evaluation, a prefill): the forward-only kernel
+        scan = dispatch.chunk_scan_forward if not torch.is_grad_enabled() and \
+            dispatch.uses_kernel("chunk_scan_forward", x.device) else dispatch.chunk_scan
+        y, final = scan(x, dt, self.A, B, C, self.D, self.cfg.chunk_size, None if cache is None else cache.ssm_state)
         if cache is not None:
             cache.ssm_state.copy_(final)
         return self._output(y, z)

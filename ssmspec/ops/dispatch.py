@@ -41,6 +41,7 @@ _REFERENCE = {
     "settle_pending_layers": naive_settle_pending_layers,
     "advance_positions": naive_advance_positions,
     "chunk_scan": naive_chunk_scan,
+    "chunk_scan_forward": naive_chunk_scan,
     "causal_conv": naive_causal_conv,
     "causal_conv_train": naive_causal_conv_train,
     "mamba_step": naive_mamba_step,
@@ -117,6 +118,11 @@ def advance_positions(seqlen, count, path_len, width, capacity):
 
 def chunk_scan(x, dt, A, B, C, D, chunk_size=64, initial_state=None):
     return resolve("chunk_scan", x.device)(x, dt, A, B, C, D, chunk_size, initial_state)
+
+
+def chunk_scan_forward(x, dt, A, B, C, D, chunk_size, initial_state=None):
+    """The chunked SSD scan without autograd (inference): (y, final state fp32)."""
+    return resolve("chunk_scan_forward", x.device)(x, dt, A, B, C, D, chunk_size, initial_state)
 
 
 def causal_conv(xBC, conv_state, weight, bias):

@@ -58,6 +58,7 @@ TRITON_KERNELS = {
     "replay_states_layers": ("ssmspec.ops.state_replay.triton", "replay_states_layers"),
     "settle_pending_layers": ("ssmspec.ops.state_replay.triton", "settle_pending_layers"),
     "advance_positions": ("ssmspec.ops.state_replay.triton", "advance_positions"),
+    "chunk_scan_forward": ("ssmspec.ops.chunk_scan.triton", "chunk_scan_forward"),
     "causal_conv": ("ssmspec.ops.causal_conv.triton", "causal_conv"),
     "causal_conv_train": ("ssmspec.ops.causal_conv.triton", "causal_conv_train"),
     "mamba_step": ("ssmspec.ops.step_update.triton", "mamba_step"),
