@@ -347,6 +347,7 @@ else:
         from test_training_scan import scan_inputs
 
         monkeypatch.setattr(CS, "TILE", (16, 16, 4, 1))
+        monkeypatch.setattr(CS, "FP32_TILE", (16, 16, 4, 1))
         x, dt, A, B, C, D, h0 = [None if t is None else t.detach() for t in
                                  scan_inputs(2, steps, 4, head_dim, groups, 16, initial=initial)]
         x = torch.cat([x, x], dim=-1)[..., :head_dim]  # unit channel stride, a wider head stride
@@ -436,6 +437,7 @@ else:
         from ssmspec.ops import dispatch
 
         monkeypatch.setattr(CS, "TILE", (16, 16, 4, 1))
+        monkeypatch.setattr(CS, "FP32_TILE", (16, 16, 4, 1))
         kernel = {"causal_conv": CC.causal_conv, "chunk_scan_forward": CS.chunk_scan_forward}[op]
         model = _tiny_model_with_head_dim(("mamba", "mlp", "mamba"), 16)
         prompt = torch.randint(0, 64, (2, 8))

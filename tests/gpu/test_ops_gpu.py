@@ -416,22 +416,24 @@ def test_causal_conv_train_gpu(batch, T, channels, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch, T, heads, groups, initial", [(16, 512, 24, 1, False), (2, 2048, 80, 1, True),
-                                                              (3, 300, 16, 8, True)])
-def test_chunk_scan_forward_gpu(batch, T, heads, groups, initial, dtype):
+@pytest.mark.parametrize("batch, T, heads, groups, initial, head_dim, d_state", [
+    (16, 512, 24, 1, False, 64, 128), (2, 2048, 80, 1, True, 64, 128), (3, 300, 16, 8, True, 64, 128),
+    (2, 700, 24, 1, True, 128, 256)])
+def test_chunk_scan_forward_gpu(batch, T, heads, groups, initial, head_dim, d_state, dtype):
     """The forward-only scan at the 130m training shape, a 2.7b-shape prefill continuing a state,
-    and 8 groups off the chunk length, against naive_chunk_scan (fp32 math) on the same inputs."""
+    8 groups off the chunk length, and the d_state-256, head-dim-128 preset's shape, against
+    naive_chunk_scan (fp32 math) on the same inputs."""
     from ssmspec.ops.chunk_scan.naive import naive_chunk_scan
     from ssmspec.ops.chunk_scan.triton import chunk_scan_forward
 
     g = torch.Generator(device=DEV).manual_seed(T)
-    x = torch.randn(batch, T, heads, 64, device=DEV, generator=g).to(dtype)
+    x = torch.randn(batch, T, heads, head_dim, device=DEV, generator=g).to(dtype)
     dt = torch.nn.functional.softplus(torch.randn(batch, T, heads, device=DEV, generator=g) - 2.0).clamp(1e-3, 0.5)
     A = -torch.exp(0.5 * torch.randn(heads, device=DEV, generator=g))
-    B = (0.3 * torch.randn(batch, T, groups, 128, device=DEV, generator=g)).to(dtype)
-    C = (0.3 * torch.randn(batch, T, groups, 128, device=DEV, generator=g)).to(dtype)
+    B = (0.3 * torch.randn(batch, T, groups, d_state, device=DEV, generator=g)).to(dtype)
+    C = (0.3 * torch.randn(batch, T, groups, d_state, device=DEV, generator=g)).to(dtype)
     D = torch.randn(heads, device=DEV, generator=g)
-    h0 = torch.randn(batch, heads, 64, 128, device=DEV, generator=g) if initial else None
+    h0 = torch.randn(batch, heads, head_dim, d_state, device=DEV, generator=g) if initial else None
     got_y, got_f = chunk_scan_forward(x, dt, A, B, C, D, 256, h0)
     want_y, want_f = naive_chunk_scan(x, dt, A, B, C, D, 256, h0)
     tol = 2e-3 if dtype == torch.float32 else 3e-2
