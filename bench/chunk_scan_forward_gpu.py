@@ -1,0 +1,108 @@
+"""The inference scan on a GPU: one Mamba-2 layer's chunked SSD forward without autograd.
+
+ssmspec's forward kernel (`ops/chunk_scan/triton.py:chunk_scan_forward`, what a distillation target
+and evaluation run) against mamba_ssm's forward (`_mamba_chunk_scan_combined_fwd`, chunks of 128)
+where its sources import, and the plain-torch reference (eager), at the mamba2-130m layer (16 x 512, and
+32 x 512: a distillation target's batch), the 1.3b layer (64 heads) and the 2.7b one (80 heads,
+8 x 2048): bf16 x, B, C, fp32 dt. Each call is captured in a CUDA graph and timed over replays; the
+largest difference of y against mamba_ssm's is printed beside. From the repository root, with
+ssmspec installed (and mamba_ssm's sources on PYTHONPATH for its column):
+
+    python bench/chunk_scan_forward_gpu.py --out chunk_scan_forward_gpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+SHAPES = {  # name: (batch, tokens, heads); head dim 64, d_state 128, one group
+    "130m, 16 x 512": (16, 512, 24),
+    "130m, 32 x 512": (32, 512, 24),
+    "1.3b, 16 x 512": (16, 512, 64),
+    "2.7b, 8 x 2048": (8, 2048, 80),
+}
+
+
+def inputs(batch, steps, heads):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    x = r(batch, steps, heads, 64).bfloat16()
+    dt = torch.nn.functional.softplus(r(batch, steps, heads) - 2.0)
+    A = -torch.exp(0.5 * r(heads))
+    B, C = (0.3 * r(batch, steps, 1, 128)).bfloat16(), (0.3 * r(batch, steps, 1, 128)).bfloat16()
+    return x, dt, A, B, C, r(heads)
+
+
+def replay_ms(fn, reps: int) -> float:
+    """ms a call, over `reps` replays of a CUDA graph of it (after eager warm-up: compiles, autotuning)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def eager_ms(fn, reps: int) -> float:
+    """ms a call, eager (the plain-torch reference: a Python loop over chunks, not captured)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--out", type=Path, default=None, help="Where the rows go as JSON.")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("chunk_scan_forward_gpu.py needs a CUDA device")
+
+    from ssmspec.ops.chunk_scan.naive import naive_chunk_scan
+    from ssmspec.ops.chunk_scan.triton import chunk_scan_forward
+    from ssmspec.training.scan import _import_mamba_ssd
+
+    mamba = _import_mamba_ssd()
+    mamba_fwd = mamba.__globals__["_mamba_chunk_scan_combined_fwd"] if mamba else None
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; mamba_ssm {'imports' if mamba else 'absent'}")
+    print("| layer | ours ms | mamba_ssm ms | plain torch ms | max abs diff of y vs mamba_ssm |")
+    print("|---|---:|---:|---:|---:|")
+    rows = []
+    with torch.no_grad():
+        for name, shape in SHAPES.items():
+            x, dt, A, B, C, D = inputs(*shape)
+            ours = replay_ms(lambda: chunk_scan_forward(x, dt, A, B, C, D, 128), args.reps)
+            theirs = replay_ms(lambda: mamba_fwd(x, dt, A, B, C, 128, D=D), args.reps) if mamba_fwd else float("nan")
+            plain = eager_ms(lambda: naive_chunk_scan(x, dt, A, B, C, D, 128), max(1, args.reps // 10))
+            diff = float("nan")
+            if mamba_fwd:
+                diff = (chunk_scan_forward(x, dt, A, B, C, D, 128)[0].float()
+                        - mamba_fwd(x, dt, A, B, C, 128, D=D)[0].float()).abs().max().item()
+            rows.append({"layer": name, "ours_ms": ours, "mamba_ssm_ms": theirs, "plain_ms": plain, "max_diff": diff})
+            print(f"| {name} | {ours:.4f} | {theirs:.4f} | {plain:.3f} | {diff:.3e} |", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                        "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
