@@ -56,13 +56,13 @@ def test_the_compiled_conv_sums_shifted_products_as_conv1d_does(monkeypatch, bia
         assert_close(shifted.float(), reference.float(), atol=tol, rtol=tol)
 
 
-def _micro(model, plan, messages=None):
+def _micro(model, plan, messages=None, divisor=2):
     def loss_fn(forward, ids, mask, rows):
         logits = forward(ids)
         return logits.float().logsumexp(-1).mean(), {}
 
-    return MicroStep(plan, model, loss_fn, lambda loss: loss.backward(), 2, lambda: torch.autocast("cpu", enabled=False),
-                     on_message=(messages if messages is not None else []).append)
+    return MicroStep(plan, model, loss_fn, lambda loss: loss.backward(), divisor,
+                     lambda: torch.autocast("cpu", enabled=False), on_message=(messages if messages is not None else []).append)
 
 
 def test_a_failing_automatic_compile_is_reported_and_dropped_and_an_asked_one_raises(monkeypatch):
@@ -163,6 +163,26 @@ def test_a_refused_automatic_capture_is_reported_and_the_step_still_runs_once(mo
     eager = tiny_model()
     for _ in range(3):
         (eager(ids).float().logsumexp(-1).mean() / 2).backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert_close(p.grad, q.grad, name=name)
+
+
+def test_a_refused_capture_of_a_graph_that_would_own_the_gradients_falls_back_cleanly(monkeypatch):
+    """One micro-batch an optimizer step (the graph would write the gradients, from None): a refused
+    capture is reported, and the step's gradients are one eager backward's, none left from the pool."""
+    ids, mask = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3)), torch.ones(2, 9, dtype=torch.bool)
+    messages = []
+    model = tiny_model()
+    _refused_capture(monkeypatch, model)
+    step = _micro(model, StepPlan(False, True, "auto"), messages=messages, divisor=1)
+    assert step.owns_grads
+    for _ in range(3):  # two ordinary runs, then the capture; the optimizer sets the gradients to None between steps
+        model.zero_grad(set_to_none=True)
+        step(ids, mask)
+    assert "CUDA graph capture failed (RuntimeError: CUDA error" in messages[0]
+    assert step.plan.name == "eager" and not step.keeps_grads and step.captured == 0
+    eager = tiny_model()
+    eager(ids).float().logsumexp(-1).mean().backward()
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         assert_close(p.grad, q.grad, name=name)
 

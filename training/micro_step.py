@@ -168,7 +168,7 @@ class MicroStep:
                 p.grad = None  # the recorded backward allocates each gradient in the graph's pool
             elif p.grad is None:  # the graph adds into these; a missing one would be allocated inside the graph
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad.data_ptr() if p.grad is not None else 0 for p in params]
+        grads = None if self.owns_grads else [p.grad.data_ptr() for p in params]  # the ones the graph must add into
         static_ids, static_mask = ids.clone(), mask.clone()
         torch.cuda.synchronize(ids.device)
         torch.cuda.empty_cache()  # the warm-up runs' blocks, for the graph's own pool
@@ -176,12 +176,14 @@ class MicroStep:
         try:
             with torch.cuda.graph(graph):
                 loss, parts = self._run(static_ids, static_mask)
-            if not self.owns_grads and [p.grad.data_ptr() if p.grad is not None else 0 for p in params] != grads:
+            if grads is not None and [p.grad.data_ptr() if p.grad is not None else 0 for p in params] != grads:
                 raise RuntimeError("the captured backward replaced .grad tensors instead of adding into them")
         except Exception as error:
             # A capture runs nothing, so the gradients hold what they held, unless the recorded
-            # backward put graph-pool tensors in their place (then they are lost)
-            replaced = [p for p, ptr in zip(params, grads) if p.grad is None or p.grad.data_ptr() != ptr]
+            # backward put graph-pool tensors in their place (then they are lost); a graph that owns
+            # them started from None, so whatever any holds now is the pool's
+            replaced = params if grads is None else \
+                [p for p, ptr in zip(params, grads) if p.grad is None or p.grad.data_ptr() != ptr]
             if self.plan.graphs_asked:
                 raise
             if replaced and accumulated:
