@@ -66,9 +66,5 @@ def scan_ops(namespace: str, forward: Callable, backward: Callable) -> Callable:
         return (*ssd_bwd(dy, dfinal, x, dt, A, B, C, D, y, ctx.chunk_size), None)
 
     ssd_fwd.register_autograd(gradient, setup_context=setup_context)
-
-    def scan(x, dt, A, B, C, D, chunk_size):
-        return ssd_fwd(x, dt, A, B, C, D, chunk_size)
-
-    _REGISTERED[namespace] = scan
-    return scan
+    _REGISTERED[namespace] = ssd_fwd
+    return ssd_fwd
