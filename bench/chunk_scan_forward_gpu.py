@@ -4,7 +4,7 @@ ssmspec's forward kernel (`ops/chunk_scan/triton.py:chunk_scan_forward`, what a 
 and evaluation run) against mamba_ssm's forward (`_mamba_chunk_scan_combined_fwd`, chunks of 128)
 where its sources import, and the plain-torch reference (eager), at the mamba2-130m layer (16 x 512, and
 32 x 512: a distillation target's batch), the 1.3b layer (64 heads) and the 2.7b one (80 heads,
-8 x 2048): bf16 x, B, C, fp32 dt. Each call is captured in a CUDA graph and timed over replays; the
+8 x 2048): bf16 x, B, C, fp32 dt. Medians of CUDA-graph replays (triton.testing); the
 largest difference of y against mamba_ssm's is printed beside. From the repository root, with
 ssmspec installed (and mamba_ssm's sources on PYTHONPATH for its column):
 
@@ -37,45 +37,15 @@ def inputs(batch, steps, heads):
     return x, dt, A, B, C, r(heads)
 
 
-def replay_ms(fn, reps: int) -> float:
-    """ms a call, over `reps` replays of a CUDA graph of it (after eager warm-up: compiles, autotuning)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
-def eager_ms(fn, reps: int) -> float:
-    """ms a call, eager (the plain-torch reference: a Python loop over chunks, not captured)."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--rep-ms", type=int, default=100, help="Milliseconds of repeats per timing (triton.testing).")
     ap.add_argument("--out", type=Path, default=None, help="Where the rows go as JSON.")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("chunk_scan_forward_gpu.py needs a CUDA device")
+
+    from triton.testing import do_bench, do_bench_cudagraph
 
     from ssmspec.ops.chunk_scan.naive import naive_chunk_scan
     from ssmspec.ops.chunk_scan.triton import chunk_scan_forward
@@ -86,13 +56,18 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; mamba_ssm {'imports' if mamba else 'absent'}")
     print("| layer | ours ms | mamba_ssm ms | plain torch ms | max abs diff of y vs mamba_ssm |")
     print("|---|---:|---:|---:|---:|")
+
+    def replayed(fn):  # median ms of CUDA-graph replays (after a warm-up call: compiles, autotuning)
+        fn()
+        return do_bench_cudagraph(fn, rep=args.rep_ms, return_mode="median")
+
     rows = []
     with torch.no_grad():
         for name, shape in SHAPES.items():
             x, dt, A, B, C, D = inputs(*shape)
-            ours = replay_ms(lambda: chunk_scan_forward(x, dt, A, B, C, D, 128), args.reps)
-            theirs = replay_ms(lambda: mamba_fwd(x, dt, A, B, C, 128, D=D), args.reps) if mamba_fwd else float("nan")
-            plain = eager_ms(lambda: naive_chunk_scan(x, dt, A, B, C, D, 128), max(1, args.reps // 10))
+            ours = replayed(lambda: chunk_scan_forward(x, dt, A, B, C, D, 128))
+            theirs = replayed(lambda: mamba_fwd(x, dt, A, B, C, 128, D=D)) if mamba_fwd else float("nan")
+            plain = do_bench(lambda: naive_chunk_scan(x, dt, A, B, C, D, 128), rep=args.rep_ms, return_mode="median")
             diff = float("nan")
             if mamba_fwd:
                 diff = (chunk_scan_forward(x, dt, A, B, C, D, 128)[0].float()
