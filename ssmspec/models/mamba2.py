@@ -145,8 +145,8 @@ class Mamba2Mixer(nn.Module):
             cache.conv_state.copy_(tail.transpose(1, 2))
         x, B, C = self._split_conv_out(xBC_conv)
         dt = self._time_step(dt_raw)
-        # without autograd (a distillation target, evaluation): the forward-only kernel; a prefill in
-        # decoding on a GPU goes through ChainPrefill's tree kernels, not here
+        # without autograd (a distillation target, evaluation, a drafter catching up on 3+ tokens in the
+        # host-loop decode): the forward-only kernel; a GPU prefill in decoding goes by ChainPrefill instead
         scan = dispatch.chunk_scan_forward if not torch.is_grad_enabled() and \
             dispatch.uses_kernel("chunk_scan_forward", x.device) else dispatch.chunk_scan
         y, final = scan(x, dt, self.A, B, C, self.D, self.cfg.chunk_size, None if cache is None else cache.ssm_state)
