@@ -66,6 +66,8 @@ def test_distill_lowers_kl_and_raises_measured_acceptance(tmp_path, token_data):
     assert [e["event"] for e in log if e["event"] in ("start", "end")] == ["start", "end"]
     assert any(e["event"] == "eval" and "mean_accepted" in e for e in log)
     assert log[0]["scan"].startswith("ssmspec:")
+    # what the run told the user is kept: a capture or compile given up is in the log, not only on a console
+    assert any(e["event"] == "message" and e["text"].startswith("micro-step: eager") for e in log), log
 
 
 @pytest.mark.usefixtures("one_thread")

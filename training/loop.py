@@ -584,7 +584,8 @@ def open_log(run: _Run, scan) -> None:
     plan = plan_step(cfg.compile, cfg.cuda_graphs, run.device, run.accelerator.num_processes, run.cache is not None)
     run.micro_step = MicroStep(
         plan, run.model, lambda forward, ids, mask, rows: _loss(forward, run.target, ids, mask, cfg, run.cache, rows),
-        run.accelerator.backward, cfg.optim.grad_accum, run.accelerator.autocast, on_message=run.cb.on_message)
+        run.accelerator.backward, cfg.optim.grad_accum, run.accelerator.autocast,
+        on_message=lambda text: tell(run, text))
     run.info.update({"scan": scan.name, "scan_reason": scan.reason, "step_mode": plan.name, "step_mode_reason": plan.reason,
                      "device_name": device_name, "flops_per_token": flops, "peak_flops": peak})
     run.run_info = {"config": run.cfg.to_dict(), "run": run.info}
@@ -596,9 +597,9 @@ def open_log(run: _Run, scan) -> None:
     run.logger.write({"event": "resume" if run.resumed else "start", "step": run.step, **run.info})
     log.info("training scan: %s (%s)", scan.name, scan.reason)
     run.cb.on_start({**run.info, "total_steps": run.cfg.optim.steps, "start_step": run.step})
-    run.cb.on_message(f"Mamba-2 training scan: {scan.name} ({scan.reason})")
-    run.cb.on_message(f"micro-step: {plan.name} ({plan.reason})"
-                      + ("; the first steps compile and autotune (a minute or two)" if plan.compile else ""))
+    tell(run, f"Mamba-2 training scan: {scan.name} ({scan.reason})")
+    tell(run, f"micro-step: {plan.name} ({plan.reason})"
+              + ("; the first steps compile and autotune (a minute or two)" if plan.compile else ""))
     if run.cache is not None:
         c = run.info["target_cache"]
         run.cb.on_message(f"target logits: top-{c['k']} cache {c['path']}, {c['filled_at_start']} of {c['blocks']} "
@@ -657,6 +658,13 @@ def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return batch.to(device)
     return batch.pin_memory().to(device, non_blocking=True)
+
+
+def tell(run: _Run, text: str) -> None:
+    """A message for the user that log.jsonl keeps too (a compile or CUDA graph capture given up is why a run
+    trained slower than the last: the console is often gone when someone asks)."""
+    run.logger.write({"event": "message", "step": run.step, "text": text})
+    run.cb.on_message(text)
 
 
 def report_step(run: _Run, loss_sum: torch.Tensor, parts_sum: dict, grad_norm, lr: float) -> None:
