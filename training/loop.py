@@ -602,8 +602,8 @@ def open_log(run: _Run, scan) -> None:
               + ("; the first steps compile and autotune (a minute or two)" if plan.compile else ""))
     if run.cache is not None:
         c = run.info["target_cache"]
-        run.cb.on_message(f"target logits: top-{c['k']} cache {c['path']}, {c['filled_at_start']} of {c['blocks']} "
-                          "training blocks filled; the target runs only on the others")
+        tell(run, f"target logits: top-{c['k']} cache {c['path']}, {c['filled_at_start']} of {c['blocks']} "
+              "training blocks filled; the target runs only on the others")
     run.result = TrainResult(out=str(run.out), step=run.step, final_loss=None, info=run.info)
     run.done_rng, run.done_position = _rng_state(), run.position
     run.window_start = run.run_start = time.perf_counter()
