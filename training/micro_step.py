@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 WARMUP_RUNS = 2
 CAPTURE_ATTEMPTS = 2
 """An automatic capture that fails is tried once more at the next micro-batch before graphs are dropped:
-one `sft` run of nine on an H200 (11-28, the host's other GPU training) gave its capture up and trained at
-1.45x plain torch instead of 6.6x, and the eight others captured; a failure that repeats costs one more
+one `sft` run of eleven on an H200 (11-28, the host's other GPU training) gave its capture up and trained
+at 1.45x plain torch instead of 6.6x, and the ten others captured; a failure that repeats costs one more
 attempt."""
 
 
