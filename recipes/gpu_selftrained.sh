@@ -2,7 +2,7 @@
 # Self-trained pairs on one GPU, nothing downloaded: a corpus from this machine's Python standard
 # library, a BPE tokenizer trained on it, two targets pretrained with `ssmspec sft` (a pure Mamba-2
 # at the mamba2-130m shape, and a hybrid Mamba-2 + attention + MLP), a drafter distilled from each,
-# then profile, tune-tree and bench on HumanEval at temperature 0 and 1.
+# then profile, tune-tree and bench on HumanEval at temperature 0 and 1 (a tree tuned for each).
 # Purpose: the whole product on trained weights, reproducible on any machine with a GPU.
 # Hardware: one CUDA GPU (sized for an H100 80GB; any GPU with 16 GB should do, slower).
 # Expected time: about 13 minutes on one H100 80GB (11.5 measured 2026-11-25 with LIMIT=40 on a
@@ -10,7 +10,7 @@
 # prints its time); the mamba2 pair alone (PAIRS=mamba2, LIMIT=40, today's 1500 distillation steps)
 # spent about 7.5 minutes in its stages on a fresh H100 on 2026-11-28 with mamba_ssm importable and
 # the CUDA extensions already built (sft 166 s, distill 187 s, profile 32 s, tune-tree 27 s, benches
-# 53 s; first builds add about a minute each). Figures in docs/BENCHMARKS.md. The default LIMIT=20
+# 53 s; first builds add about a minute each; since 11-28 a second tune-tree, at T=1, not yet timed on a GPU). Figures in docs/BENCHMARKS.md. The default LIMIT=20
 # takes a little less.
 # Resumable: a rerun skips every stage that finished (a stamp in WORKDIR/.stages and its output),
 # so a run cut off (Ctrl-C, a time limit) continues where it stopped; once a stage runs, every
@@ -29,8 +29,8 @@
 #   of an H100's 80 GB; its sft took 430 s and its distill 223 s there on 2026-11-27, run as these
 #   stages' commands; its profile and tune-tree stages were not timed at that size).
 # Outputs, all in WORKDIR: corpus/, prompts.jsonl (tuning prompts from stdlib files outside the
-# corpus), tokenizer/, and per pair (mamba2/, hybrid/): target/, drafter/, profile/, tune/tree.json,
-# bench-t0/ and bench-t1/ (report.md, summary.json, results.jsonl).
+# corpus), tokenizer/, and per pair (mamba2/, hybrid/): target/, drafter/, profile/, tune/tree.json (tuned
+# at T=0) and tune-t1/tree.json (at T=1), bench-t0/ and bench-t1/ (report.md, summary.json, results.jsonl).
 set -euo pipefail
 
 work="${1:-runs/gpu-selftrained}"
@@ -109,16 +109,24 @@ pair() {
     ssmspec profile --target "$dir/target" --drafter "$dir/drafter" --dtype "$dtype" --device "$device" \
     --out "$dir/profile" --overwrite
 
-  echo "== $name tune-tree: acceptance on the tuning prompts, trees ranked by predicted tokens/s, the best verified"
-  stage "$name-tune" "$dir/tune/tree.json" \
-    ssmspec tune-tree --target "$dir/target" --drafter "$dir/drafter" --prompts "$work/prompts.jsonl" \
-    --profile "$dir/profile/profile.json" --budget 32 --dtype "$dtype" --device "$device" --out "$dir/tune" --overwrite
+  # One tree per temperature benched: acceptance, and with it the best tree, changes with the temperature.
+  for t in 0 1; do
+    local tune="$dir/tune"
+    [ "$t" = 0 ] || tune="$dir/tune-t$t"
+    echo "== $name tune-tree at T=$t: acceptance on the tuning prompts, trees ranked by predicted tokens/s, the best verified"
+    stage "$name-${tune##*/}" "$tune/tree.json" \
+      ssmspec tune-tree --target "$dir/target" --drafter "$dir/drafter" --prompts "$work/prompts.jsonl" \
+      --profile "$dir/profile/profile.json" --budget 32 --temperature "$t" --dtype "$dtype" --device "$device" \
+      --out "$tune" --overwrite
+  done
 
   for t in 0 1; do
-    echo "== $name bench T=$t: ar, chain 4, the tuned tree and 3,2,1 on $limit HumanEval prompts"
+    local tune="$dir/tune"
+    [ "$t" = 0 ] || tune="$dir/tune-t$t"
+    echo "== $name bench T=$t: ar, chain 4, the tree tuned at T=$t and 3,2,1 on $limit HumanEval prompts"
     stage "$name-bench-t$t" "$dir/bench-t$t/summary.json" \
       ssmspec bench --target "$dir/target" --drafter "$dir/drafter" --dataset humaneval --methods ar,chain,stree \
-      --tree "$dir/tune/tree.json" --tree 3,2,1 --limit "$limit" --max-new-tokens "$new_tokens" \
+      --tree "$tune/tree.json" --tree 3,2,1 --limit "$limit" --max-new-tokens "$new_tokens" \
       --temperature "$t" --dtype "$dtype" --device "$device" --out "$dir/bench-t$t" --overwrite
   done
 }
@@ -138,5 +146,5 @@ for name in $pairs; do
     sed -n '/^## Results/,/^## Losslessness/{/^## Losslessness/d;p}' "$work/$name/bench-t$t/report.md"
   done
 done
-echo "== done: tuned trees in $work/{mamba2,hybrid}/tune/tree.json, benchmarks in $work/{mamba2,hybrid}/bench-t{0,1}/,"
+echo "== done: tuned trees in $work/{mamba2,hybrid}/tune{,-t1}/tree.json, benchmarks in $work/{mamba2,hybrid}/bench-t{0,1}/,"
 echo "   models in $work/{mamba2,hybrid}/{target,drafter}, corpus and tokenizer in $work"
