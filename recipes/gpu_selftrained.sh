@@ -10,8 +10,8 @@
 # prints its time); the mamba2 pair alone (PAIRS=mamba2, LIMIT=40, today's 1500 distillation steps)
 # spent about 7.5 minutes in its stages on a fresh H100 on 2026-11-28 with mamba_ssm importable and
 # the CUDA extensions already built (sft 166 s, distill 187 s, profile 32 s, tune-tree 27 s, benches
-# 53 s; first builds add about a minute each; since 11-28 a second tune-tree, at T=1, not yet timed on a GPU). Figures in docs/BENCHMARKS.md. The default LIMIT=20
-# takes a little less.
+# 53 s; first builds add about a minute each; since 11-28 a second tune-tree, at T=1, not yet timed on
+# a GPU). Figures in docs/BENCHMARKS.md. The default LIMIT=20 takes a little less.
 # Resumable: a rerun skips every stage that finished (a stamp in WORKDIR/.stages and its output),
 # so a run cut off (Ctrl-C, a time limit) continues where it stopped; once a stage runs, every
 # later stage runs again. Remove WORKDIR to start over.
@@ -87,6 +87,11 @@ echo "== tokenizer: a byte-level BPE of $vocab tokens trained on the corpus"
 stage tokenizer "$work/tokenizer/tokenizer.json" \
   "$python" -m recipes.tools.make_corpus tokenizer "$work/corpus" "$work/tokenizer" --vocab "$vocab"
 
+# tuned DIR T: where a pair's tree tuned at temperature T goes (tune/ at T=0, tune-tT/ otherwise).
+tuned() {
+  if [ "$2" = 0 ]; then echo "$1/tune"; else echo "$1/tune-t$2"; fi
+}
+
 # One pair: pretrain the target, distil its drafter, profile, tune the tree, bench at T=0 and T=1.
 pair() {
   local name="$1" target_preset="$2" student_preset="$3" dir="$work/$1"
@@ -111,8 +116,7 @@ pair() {
 
   # One tree per temperature benched: acceptance, and with it the best tree, changes with the temperature.
   for t in 0 1; do
-    local tune="$dir/tune"
-    [ "$t" = 0 ] || tune="$dir/tune-t$t"
+    local tune; tune="$(tuned "$dir" "$t")"
     echo "== $name tune-tree at T=$t: acceptance on the tuning prompts, trees ranked by predicted tokens/s, the best verified"
     stage "$name-${tune##*/}" "$tune/tree.json" \
       ssmspec tune-tree --target "$dir/target" --drafter "$dir/drafter" --prompts "$work/prompts.jsonl" \
@@ -121,8 +125,7 @@ pair() {
   done
 
   for t in 0 1; do
-    local tune="$dir/tune"
-    [ "$t" = 0 ] || tune="$dir/tune-t$t"
+    local tune; tune="$(tuned "$dir" "$t")"
     echo "== $name bench T=$t: ar, chain 4, the tree tuned at T=$t and 3,2,1 on $limit HumanEval prompts"
     stage "$name-bench-t$t" "$dir/bench-t$t/summary.json" \
       ssmspec bench --target "$dir/target" --drafter "$dir/drafter" --dataset humaneval --methods ar,chain,stree \
