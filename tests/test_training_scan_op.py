@@ -17,7 +17,7 @@ def _naive_forward(x, dt, A, B, C, D, chunk_size):
     return naive_chunk_scan(x, dt, A, B, C, D, chunk_size)
 
 
-def _naive_backward(dy, dfinal, x, dt, A, B, C, D, y, chunk_size):
+def _naive_backward(dy, dfinal, x, dt, A, B, C, D, y, kept, chunk_size):
     # torch.func, not autograd: a custom op's body runs with autograd's dispatch keys switched off
     (_, final), pullback = torch.func.vjp(lambda *inputs: naive_chunk_scan(*inputs, chunk_size), x, dt, A, B, C, D)
     return pullback((dy, torch.zeros_like(final) if dfinal is None else dfinal))
@@ -47,6 +47,38 @@ def test_the_ops_give_the_kernel_pairs_values_and_gradients(steps):
     assert_close(f, f_ref, atol=1e-6, rtol=1e-6, name="final_state")
     for name, got, want in zip(GRAD_NAMES, g, g_ref):
         assert_close(got, want, atol=1e-6, rtol=1e-6, name=f"d{name}")
+
+
+def _keeping_forward(x, dt, A, B, C, D, chunk_size):
+    y, final = naive_chunk_scan(x, dt, A, B, C, D, chunk_size)
+    return y, final, dt.cumsum(1), final * 2  # anything the backward could recompute
+
+
+_KEPT = []  # what the backward below was given as kept, call by call
+
+
+def _keeping_backward(dy, dfinal, x, dt, A, B, C, D, y, kept, chunk_size):
+    _KEPT.append(kept)
+    return _naive_backward(dy, dfinal, x, dt, A, B, C, D, y, kept, chunk_size)
+
+
+def _kept_shapes(x, dt, A, B, C, D, chunk_size):
+    return [(dt.shape, dt.dtype), ((x.shape[0], x.shape[2], x.shape[3], B.shape[-1]), torch.float32)]
+
+
+def test_what_the_forward_keeps_reaches_the_backward_without_a_gradient_and_compiles():
+    scan = scan_ops("ssmspec_test_keeping", _keeping_forward, _keeping_backward, _kept_shapes)
+    inputs = scan_inputs(2, 40, 3, 8, 1, 16, initial=False)
+    y_ref, f_ref, g_ref = scan_grads(naive_chunk_scan, inputs, 16)
+    for run in (scan, torch.compile(scan, backend="aot_eager", fullgraph=True)):
+        _KEPT.clear()
+        y, f, g = scan_grads(lambda x, dt, A, B, C, D, chunk_size, initial_state: run(x, dt, A, B, C, D, chunk_size),
+                             inputs, 16)
+        (dt_sums, final_twice), = _KEPT
+        assert torch.equal(dt_sums, inputs[1].detach().cumsum(1)) and torch.equal(final_twice, f_ref * 2)
+        assert_close(y, y_ref, atol=1e-6, rtol=1e-6, name="y")
+        for name, got, want in zip(GRAD_NAMES, g, g_ref):
+            assert_close(got, want, atol=1e-6, rtol=1e-6, name=f"d{name}")
 
 
 _UPSTREAM_FINAL = []  # what the backward below was given for the final state, call by call

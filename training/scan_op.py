@@ -7,13 +7,16 @@ op the scan is one opaque node that Inductor calls, and the model is one graph. 
 mamba2-130m shape, 16 x 512, H200, 2026-11-28, 200 steps: 233,785 and 232,673 tokens/s against
 226,533 and 227,461 through the disabled call (alternating runs, one machine).
 
-`scan_ops(namespace, forward, backward)` registers, once per namespace:
-- `namespace::ssd_fwd(x, dt, A, B, C, D, chunk_size) -> (y, final_state)` and
-- `namespace::ssd_bwd(dy, dfinal, x, dt, A, B, C, D, y, chunk_size) -> (dx, ddt, dA, dB, dC, dD)`,
+`scan_ops(namespace, forward, backward, saved)` registers, once per namespace:
+- `namespace::ssd_fwd(x, dt, A, B, C, D, chunk_size) -> (y, final_state, kept)` and
+- `namespace::ssd_bwd(dy, dfinal, x, dt, A, B, C, D, y, kept, chunk_size) -> (dx, ddt, dA, dB, dC, dD)`,
 with shape functions for compilation and the backward registered as the forward's gradient.
 forward and backward are the kernel's own entry points with these contracts (dfinal may be None);
 y is in x's dtype, the final state (batch, heads, head_dim, d_state) in fp32, each gradient in its
-input's dtype and shape. Outputs are made contiguous, the layout the shape functions promise.
+input's dtype and shape. kept: what the forward computed that the backward would otherwise compute
+again (a list of tensors, saved for the backward, no gradient); `saved(x, dt, A, B, C, D, chunk_size)`
+gives their (shape, dtype) for compilation, and a scan without any leaves it out. Outputs are made
+contiguous, the layout the shape functions promise.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from torch import Tensor
 _REGISTERED: dict[str, Callable] = {}
 
 
-def scan_ops(namespace: str, forward: Callable, backward: Callable) -> Callable:
+def scan_ops(namespace: str, forward: Callable, backward: Callable, saved: Optional[Callable] = None) -> Callable:
     """The scan `(x, dt, A, B, C, D, chunk_size) -> (y, final fp32)` through `namespace`'s custom ops,
     registered on the first call; later calls return that scan, whatever they pass (torch keeps one
     op per name)."""
@@ -34,37 +37,47 @@ def scan_ops(namespace: str, forward: Callable, backward: Callable) -> Callable:
 
     @torch.library.custom_op(f"{namespace}::ssd_fwd", mutates_args=())
     def ssd_fwd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
-                chunk_size: int) -> tuple[Tensor, Tensor]:
-        y, final = forward(x, dt, A, B, C, D, chunk_size)
-        return y.to(x.dtype).contiguous(), final.float().contiguous()
+                chunk_size: int) -> tuple[Tensor, Tensor, list[Tensor]]:
+        y, final, *kept = forward(x, dt, A, B, C, D, chunk_size)
+        return y.to(x.dtype).contiguous(), final.float().contiguous(), [t.contiguous() for t in kept]
 
     @ssd_fwd.register_fake
     def _(x, dt, A, B, C, D, chunk_size):
         batch, _, heads, head_dim = x.shape
-        return x.new_empty(x.shape), x.new_empty((batch, heads, head_dim, B.shape[-1]), dtype=torch.float32)
+        kept = [] if saved is None else [x.new_empty(shape, dtype=dtype)
+                                         for shape, dtype in saved(x, dt, A, B, C, D, chunk_size)]
+        return x.new_empty(x.shape), x.new_empty((batch, heads, head_dim, B.shape[-1]), dtype=torch.float32), kept
 
     @torch.library.custom_op(f"{namespace}::ssd_bwd", mutates_args=())
     def ssd_bwd(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
-                D: Tensor, y: Tensor, chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        grads = backward(dy, dfinal, x, dt, A, B, C, D, y, chunk_size)
+                D: Tensor, y: Tensor, kept: list[Tensor],
+                chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        grads = backward(dy, dfinal, x, dt, A, B, C, D, y, kept, chunk_size)
         return tuple(g.to(t.dtype).contiguous() for g, t in zip(grads, (x, dt, A, B, C, D)))
 
     @ssd_bwd.register_fake
-    def _(dy, dfinal, x, dt, A, B, C, D, y, chunk_size):
+    def _(dy, dfinal, x, dt, A, B, C, D, y, kept, chunk_size):
         return tuple(t.new_empty(t.shape) for t in (x, dt, A, B, C, D))
 
     def setup_context(ctx, inputs, output):
         x, dt, A, B, C, D, chunk_size = inputs
-        ctx.save_for_backward(x, dt, A, B, C, D, output[0])
+        y, _, kept = output
+        ctx.kept = len(kept)
+        ctx.save_for_backward(x, dt, A, B, C, D, y, *kept)
+        ctx.mark_non_differentiable(*kept)
         ctx.chunk_size = chunk_size
         ctx.set_materialize_grads(False)  # an unused final state's gradient stays None, not a tensor of zeros
 
-    def gradient(ctx, dy, dfinal):
-        x, dt, A, B, C, D, y = ctx.saved_tensors
+    def gradient(ctx, dy, dfinal, _):
+        x, dt, A, B, C, D, y, *kept = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros_like(y)
-        return (*ssd_bwd(dy, dfinal, x, dt, A, B, C, D, y, ctx.chunk_size), None)
+        return (*ssd_bwd(dy, dfinal, x, dt, A, B, C, D, y, kept, ctx.chunk_size), None)
+
+    def scan(x, dt, A, B, C, D, chunk_size):
+        y, final, _ = ssd_fwd(x, dt, A, B, C, D, chunk_size)
+        return y, final
 
     ssd_fwd.register_autograd(gradient, setup_context=setup_context)
-    _REGISTERED[namespace] = ssd_fwd
-    return ssd_fwd
+    _REGISTERED[namespace] = scan
+    return scan
