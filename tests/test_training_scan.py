@@ -173,7 +173,8 @@ else:
         return scan
 
     # without an initial state, training's case: mamba_ssm through training/scan_op.py's custom ops
-    @pytest.mark.parametrize("steps,initial", [(1, True), (20, True), (63, True), (64, True), (130, True), (40, False)])
+    @pytest.mark.parametrize("steps,initial", [(1, True), (20, True), (63, True), (64, True), (130, True), (1, False),
+                                               (40, False), (130, False)])
     @pytest.mark.parametrize("groups,headdim", [(1, 16), (2, 32)])
     @pytest.mark.parametrize("kernel", ["fla", "mamba_ssm"])
     def test_kernel_scan_equals_naive_outputs_and_gradients(kernel, steps, initial, groups, headdim):
@@ -187,6 +188,15 @@ else:
         assert_close(f, f_ref, atol=1e-4, rtol=1e-4, name="final_state")
         for name, got, want in zip(GRAD_NAMES, g, g_ref):
             assert_close(got, want, atol=2e-4, rtol=2e-4, name=f"d{name}")
+
+    @pytest.mark.parametrize("steps", [1, 63, 64, 130])
+    def test_mamba_ssm_ops_shape_functions_match_what_the_kernels_return(steps):
+        """The shapes compilation is told (the ops' fake functions: y, the final state, the tensors
+        the forward keeps for the backward) are those of the kernels' outputs, whatever the length."""
+        _interpretable_mamba_ssm()
+        inputs = [t.detach() for t in scan_inputs(2, steps, 6, 16, 2, 16, initial=False)[:6]]
+        torch.library.opcheck(torch.ops.ssmspec_mamba_ssd_kept.ssd_fwd.default, (*inputs, 16),
+                              test_utils=("test_schema", "test_faketensor"))
 
     def test_fla_scan_without_initial_state_or_D():
         from ssmspec.ops.chunk_scan import naive_chunk_scan
