@@ -62,7 +62,6 @@ def scan_ops(namespace: str, forward: Callable, backward: Callable, saved: Optio
     def setup_context(ctx, inputs, output):
         x, dt, A, B, C, D, chunk_size = inputs
         y, _, kept = output
-        ctx.kept = len(kept)
         ctx.save_for_backward(x, dt, A, B, C, D, y, *kept)
         ctx.mark_non_differentiable(*kept)
         ctx.chunk_size = chunk_size
