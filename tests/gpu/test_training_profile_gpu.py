@@ -1,7 +1,8 @@
 """Where a training step's time goes on a GPU (opt in: --run-gpu; about a minute on an H100).
 
 The mamba2-130m shape (vocabulary 8192) at 16 x 512 tokens in bf16, through the loop's own
-`optimizer_step` on random token data, under torch.profiler: wall time per step, the host's time
+`optimizer_step` (its automatic plan: torch.compile and a CUDA graph on a GPU) on random token data,
+with the default scan (`auto`: mamba_ssm's where its sources import) and the plain-torch ones, under torch.profiler: wall time per step, the host's time
 to queue a step (no host sync inside one), the GPU's busy time (sum of kernel times), kernel
 launches per step and the kernels that take the most time. Read with `-s`; writes
 train_profile.json to $OUT when set. Busy close to wall: the GPU's own work bounds the step (then the
@@ -87,7 +88,7 @@ def _run(tmp_path: Path, scan: str, chunk: int, batch: int = 16, seq_len: int = 
             "top_kernels_ms": [(name[:90], t / steps / 1e3) for name, t in top]}
 
 
-@pytest.mark.parametrize("scan,chunk", [("ssmspec", 256), ("parallel", 256), ("parallel", 64)])
+@pytest.mark.parametrize("scan,chunk", [("auto", 256), ("ssmspec", 256), ("parallel", 256), ("parallel", 64)])
 def test_step_time_breakdown(tmp_path, scan, chunk):
     r = _run(tmp_path, scan, chunk)
     RESULTS[f"{scan}-{chunk}"] = r
