@@ -195,7 +195,7 @@ else:
         the forward keeps for the backward) are those of the kernels' outputs, whatever the length."""
         _interpretable_mamba_ssm()
         inputs = [t.detach() for t in scan_inputs(2, steps, 6, 16, 2, 16, initial=False)[:6]]
-        torch.library.opcheck(torch.ops.ssmspec_mamba_ssd_kept.ssd_fwd.default, (*inputs, 16),
+        torch.library.opcheck(torch.ops.ssmspec_mamba_ssd.ssd_fwd.default, (*inputs, 16),
                               test_utils=("test_schema", "test_faketensor"))
 
     def test_fla_scan_without_initial_state_or_D():

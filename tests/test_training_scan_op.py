@@ -17,7 +17,7 @@ def _naive_forward(x, dt, A, B, C, D, chunk_size):
     return naive_chunk_scan(x, dt, A, B, C, D, chunk_size)
 
 
-def _naive_backward(dy, dfinal, x, dt, A, B, C, D, y, kept, chunk_size):
+def _naive_backward(dy, dfinal, x, dt, A, B, C, D, kept, chunk_size):
     # torch.func, not autograd: a custom op's body runs with autograd's dispatch keys switched off
     (_, final), pullback = torch.func.vjp(lambda *inputs: naive_chunk_scan(*inputs, chunk_size), x, dt, A, B, C, D)
     return pullback((dy, torch.zeros_like(final) if dfinal is None else dfinal))
@@ -57,9 +57,9 @@ def _keeping_forward(x, dt, A, B, C, D, chunk_size):
 _KEPT = []  # what the backward below was given as kept, call by call
 
 
-def _keeping_backward(dy, dfinal, x, dt, A, B, C, D, y, kept, chunk_size):
+def _keeping_backward(dy, dfinal, x, dt, A, B, C, D, kept, chunk_size):
     _KEPT.append(kept)
-    return _naive_backward(dy, dfinal, x, dt, A, B, C, D, y, kept, chunk_size)
+    return _naive_backward(dy, dfinal, x, dt, A, B, C, D, kept, chunk_size)
 
 
 def _kept_shapes(x, dt, A, B, C, D, chunk_size):

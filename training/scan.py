@@ -129,7 +129,7 @@ def _mamba_ssm_scan() -> Callable | None:
         return [per_chunk, per_chunk, ((batch, chunks, heads, head_dim, d_state), torch.float32),
                 ((batch, chunks, groups, chunk_size, chunk_size), torch.float32)]
 
-    def backward(dy, dfinal, x, dt, A, B, C, D, y, kept, chunk_size):
+    def backward(dy, dfinal, x, dt, A, B, C, D, kept, chunk_size):
         dA_cumsum, dt_chunks, states, CB = kept
         dy = dy.contiguous()  # the kernels want unit stride along head_dim
         dstates = k["_chunk_scan_bwd_dstates"](C, dA_cumsum, dy, dtype=states.dtype)
@@ -157,7 +157,7 @@ def _mamba_ssm_scan() -> Callable | None:
 
     # The ops' names are in Inductor's on-disk cache keys, their signatures are not: a change of
     # either signature takes a new name, or a graph cached by an earlier version calls the old one.
-    through_ops = scan_ops("ssmspec_mamba_ssd_kept", forward, backward, kept_shapes)
+    through_ops = scan_ops("ssmspec_mamba_ssd", forward, backward, kept_shapes)
     continued = torch.compiler.disable(mamba_chunk_scan_combined)  # from a given state, or without D
 
     def scan(x, dt, A, B, C, D, chunk_size=64, initial_state=None):

@@ -9,7 +9,7 @@ mamba2-130m shape, 16 x 512, H200, 2026-11-28, 200 steps: 233,785 and 232,673 to
 
 `scan_ops(namespace, forward, backward, saved)` registers, once per namespace:
 - `namespace::ssd_fwd(x, dt, A, B, C, D, chunk_size) -> (y, final_state, kept)` and
-- `namespace::ssd_bwd(dy, dfinal, x, dt, A, B, C, D, y, kept, chunk_size) -> (dx, ddt, dA, dB, dC, dD)`,
+- `namespace::ssd_bwd(dy, dfinal, x, dt, A, B, C, D, kept, chunk_size) -> (dx, ddt, dA, dB, dC, dD)`,
 with shape functions for compilation and the backward registered as the forward's gradient.
 forward and backward are the kernel's own entry points with these contracts (dfinal may be None);
 y is in x's dtype, the final state (batch, heads, head_dim, d_state) in fp32, each gradient in its
@@ -50,28 +50,28 @@ def scan_ops(namespace: str, forward: Callable, backward: Callable, saved: Optio
 
     @torch.library.custom_op(f"{namespace}::ssd_bwd", mutates_args=())
     def ssd_bwd(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
-                D: Tensor, y: Tensor, kept: list[Tensor],
+                D: Tensor, kept: list[Tensor],
                 chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        grads = backward(dy, dfinal, x, dt, A, B, C, D, y, kept, chunk_size)
+        grads = backward(dy, dfinal, x, dt, A, B, C, D, kept, chunk_size)
         return tuple(g.to(t.dtype).contiguous() for g, t in zip(grads, (x, dt, A, B, C, D)))
 
     @ssd_bwd.register_fake
-    def _(dy, dfinal, x, dt, A, B, C, D, y, kept, chunk_size):
+    def _(dy, dfinal, x, dt, A, B, C, D, kept, chunk_size):
         return tuple(t.new_empty(t.shape) for t in (x, dt, A, B, C, D))
 
     def setup_context(ctx, inputs, output):
         x, dt, A, B, C, D, chunk_size = inputs
-        y, _, kept = output
-        ctx.save_for_backward(x, dt, A, B, C, D, y, *kept)
+        _, _, kept = output
+        ctx.save_for_backward(x, dt, A, B, C, D, *kept)
         ctx.mark_non_differentiable(*kept)
         ctx.chunk_size = chunk_size
         ctx.set_materialize_grads(False)  # an unused final state's gradient stays None, not a tensor of zeros
 
     def gradient(ctx, dy, dfinal, _):
-        x, dt, A, B, C, D, y, *kept = ctx.saved_tensors
+        x, dt, A, B, C, D, *kept = ctx.saved_tensors
         if dy is None:
-            dy = torch.zeros_like(y)
-        return (*ssd_bwd(dy, dfinal, x, dt, A, B, C, D, y, kept, ctx.chunk_size), None)
+            dy = torch.zeros_like(x)  # y's shape and dtype
+        return (*ssd_bwd(dy, dfinal, x, dt, A, B, C, D, kept, ctx.chunk_size), None)
 
     def scan(x, dt, A, B, C, D, chunk_size):
         y, final, _ = ssd_fwd(x, dt, A, B, C, D, chunk_size)
