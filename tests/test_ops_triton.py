@@ -364,6 +364,21 @@ else:
         assert_close(got_y.float(), want_y, atol=1e-2, rtol=1e-2, name="y fp16")
         assert_close(got_f, want_f, atol=1e-2, rtol=1e-2, name="final state fp16")
 
+    @pytest.mark.parametrize("T,size,heads", [(1, 8, 3), (29, 8, 11), (64, 16, 8), (40, 12, 5)])
+    def test_ssd_decay_grad_matches_reference(nan_outputs, T, size, heads):
+        """The SSD backward's last step: one token, a partial last chunk, a chunk off a power of two,
+        heads across programs (8 a program); dt a slice of a wider tensor."""
+        from test_chunk_scan_decay_grad import decay_grad_pieces
+
+        from ssmspec.ops.chunk_scan.decay_grad import decay_grad, decay_grad_reference
+
+        pieces = list(decay_grad_pieces(2, T, heads, size, seed=T))
+        pieces[5] = torch.cat([pieces[5], pieces[5]], dim=-1)[..., :heads]  # dt: unit head stride, wider token stride
+        want_ddt, want_dA = decay_grad_reference(*pieces)
+        got_ddt, got_dA = decay_grad(*pieces)
+        assert_close(got_ddt, want_ddt, atol=1e-5, rtol=1e-5, name="ddt")
+        assert_close(got_dA, want_dA, atol=1e-4, rtol=1e-5, name="dA")
+
     @pytest.mark.parametrize("T", [1, 2, 37, 70])
     def test_causal_conv_matches_reference(nan_outputs, T):
         """Lengths below K-1, inside one token block and across blocks; 150 channels (a partial

@@ -104,6 +104,8 @@ def _mamba_ssm_scan() -> Callable | None:
     mamba_chunk_scan_combined = _import_mamba_ssd()
     if mamba_chunk_scan_combined is None:
         return None
+    from ssmspec.ops.chunk_scan.decay_grad import decay_grad  # Triton: imported where mamba_ssm's kernels are
+
     _keep_autotuning_on_disk(mamba_chunk_scan_combined)
     k = mamba_chunk_scan_combined.__globals__  # ssd_combined's namespace (out of sys.modules again): its kernels
 
@@ -147,12 +149,11 @@ def _mamba_ssm_scan() -> Callable | None:
         dCB = k["_chunk_scan_bwd_dcb"](x, dt_chunks, dA_cumsum, dy, ngroups=groups).to(CB.dtype)
         dB = k["_bmm_chunk_bwd"](C, dCB, residual=dB)
         dC = k["_bmm_chunk_bwd"](B, dCB.transpose(-1, -2), residual=dC)
-        # the gradient of each cumulative decay: the within-chunk products' (stable form), the chunk
-        # state's, and the later outputs' (a reverse cumsum, the chunk end taking the state passing's)
-        ddA_before[..., -1] += ddA_chunk_ends
-        ddA = k["_chunk_scan_bwd_ddAcs_stable"](x, dt_chunks, dA_cumsum, dy, CB)
-        ddA += ddA_from_states + ddA_before.flip([-1]).cumsum(dim=-1).flip([-1])
-        ddt, dA, _ = k["_chunk_cumsum_bwd"](ddA, ddt_chunks, dt, A)
+        # the decay gradients (the within-chunk products' in mamba_ssm's stable form, the chunk
+        # states', the carried states' outputs', the state passing's) to dt's and A's in one launch
+        # where mamba_ssm's own backward takes eight (ops/chunk_scan/decay_grad.py)
+        ddA_within = k["_chunk_scan_bwd_ddAcs_stable"](x, dt_chunks, dA_cumsum, dy, CB)
+        ddt, dA = decay_grad(ddA_within, ddA_before, ddA_from_states, ddA_chunk_ends, ddt_chunks, dt, A)
         return dx, ddt, dA, dB, dC, dD
 
     # The ops' names are in Inductor's on-disk cache keys, their signatures are not: a change of

@@ -74,18 +74,26 @@ def test_the_covering_cases_meet_every_pair_of_values_but_one():
 
 @pytest.mark.parametrize("dstate, headdim, groups, chunk, steps, precision", CASES)
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_kernel_scan_equals_naive(kernel, dstate, headdim, groups, chunk, steps, precision):
+def test_kernel_scan_equals_naive(kernel, dstate, headdim, groups, chunk, steps, precision, initial=False):
+    """Without an initial state, as every Mamba-2 layer trains (mamba_ssm: through the custom ops
+    of training/scan.py, its forward keeping what its backward reads)."""
     from ssmspec.ops.chunk_scan import naive_chunk_scan
 
     scan = KERNELS[kernel]()
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    inputs = scan_inputs(2, steps, 16, headdim, groups, dstate, dtype=dtype, device=DEV)
+    inputs = scan_inputs(2, steps, 16, headdim, groups, dstate, dtype=dtype, device=DEV, initial=initial)
     y_ref, f_ref, g_ref = scan_grads(naive_chunk_scan, inputs, chunk)
     y, f, g = scan_grads(scan, inputs, chunk)
     _close(y, y_ref, dtype, "y")
     _close(f, f_ref, dtype, "final_state")
     for name, got, want in zip(GRAD_NAMES, g, g_ref):
         _close(got, want, dtype, f"d{name}")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_scan_from_an_initial_state_equals_naive(kernel):
+    """From a given state (mamba_ssm: its own `mamba_chunk_scan_combined`, not the training ops)."""
+    test_kernel_scan_equals_naive(kernel, 64, 32, 8, 64, 2048, "bf16", initial=True)
 
 
 def _no_worse_than_reference(got, ref, gold, name, factor=2.0):
