@@ -233,3 +233,42 @@ def test_the_returned_loss_holds_no_autograd_graph():
     loss, _ = _micro(model, StepPlan(False, False, "eager"))(ids, mask)
     assert loss.grad_fn is None and not loss.requires_grad
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)  # the backward ran
+
+
+def test_a_capture_starts_after_cycles_holding_an_earlier_graph_are_collected(monkeypatch):
+    """An earlier autograd graph that only a reference cycle holds keeps the parameters' AccumulateGrad
+    nodes (made on the default stream) alive until the collector runs; a capture then fails on a GPU
+    (every sft run after a machine's first, with Inductor's caches warm: H200, 2026-11-28). The
+    collector runs before each capture: here it is off, and the graph must be gone when capture begins."""
+    import contextlib
+    import gc
+    import types
+    import weakref
+
+    model = tiny_model()
+    ids, mask = torch.randint(0, 64, (2, 9)), torch.ones(2, 9, dtype=torch.bool)
+    alive_at_capture = []
+
+    @contextlib.contextmanager
+    def graph(g):
+        alive_at_capture.append(earlier() is not None)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: types.SimpleNamespace(replay=lambda: None))
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    step = _micro(model, StepPlan(False, True, "auto"))
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        held = model(ids).float().sum()  # a graph through every parameter
+        cycle = [held]
+        cycle.append(cycle)
+        earlier = weakref.ref(held)
+        del held, cycle
+        for _ in range(3):  # two ordinary runs, then the capture
+            step(ids, mask)
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert alive_at_capture == [False] and step.captured == 1

@@ -21,6 +21,7 @@ that decides whether to compile and capture.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -176,6 +177,13 @@ class MicroStep:
                 p.grad = torch.zeros_like(p)
         grads = None if self.owns_grads else [p.grad.data_ptr() for p in params]  # the ones the graph must add into
         static_ids, static_mask = ids.clone(), mask.clone()
+        # An earlier run's autograd graph that only a reference cycle holds lives until the collector
+        # next runs, and with it the parameters' AccumulateGrad nodes of the default stream: the
+        # capture fails on them (torch warns of their stream first). H200, 2026-11-28: the three sft
+        # runs after a machine's first (Inductor's caches warm, far fewer allocations to trigger the
+        # collector) gave their captures up with that warning (57-58k against 249k tokens/s); with
+        # this collection the two warm runs since captured (250k).
+        gc.collect()
         torch.cuda.synchronize(ids.device)
         torch.cuda.empty_cache()  # the warm-up runs' blocks, for the graph's own pool
         graph = torch.cuda.CUDAGraph()
