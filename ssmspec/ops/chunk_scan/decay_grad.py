@@ -81,6 +81,7 @@ def decay_grad(within, from_outputs, from_states, chunk_ends, ddt_chunks, dt, A)
             raise ValueError(f"decay_grad: {name} is {tuple(t.shape)} {t.dtype}, expected {want} float32")
     if dt.stride(-1) != 1:
         dt = dt.contiguous()
+    A = A.float().contiguous()
     within, from_outputs, from_states, chunk_ends, ddt_chunks = (
         t.contiguous() for t in (within, from_outputs, from_states, chunk_ends, ddt_chunks))
     ddt = torch.empty(batch, T, heads, device=dt.device, dtype=torch.float32)
