@@ -1,0 +1,148 @@
+"""A/B of training speed between git revisions: whole `ssmspec sft` runs, alternating, one machine.
+
+Purpose: measure a training-speed change the way docs/BENCHMARKS.md reports one: each revision's
+`ssmspec sft` as a whole process (compiles, autotuning and the CUDA graph capture included; tokens/s
+as its log.jsonl reports them), revisions alternating round by round so drift falls on all of them.
+The command is the issue-26 speed test's (tests/gpu/test_training_speed_gpu.py): the mamba2-130m
+shape, 16 x 512 tokens a step, bf16, on the stdlib corpus of `recipes/tools/make_corpus`.
+Hardware: one GPU (the device tool), with mamba_ssm's sources importable for its training scan.
+Expected time: a machine's first run 2-3 min (compiles, autotuning), each later one about 45 s at
+200 steps (the caches on disk).
+Usage: python bench/train_ab.py OUT REV [REV ...] [--rounds 2] [--steps 200] [--preset mamba2-130m]
+REV: a commit or branch, or "." for the working tree. Each is exported under OUT/src and run as a
+package of its own (PYTHONPATH, from OUT: never this checkout's); a table is printed last and kept in
+OUT/train_ab.json with every run's command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def export(rev: str, dest: Path) -> None:
+    """The tree of `rev` (or of the working tree, for ".") as files under dest."""
+    if rev == ".":
+        files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, check=True,
+                               capture_output=True, text=True).stdout.split("\n")
+        for name in filter(None, files):
+            if (REPO / name).is_file():
+                (dest / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(REPO / name, dest / name)
+        return
+    with tempfile.TemporaryFile() as archive:
+        subprocess.run(["git", "archive", rev], cwd=REPO, check=True, stdout=archive)
+        archive.seek(0)
+        with tarfile.open(fileobj=archive) as tar:
+            tar.extractall(dest, filter="data")
+
+
+def package(tree: Path, dest: Path) -> None:
+    """The importable package of an exported tree: its directories placed as pyproject's package-dir maps them."""
+    mapping = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for name in sorted(mapping, key=len):  # parents first: ssmspec, then ssmspec.training into it
+        shutil.copytree(tree / mapping[name], dest / name.replace(".", "/"), dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+
+
+def corpus(work: Path, megabytes: int, vocab: int) -> tuple[Path, Path]:
+    """The speed test's corpus (8 MB of the standard library) and its 8192-token tokenizer, made once."""
+    data, tokenizer = work / "corpus", work / "tokenizer"
+    if not tokenizer.exists():
+        make = [sys.executable, "-m", "recipes.tools.make_corpus"]
+        subprocess.run([*make, "corpus", str(data), "--megabytes", str(megabytes)], cwd=REPO, check=True,
+                       capture_output=True)
+        subprocess.run([*make, "tokenizer", str(data), str(tokenizer), "--vocab", str(vocab)], cwd=REPO, check=True,
+                       capture_output=True)
+    return data, tokenizer
+
+
+def check_imports_from(pkg: Path) -> None:
+    """Exit unless `ssmspec` (its training package too) imports from pkg under the runs' PYTHONPATH."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(pkg), os.environ.get("PYTHONPATH")]))}
+    found = subprocess.run([sys.executable, "-c", "import ssmspec.training as t; print(t.__file__)"], cwd=pkg,
+                           env=env, capture_output=True, text=True).stdout.strip()
+    if not found.startswith(str(pkg)):
+        sys.exit(f"train_ab: ssmspec imports from {found or 'nowhere'}, not {pkg}")
+
+
+def sft(pkg: Path, out: Path, data: Path, tokenizer: Path, args) -> dict:
+    """One `ssmspec sft` run from pkg; what its log.jsonl says."""
+    command = [sys.executable, "-m", "ssmspec", "sft", "--out", str(out), "--overwrite", "--dtype", "bf16",
+               "--eval-every", "0", "--no-final-eval", "--save-every", "0", "--student-preset", args.preset,
+               "--data", str(data), "--tokenizer", str(tokenizer), "--steps", str(args.steps),
+               "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--lr", "1.5e-3",
+               "--log-every", "10", *args.extra]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(pkg), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(command, cwd=out.parent, env=env, capture_output=True, text=True)
+    (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1], "command": command}
+    events = [json.loads(line) for line in open(out / "log.jsonl")]
+    end = next(e for e in events if e["event"] == "end")
+    losses = [e["loss"] for e in events if e["event"] == "step"]
+    return {"tokens_per_s": end["throughput"]["tokens_per_s"], "mfu": end["throughput"]["mfu"],
+            "peak_memory_gb": end["throughput"].get("peak_memory_gb"), "step_mode": end["step_mode"],
+            "last_losses": losses[-3:], "messages": [e["text"] for e in events if e["event"] == "message"],
+            "command": command}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("revs", nargs="+", help='commits or branches; "." for the working tree')
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--preset", default="mamba2-130m")
+    parser.add_argument("--megabytes", type=int, default=8, help="of corpus")
+    parser.add_argument("--vocab", type=int, default=8192, help="tokens of the corpus's tokenizer")
+    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `ssmspec sft` options, last")
+    args = parser.parse_args(argv)
+    out = args.out.resolve()
+    names = {rev: f"{i}-{rev.replace('/', '_') if rev != '.' else 'worktree'}" for i, rev in enumerate(args.revs)}
+    for rev, name in names.items():
+        tree, pkg = out / "src" / name, out / "pkg" / name
+        shutil.rmtree(tree, ignore_errors=True), shutil.rmtree(pkg, ignore_errors=True)
+        tree.mkdir(parents=True), pkg.mkdir(parents=True)
+        export(rev, tree)
+        package(tree, pkg)
+        check_imports_from(pkg)
+    data, tokenizer = corpus(out / "data", args.megabytes, args.vocab)
+    runs = []
+    for round_ in range(1, args.rounds + 1):
+        for rev, name in names.items():
+            result = sft(out / "pkg" / name, out / "runs" / f"{name}-{round_}", data, tokenizer, args)
+            runs.append({"rev": rev, "round": round_, **result})
+            shown = result.get("error") or (f"{result['tokens_per_s']:,.0f} tokens/s, {result['step_mode'].get('mode')}, "
+                                            f"peak {result['peak_memory_gb'] or 0:.2f} GB")
+            print(f"round {round_} {rev}: {shown}", flush=True)
+    (out / "train_ab.json").write_text(json.dumps({"args": vars(args) | {"out": str(out)}, "runs": runs}, indent=1,
+                                                  default=str))
+    print(f"\n{'revision':28s} {'tokens/s (runs)':40s} {'median':>10s} {'vs first':>9s}  captured")
+    first = None
+    for rev in names:
+        mine = [r for r in runs if r["rev"] == rev and "tokens_per_s" in r]
+        speeds = [r["tokens_per_s"] for r in mine]
+        median = statistics.median(speeds) if speeds else float("nan")
+        first = median if first is None else first
+        captured = sum(r["step_mode"].get("graphs_captured", 0) > 0 for r in mine)
+        print(f"{rev:28s} {', '.join(f'{s:,.0f}' for s in speeds):40s} {median:>10,.0f} {median / first:>8.3f}x  "
+              f"{captured} of {len(mine)}")
+    return 0 if all("tokens_per_s" in r for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
