@@ -9,8 +9,9 @@ Hardware: one GPU (the device tool), with mamba_ssm's sources importable for its
 Expected time: a machine's first run 2-3 min (compiles, autotuning), each later one about 45 s at
 200 steps (the caches on disk).
 Usage: python bench/train_ab.py OUT REV [REV ...] [--rounds 2] [--steps 200] [--preset mamba2-130m]
-REV: a commit or branch, or "." for the working tree. Each is exported under OUT/src and run as a
-package of its own (PYTHONPATH, from OUT: never this checkout's); a table is printed last and kept in
+REV: a commit or branch, "." for the working tree, or a directory holding such a tree (`git archive
+REV | tar -x -C DIR` made where the history is: the device machine gets a work tree without it). Each
+is exported under OUT/src and run as a package of its own (PYTHONPATH, from OUT: never this checkout's); a table is printed last and kept in
 OUT/train_ab.json with every run's command.
 """
 from __future__ import annotations
@@ -31,7 +32,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def export(rev: str, dest: Path) -> None:
-    """The tree of `rev` (or of the working tree, for ".") as files under dest."""
+    """The tree of `rev` (the working tree for ".", a directory's files for a directory) as files under dest."""
+    if rev != "." and Path(rev).is_dir():
+        shutil.copytree(rev, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__", ".git"))
+        return
     if rev == ".":
         files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, check=True,
                                capture_output=True, text=True).stdout.split("\n")
@@ -112,7 +116,7 @@ def main(argv=None) -> int:
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `ssmspec sft` options, last")
     args = parser.parse_args(argv)
     out = args.out.resolve()
-    names = {rev: f"{i}-{rev.replace('/', '_') if rev != '.' else 'worktree'}" for i, rev in enumerate(args.revs)}
+    names = {rev: f"{i}-{Path(rev).name if rev != '.' else 'worktree'}" for i, rev in enumerate(args.revs)}
     for rev, name in names.items():
         tree, pkg = out / "src" / name, out / "pkg" / name
         shutil.rmtree(tree, ignore_errors=True), shutil.rmtree(pkg, ignore_errors=True)
