@@ -71,11 +71,15 @@ def corpus(work: Path, megabytes: int, vocab: int) -> tuple[Path, Path]:
     return data, tokenizer
 
 
+def env_of(pkg: Path) -> dict:
+    """This process's environment with pkg first on PYTHONPATH (mamba_ssm's sources, if there, after it)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(pkg), os.environ.get("PYTHONPATH")]))}
+
+
 def check_imports_from(pkg: Path) -> None:
     """Exit unless `ssmspec` (its training package too) imports from pkg under the runs' PYTHONPATH."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(pkg), os.environ.get("PYTHONPATH")]))}
     found = subprocess.run([sys.executable, "-c", "import ssmspec.training as t; print(t.__file__)"], cwd=pkg,
-                           env=env, capture_output=True, text=True).stdout.strip()
+                           env=env_of(pkg), capture_output=True, text=True).stdout.strip()
     if not found.startswith(str(pkg)):
         sys.exit(f"train_ab: ssmspec imports from {found or 'nowhere'}, not {pkg}")
 
@@ -88,8 +92,7 @@ def sft(pkg: Path, out: Path, data: Path, tokenizer: Path, args) -> dict:
                "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--lr", "1.5e-3",
                "--log-every", "10", *args.extra]
     out.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(pkg), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(command, cwd=out.parent, env=env, capture_output=True, text=True)
+    proc = subprocess.run(command, cwd=out.parent, env=env_of(pkg), capture_output=True, text=True)
     (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1], "command": command}
@@ -119,8 +122,9 @@ def main(argv=None) -> int:
     names = {rev: f"{i}-{Path(rev).name if rev != '.' else 'worktree'}" for i, rev in enumerate(args.revs)}
     for rev, name in names.items():
         tree, pkg = out / "src" / name, out / "pkg" / name
-        shutil.rmtree(tree, ignore_errors=True), shutil.rmtree(pkg, ignore_errors=True)
-        tree.mkdir(parents=True), pkg.mkdir(parents=True)
+        for folder in (tree, pkg):
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
         export(rev, tree)
         package(tree, pkg)
         check_imports_from(pkg)
