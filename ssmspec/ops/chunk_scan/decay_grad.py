@@ -60,7 +60,9 @@ def _decay_grad_kernel(within_ptr, outputs_ptr, states_ptr, ends_ptr, ddt_chunks
     ddA = tl.cumsum(to_cumulative, axis=1, reverse=True)
     ddA += tl.load(within_ptr + at, mask=whole, other=0.0) + tl.load(states_ptr + at, mask=whole, other=0.0)
     t = c * Q + offs_q
-    valid = mh[:, None] & (t < T)[None, :]
+    # Slots past Q (BQ > Q when the chunk is no power of two) hold the next chunk's times: written
+    # here, they would race with that chunk's program.
+    valid = mh[:, None] & ((offs_q < Q) & (t < T))[None, :]
     A = tl.load(A_ptr + offs_h, mask=mh, other=0.0).to(tl.float32)
     ddt = ddA * A[:, None] + tl.load(ddt_chunks_ptr + at, mask=valid, other=0.0)
     tl.store(ddt_ptr + b * sgb + t[None, :] * sgt + offs_h[:, None], ddt, mask=valid)
