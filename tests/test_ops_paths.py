@@ -3,6 +3,9 @@ the per-op choice, the model-level choices and `explain` (the one-launch kernels
 tests/test_stream_layers.py)."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from helpers import kernel_shaped_model, tiny_model
@@ -103,3 +106,28 @@ def test_explain_names_each_op_and_the_model_paths():
     assert "verify (16 nodes): triton (needs CUDA)" in lines
     assert "verify (64 nodes), in_proj: one GEMM (the skinny GEMM does not take both halves)" in lines \
         or "verify (64 nodes), in_proj: one GEMM (needs CUDA)" in lines
+
+
+def test_the_constant_mark_is_torch_compilers():
+    """paths marks _kernel_imports as torch.compiler.assume_constant_result does, without the
+    decorator's import of torch._dynamo: a torch that marks otherwise fails here, not silently."""
+    def ours():
+        pass
+
+    def torchs():
+        pass
+
+    paths._assume_constant_result(ours)
+    torch.compiler.assume_constant_result(torchs)
+    assert vars(ours) == vars(torchs) == {"_dynamo_marked_constant": True}
+
+
+def test_a_command_that_loads_a_hybrid_model_does_not_import_dynamo():
+    """torch._dynamo costs about 2 s of a command's start; loading a hybrid model (meta device,
+    RoPE frequencies) and choosing its code paths must not import it."""
+    probe = ("import sys\nimport torch\nfrom ssmspec.cli import app\nfrom ssmspec.models.presets import preset_config\n"
+             "from ssmspec.models.loading.allocate import empty_model\nfrom ssmspec.ops import paths\n"
+             "model = empty_model(preset_config('tiny-hybrid'))\nprint(paths.explain(model, torch.device('cpu')))\n"
+             "print('dynamo', 'torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "dynamo False", out

@@ -76,7 +76,12 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d_in, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, d_model, bias=cfg.out_bias)
         if cfg.rotary_dim:
-            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float32) / cfg.rotary_dim))
+            if torch.get_default_device().type == "meta":
+                # loading.allocate.empty_model rebuilds it; arithmetic on meta tensors would import
+                # torch._dynamo (about 2 s of every command that loads a hybrid model)
+                inv_freq = torch.empty((cfg.rotary_dim + 1) // 2)
+            else:
+                inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float32) / cfg.rotary_dim))
             self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def new_cache(self, batch: int, max_len: int, device, dtype) -> AttentionLayerCache:

@@ -90,7 +90,15 @@ def _import_kernel(op: str) -> tuple[Callable | None, str | None]:
         return None, f"the Triton kernel does not import ({type(e).__name__}: {e})"
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn: Callable) -> Callable:
+    """torch.compiler.assume_constant_result's mark, set without importing torch._dynamo: that
+    import costs 1.3 s at every command's start (most never compile); Dynamo reads the mark when
+    it traces a caller, loaded by then. tests/test_ops_paths.py checks the mark is the decorator's."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def _kernel_imports(op: str) -> bool:
     """Whether the Triton kernel of `op` imports (importing it). torch.compile runs this for real
     while it traces a caller and takes the answer as a constant: importlib cannot be traced, and
