@@ -322,8 +322,15 @@ def _ssmspec(*args, **kwargs):
     return subprocess.Popen([*cmd, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, **kwargs)
 
 
+def _sigint_by_default() -> None:
+    """In the child before exec: Ctrl-C's default action. A shell starts background jobs with SIGINT
+    ignored, their children inherit that, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_in_generate_prints_the_partial_output_and_exits_130(files):
-    proc = _ssmspec("generate", "--target", files / "target", "--prompt", "hello", "--max-new-tokens", 100_000)
+    proc = _ssmspec("generate", "--target", files / "target", "--prompt", "hello", "--max-new-tokens", 100_000,
+                    preexec_fn=_sigint_by_default)
     first = proc.stdout.read1(64)  # the first streamed text: generation is under way
     assert first, proc.stderr.read().decode()
     time.sleep(0.2)
