@@ -67,6 +67,20 @@ def _deterministic():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _programs_write_apart(monkeypatch):
+    """Under Triton's interpreter (the kernel tests' child runs): no two programs of a launch may
+    store to one element (helpers.check_programs_write_apart)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    import helpers
+
+    last_check = helpers.check_programs_write_apart(monkeypatch)
+    yield
+    last_check()
+
+
 @pytest.fixture
 def nan_outputs(monkeypatch):
     """Outputs that the kernels allocate start as NaN, so an unwritten lane fails assert_close."""

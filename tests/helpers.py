@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -217,3 +218,55 @@ def assert_caches_equal(a, b):
             for row, length in enumerate(a.seqlen.tolist()):  # only the valid prefix is meaningful
                 assert_close(ca.keys[row, :, :length], cb.keys[row, :, :length], atol=1e-5, name=f"layer {i} keys")
                 assert_close(ca.values[row, :, :length], cb.values[row, :, :length], atol=1e-5, name=f"layer {i} values")
+
+
+def check_programs_write_apart(monkeypatch) -> Callable[[], None]:
+    """In Triton's interpreter: fail when two programs of one launch store to one element.
+
+    The interpreter runs a launch's programs one after another, so a program that writes another's
+    elements goes unseen whenever the rightful owner runs later; on a GPU it is a race (the SSD
+    decay gradients' padding slots, found on an H200 on 11-28). Each store is recorded with its
+    program; a launch's records are checked when the next launch begins and by the returned
+    function. Atomic stores may share elements (they are the way to). Returns the last check."""
+    import numpy as np
+    from triton.runtime.interpreter import InterpreterBuilder as builder
+
+    program, stores = [None], []
+
+    def check() -> None:
+        recorded = stores[:]
+        stores.clear()
+        if len(recorded) < 2:
+            return
+        addresses = np.concatenate([a for a, _ in recorded])
+        programs = np.concatenate([np.full(a.size, p) for a, p in recorded])
+        order = np.lexsort((programs, addresses))
+        addresses, programs = addresses[order], programs[order]
+        clash = np.flatnonzero((addresses[1:] == addresses[:-1]) & (programs[1:] != programs[:-1]))
+        if clash.size:
+            i = clash[0]
+            raise AssertionError(f"programs {programs[i]} and {programs[i + 1]} of one launch (numbered along the "
+                                 f"grid, last axis fastest) both store to one element ({clash.size} such stores)")
+
+    set_grid_dim, set_grid_idx, masked_store = builder.set_grid_dim, builder.set_grid_idx, builder.create_masked_store
+
+    def on_launch(self, nx, ny, nz):
+        check()
+        set_grid_dim(self, nx, ny, nz)
+
+    def on_program(self, x, y, z):
+        program[0] = (x * self.grid_dim[1] + y) * self.grid_dim[2] + z
+        set_grid_idx(self, x, y, z)
+
+    def on_store(self, ptrs, value, mask, cache_policy):
+        stores.append((ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)].ravel(), program[0]))
+        return masked_store(self, ptrs, value, mask, cache_policy)
+
+    def on_atomic_store(self, ptr, val, mask, sem, scope):
+        return masked_store(self, ptr, val, mask, None)
+
+    monkeypatch.setattr(builder, "set_grid_dim", on_launch)
+    monkeypatch.setattr(builder, "set_grid_idx", on_program)
+    monkeypatch.setattr(builder, "create_masked_store", on_store)
+    monkeypatch.setattr(builder, "create_atomic_store", on_atomic_store)
+    return check
