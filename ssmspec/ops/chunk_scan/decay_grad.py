@@ -62,7 +62,7 @@ def _decay_grad_kernel(within_ptr, outputs_ptr, states_ptr, ends_ptr, ddt_chunks
     t = c * Q + offs_q
     # Slots past Q (BQ > Q when the chunk is no power of two) hold the next chunk's times: written
     # here, they would race with that chunk's program.
-    valid = mh[:, None] & ((offs_q < Q) & (t < T))[None, :]
+    valid = whole & (t < T)[None, :]
     A = tl.load(A_ptr + offs_h, mask=mh, other=0.0).to(tl.float32)
     ddt = ddA * A[:, None] + tl.load(ddt_chunks_ptr + at, mask=valid, other=0.0)
     tl.store(ddt_ptr + b * sgb + t[None, :] * sgt + offs_h[:, None], ddt, mask=valid)
