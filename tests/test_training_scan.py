@@ -194,9 +194,30 @@ else:
         """The shapes compilation is told (the ops' fake functions: y, the final state, the tensors
         the forward keeps for the backward) are those of the kernels' outputs, whatever the length."""
         _interpretable_mamba_ssm()
-        inputs = [t.detach() for t in scan_inputs(2, steps, 6, 16, 2, 16, initial=False)[:6]]
-        torch.library.opcheck(torch.ops.ssmspec_mamba_ssd.ssd_fwd.default, (*inputs, 16),
+        x, dt, A, B, C, D = [t.detach() for t in scan_inputs(2, steps, 6, 16, 2, 16, initial=False)[:6]]
+        xBC = torch.cat([x.flatten(-2), B.flatten(-2), C.flatten(-2)], dim=-1)
+        torch.library.opcheck(torch.ops.ssmspec_mamba_ssd_packed.ssd_fwd.default, (xBC, dt, A, D, 16, 16, 2),
                               test_utils=("test_schema", "test_faketensor"))
+
+    @pytest.mark.parametrize("steps", [1, 40, 130])
+    def test_mamba_ssm_on_the_conv_output_whole_equals_naive(steps):
+        """`packed`, the mixer's route in training: [x | B | C] in, its gradient written whole (here
+        split back into the parts' by the join's backward)."""
+        from ssmspec.ops.chunk_scan import naive_chunk_scan
+
+        scan = _interpretable_mamba_ssm()
+
+        def packed(x, dt, A, B, C, D, chunk_size, initial_state):
+            xBC = torch.cat([x.flatten(-2), B.flatten(-2), C.flatten(-2)], dim=-1)
+            return scan.packed(xBC, dt, A, D, chunk_size, x.shape[-1], B.shape[-2])
+
+        inputs = scan_inputs(1, steps, 4, 16, 2, 16, initial=False)
+        y_ref, f_ref, g_ref = scan_grads(naive_chunk_scan, inputs, 16)
+        y, f, g = scan_grads(packed, inputs, 16)
+        assert_close(y, y_ref, atol=1e-4, rtol=1e-4, name="y")
+        assert_close(f, f_ref, atol=1e-4, rtol=1e-4, name="final_state")
+        for name, got, want in zip(GRAD_NAMES, g, g_ref):
+            assert_close(got, want, atol=2e-4, rtol=2e-4, name=f"d{name}")
 
     def test_fla_scan_without_initial_state_or_D():
         from ssmspec.ops.chunk_scan import naive_chunk_scan

@@ -17,10 +17,13 @@ def _naive_forward(x, dt, A, B, C, D, chunk_size):
     return naive_chunk_scan(x, dt, A, B, C, D, chunk_size)
 
 
-def _naive_backward(dy, dfinal, x, dt, A, B, C, D, kept, chunk_size):
+def _naive_backward(dy, dfinal, x, dt, A, B, C, D, kept, chunk_size, out):
     # torch.func, not autograd: a custom op's body runs with autograd's dispatch keys switched off
     (_, final), pullback = torch.func.vjp(lambda *inputs: naive_chunk_scan(*inputs, chunk_size), x, dt, A, B, C, D)
-    return pullback((dy, torch.zeros_like(final) if dfinal is None else dfinal))
+    dx, ddt, dA, dB, dC, dD = pullback((dy, torch.zeros_like(final) if dfinal is None else dfinal))
+    for view, grad in zip(out, (dx, dB, dC)):  # the views of one [dx | dB | dC] tensor
+        view.copy_(grad)
+    return ddt, dA, dD
 
 
 def _op_scan():
@@ -30,6 +33,7 @@ def _op_scan():
         assert initial_state is None
         return through_ops(x, dt, A, B, C, D, chunk_size)
 
+    scan.packed = through_ops.packed
     return scan
 
 
@@ -57,9 +61,9 @@ def _keeping_forward(x, dt, A, B, C, D, chunk_size):
 _KEPT = []  # what the backward below was given as kept, call by call
 
 
-def _keeping_backward(dy, dfinal, x, dt, A, B, C, D, kept, chunk_size):
+def _keeping_backward(dy, dfinal, x, dt, A, B, C, D, kept, chunk_size, out):
     _KEPT.append(kept)
-    return _naive_backward(dy, dfinal, x, dt, A, B, C, D, kept, chunk_size)
+    return _naive_backward(dy, dfinal, x, dt, A, B, C, D, kept, chunk_size, out)
 
 
 def _kept_shapes(x, dt, A, B, C, D, chunk_size):
@@ -113,16 +117,31 @@ def _loss_and_grads(model, forward, ids):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_a_model_through_the_ops_compiles_to_one_graph_with_the_same_gradients(monkeypatch):
+@pytest.mark.parametrize("packed", [False, True], ids=["views", "conv output whole"])
+def test_a_model_through_the_ops_compiles_to_one_graph_with_the_same_gradients(monkeypatch, packed):
+    """The layers' scan through the ops, given x, B and C (joined first) or the conv's output whole
+    (as `training_scan` routes mamba_ssm's: its gradient written whole)."""
     from ssmspec.ops import dispatch
 
     model = _tiny_model()
     ids = torch.randint(0, 64, (2, 41), generator=torch.Generator().manual_seed(0))
     loss_ref, grads_ref = _loss_and_grads(model, model, ids)
-    monkeypatch.setattr(dispatch, "chunk_scan", _op_scan())
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(model)(ids[:, :-1])
-    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    scan = _op_scan()
+    monkeypatch.setattr(dispatch, "chunk_scan", scan)
+    monkeypatch.setattr(dispatch, "packed_chunk_scan", scan.packed if packed else None)
+    def traced_ops():
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(ids[:, :-1])
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+        return [str(node.target) for graph in explained.graphs for node in graph.graph.nodes]
+
+    ops = traced_ops()
+    assert ops.count("ssmspec_test_naive.ssd_fwd.default") == 2, ops
+    if packed:  # x, B and C are not joined before each layer's scan
+        monkeypatch.setattr(dispatch, "packed_chunk_scan", None)
+        joined = sum("method cat" in op for op in traced_ops())
+        monkeypatch.setattr(dispatch, "packed_chunk_scan", scan.packed)
+        assert sum("method cat" in op for op in ops) == joined - 2, ops
     loss, grads = _loss_and_grads(model, torch.compile(model, backend="aot_eager", fullgraph=True), ids)
     assert_close(loss, loss_ref, atol=1e-5, rtol=1e-5, name="loss")
     for name in grads_ref:

@@ -28,6 +28,9 @@ class TrainingScan:
     reason: str
     fn: Callable
     traceable: bool = False  # torch.compile can trace fn (custom ops inside); else it runs as one disabled call
+    packed: Callable | None = None
+    """The same scan on the conv's output [x | B | C] whole: (xBC, dt, A, D, chunk_size, head_dim, groups) ->
+    (y, final), from zero state with D, its gradient of xBC whole (no copy assembling it from three); or None."""
 
 
 def _import_mamba_ssd() -> Callable | None:
@@ -131,8 +134,9 @@ def _mamba_ssm_scan() -> Callable | None:
         return [per_chunk, per_chunk, ((batch, chunks, heads, head_dim, d_state), torch.float32),
                 ((batch, chunks, groups, chunk_size, chunk_size), torch.float32)]
 
-    def backward(dy, dfinal, x, dt, A, B, C, D, kept, chunk_size):
+    def backward(dy, dfinal, x, dt, A, B, C, D, kept, chunk_size, out):
         dA_cumsum, dt_chunks, states, CB = kept
+        dx_out, dB_out, dC_out = out  # views of one [dx | dB | dC] tensor
         dy = dy.contiguous()  # the kernels want unit stride along head_dim
         dstates = k["_chunk_scan_bwd_dstates"](C, dA_cumsum, dy, dtype=states.dtype)
         # in: the state entering each chunk, gradient of the state leaving it; out: the gradient of
@@ -142,23 +146,24 @@ def _mamba_ssm_scan() -> Callable | None:
             dfinal_states=None if dfinal is None else dfinal.flatten(-2), has_initial_states=False,
             dstates_dtype=x.dtype, states_dtype=x.dtype)
         states, dstates = (t.unflatten(-1, (x.shape[-1], B.shape[-1])) for t in (states, dstates))
-        dx, ddt_chunks, dD = k["_chunk_scan_chunk_state_bwd_dx"](x, dt_chunks, dA_cumsum, B, CB, dy, dstates, D=D)
+        _, ddt_chunks, dD = k["_chunk_scan_chunk_state_bwd_dx"](x, dt_chunks, dA_cumsum, B, CB, dy, dstates, D=D,
+                                                                 dx=dx_out)
         groups = B.shape[-2]
         dB, ddA_from_states = k["_chunk_state_bwd_db"](x, dt_chunks, dA_cumsum, dstates, B=B, ngroups=groups)
         dC, ddA_before = k["_chunk_scan_bwd_dC"](states, dA_cumsum, dy, C=C, ngroups=groups)
         dCB = k["_chunk_scan_bwd_dcb"](x, dt_chunks, dA_cumsum, dy, ngroups=groups).to(CB.dtype)
-        dB = k["_bmm_chunk_bwd"](C, dCB, residual=dB)
-        dC = k["_bmm_chunk_bwd"](B, dCB.transpose(-1, -2), residual=dC)
+        k["_bmm_chunk_bwd"](C, dCB, residual=dB, out=dB_out)
+        k["_bmm_chunk_bwd"](B, dCB.transpose(-1, -2), residual=dC, out=dC_out)
         # the decay gradients (the within-chunk products' in mamba_ssm's stable form, the chunk
         # states', the carried states' outputs', the state passing's) to dt's and A's in one launch
         # where mamba_ssm's own backward takes eight (ops/chunk_scan/decay_grad.py)
         ddA_within = k["_chunk_scan_bwd_ddAcs_stable"](x, dt_chunks, dA_cumsum, dy, CB)
         ddt, dA = decay_grad(ddA_within, ddA_before, ddA_from_states, ddA_chunk_ends, ddt_chunks, dt, A)
-        return dx, ddt, dA, dB, dC, dD
+        return ddt, dA, dD
 
     # The ops' names are in Inductor's on-disk cache keys, their signatures are not: a change of
     # either signature takes a new name, or a graph cached by an earlier version calls the old one.
-    through_ops = scan_ops("ssmspec_mamba_ssd", forward, backward, kept_shapes)
+    through_ops = scan_ops("ssmspec_mamba_ssd_packed", forward, backward, kept_shapes)
     continued = torch.compiler.disable(mamba_chunk_scan_combined)  # from a given state, or without D
 
     def scan(x, dt, A, B, C, D, chunk_size=64, initial_state=None):
@@ -173,6 +178,10 @@ def _mamba_ssm_scan() -> Callable | None:
                              return_final_states=True)
         return y, final.float()
 
+    def packed(xBC, dt, A, D, chunk_size, head_dim, groups):  # a Mamba-2 layer in training, its conv's output whole
+        return through_ops.packed(xBC, dt, A.float(), D, min(chunk_size, MAMBA_SSM_CHUNK), head_dim, groups)
+
+    scan.packed = packed
     return scan
 
 
@@ -201,7 +210,7 @@ def pick_training_scan(choice: str, device: torch.device) -> TrainingScan:
         scan = _mamba_ssm_scan() if on_cuda else None
         if scan is not None:
             return TrainingScan("mamba_ssm:mamba_chunk_scan_combined", "mamba_ssm imports and the device is CUDA", scan,
-                                traceable=True)
+                                traceable=True, packed=scan.packed)
         if choice == "mamba_ssm":
             raise InputError("--scan mamba_ssm asked for, but mamba_ssm is not importable on a GPU here; use --scan parallel or ssmspec")
     if choice == "parallel" or (choice == "auto" and on_cuda):
@@ -226,7 +235,8 @@ def training_scan(choice: str, device: torch.device):
     # and the plain-torch scans (Inductor fails on their cumsums: SplitScan codegen, torch 2.11)
     # as a disabled call, a graph break in every layer.
     dispatch.chunk_scan = picked.fn if picked.traceable else torch.compiler.disable(picked.fn)
+    dispatch.packed_chunk_scan = picked.packed
     try:
         yield picked
     finally:
-        dispatch.chunk_scan = original
+        dispatch.chunk_scan, dispatch.packed_chunk_scan = original, None

@@ -143,8 +143,14 @@ class Mamba2Mixer(nn.Module):
         if cache is not None:  # after the conv has read it: the last K-1 inputs, this call's and before
             tail = with_conv_history(xBC[:, -(K - 1):], state, K)[:, -(K - 1):]
             cache.conv_state.copy_(tail.transpose(1, 2))
-        x, B, C = self._split_conv_out(xBC_conv)
         dt = self._time_step(dt_raw)
+        if cache is None and torch.is_grad_enabled() and dispatch.packed_chunk_scan is not None:
+            # training through a kernel that takes the conv's output whole and gives its gradient
+            # whole: no copy assembling [dx | dB | dC] in the backward (training/scan_op.py)
+            c = self.cfg
+            y, _ = dispatch.packed_chunk_scan(xBC_conv, dt, self.A, self.D, c.chunk_size, c.head_dim, c.n_groups)
+            return self._output(y, z)
+        x, B, C = self._split_conv_out(xBC_conv)
         # without autograd (a distillation target, evaluation, a drafter catching up on 3+ tokens in the
         # host-loop decode): the forward-only kernel; a GPU prefill in decoding goes by ChainPrefill instead
         scan = dispatch.chunk_scan_forward if not torch.is_grad_enabled() and \

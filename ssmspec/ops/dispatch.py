@@ -116,6 +116,11 @@ def advance_positions(seqlen, count, path_len, width, capacity):
     return resolve("advance_positions", seqlen.device)(seqlen, count, path_len, width, capacity)
 
 
+packed_chunk_scan = None
+"""While a run trains through a scan that takes the conv's output whole (training/scan.py `training_scan`):
+(xBC, dt, A, D, chunk_size, head_dim, groups) -> (y, final); else None."""
+
+
 def chunk_scan(x, dt, A, B, C, D, chunk_size=64, initial_state=None):
     return resolve("chunk_scan", x.device)(x, dt, A, B, C, D, chunk_size, initial_state)
 
