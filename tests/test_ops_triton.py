@@ -380,6 +380,34 @@ else:
         assert_close(got_ddt, want_ddt, atol=1e-5, rtol=1e-5, name="ddt")
         assert_close(got_dA, want_dA, atol=1e-4, rtol=1e-5, name="dA")
 
+    @pytest.mark.parametrize("steps,chunk", [(1, 16), (40, 32), (64, 32), (70, 64)])
+    def test_chunk_scan_forward_keeping_matches_reference(nan_outputs, monkeypatch, steps, chunk):
+        """The training forward's kept tensors: the cumulated log-decays and dt per chunk, the state
+        entering each chunk (the final state of the prefix before it), C B^T within each chunk on and
+        below the diagonal blocks (zeros above); y and the final state as `chunk_scan_forward`'s."""
+        from test_training_scan import scan_inputs
+
+        monkeypatch.setattr(CS, "FP32_TILE", (16, 16, 4, 1))
+        x, dt, A, B, C, D, _ = [None if t is None else t.detach() for t in scan_inputs(2, steps, 4, 16, 2, 16)]
+        y, final, cum, dtc, states, CB = CS.chunk_scan_forward_keeping(x, dt, A, B, C, D, chunk)
+        want_y, want_f = naive_chunk_scan(x, dt, A, B, C, D, chunk)
+        assert_close(y, want_y, atol=1e-4, rtol=1e-4, name="y")
+        assert_close(final, want_f, atol=1e-4, rtol=1e-4, name="final state")
+        chunks = -(-steps // chunk)
+        pad = lambda t: torch.nn.functional.pad(t, [0, 0] * (t.dim() - 2) + [0, chunks * chunk - steps])  # noqa: E731
+        dt_chunked = pad(dt).unflatten(1, (chunks, chunk)).permute(0, 3, 1, 2)  # (batch, heads, chunks, chunk)
+        assert_close(dtc, dt_chunked, atol=0, rtol=0, name="dt per chunk")
+        assert_close(cum, (dt_chunked * A[:, None, None]).cumsum(-1), atol=1e-5, rtol=1e-5, name="cumulated decays")
+        for c in range(chunks):
+            entering = naive_chunk_scan(x[:, :c * chunk], dt[:, :c * chunk], A, B[:, :c * chunk], C[:, :c * chunk], D,
+                                        chunk)[1] if c else torch.zeros_like(final)
+            assert_close(states[:, c], entering, atol=1e-4, rtol=1e-4, name=f"state entering chunk {c}")
+        Bc, Cc = (pad(t).unflatten(1, (chunks, chunk)) for t in (B, C))  # (batch, chunks, chunk, groups, d_state)
+        want_CB = torch.einsum("bcign,bcjgn->bcgij", Cc, Bc)
+        lower = (torch.arange(chunk)[:, None] // 16) >= (torch.arange(chunk)[None, :] // 16)  # on or below the blocks
+        assert_close(CB * lower, want_CB * lower, atol=1e-4, rtol=1e-4, name="C B^T")
+        assert torch.all(CB[..., ~lower] == 0)
+
     @pytest.mark.parametrize("T", [1, 2, 37, 70])
     def test_causal_conv_matches_reference(nan_outputs, T):
         """Lengths below K-1, inside one token block and across blocks; 150 channels (a partial

@@ -189,6 +189,27 @@ else:
         for name, got, want in zip(GRAD_NAMES, g, g_ref):
             assert_close(got, want, atol=2e-4, rtol=2e-4, name=f"d{name}")
 
+    @pytest.mark.parametrize("steps,chunk", [(40, 32), (130, 64)])
+    def test_mamba_ssm_backward_after_our_keeping_forward_equals_naive(monkeypatch, steps, chunk):
+        """Chunks our forward serves (multiples of its tile: 16 tokens here) run it, not mamba_ssm's
+        five launches, and mamba_ssm's backward reads what it kept."""
+        from ssmspec.ops.chunk_scan import naive_chunk_scan
+        from ssmspec.ops.chunk_scan import triton as CS
+
+        monkeypatch.setattr(CS, "FP32_TILE", (16, 16, 4, 1))
+        scan = _interpretable_mamba_ssm()
+        calls = []
+        keeping = CS._launch
+        monkeypatch.setattr(CS, "_launch", lambda *a, keep_chunk: calls.append(keep_chunk) or keeping(*a, keep_chunk=keep_chunk))
+        inputs = scan_inputs(1, steps, 4, 16, 2, 16, initial=False)
+        y_ref, f_ref, g_ref = scan_grads(naive_chunk_scan, inputs, chunk)
+        y, f, g = scan_grads(scan, inputs, chunk)
+        assert calls == [chunk]
+        assert_close(y, y_ref, atol=1e-4, rtol=1e-4, name="y")
+        assert_close(f, f_ref, atol=1e-4, rtol=1e-4, name="final_state")
+        for name, got, want in zip(GRAD_NAMES, g, g_ref):
+            assert_close(got, want, atol=2e-4, rtol=2e-4, name=f"d{name}")
+
     @pytest.mark.parametrize("steps", [1, 63, 64, 130])
     def test_mamba_ssm_ops_shape_functions_match_what_the_kernels_return(steps):
         """The shapes compilation is told (the ops' fake functions: y, the final state, the tensors

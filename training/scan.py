@@ -108,6 +108,7 @@ def _mamba_ssm_scan() -> Callable | None:
     if mamba_chunk_scan_combined is None:
         return None
     from ssmspec.ops.chunk_scan.decay_grad import decay_grad  # Triton: imported where mamba_ssm's kernels are
+    from ssmspec.ops.chunk_scan.triton import chunk_scan_forward_keeping, keeping_chunk
 
     _keep_autotuning_on_disk(mamba_chunk_scan_combined)
     k = mamba_chunk_scan_combined.__globals__  # ssd_combined's namespace (out of sys.modules again): its kernels
@@ -119,6 +120,8 @@ def _mamba_ssm_scan() -> Callable | None:
     # 7.70 against 6.45 GB (the states: batch x chunks x heads x head_dim x d_state fp32 a layer;
     # --recompute drops them with the layer's other activations).
     def forward(x, dt, A, B, C, D, chunk_size):
+        if keeping_chunk(chunk_size, x.dtype):  # one launch of ours for mamba_ssm's five below
+            return chunk_scan_forward_keeping(x, dt, A, B, C, D, chunk_size)
         dA_cumsum, dt_chunks = k["_chunk_cumsum_fwd"](dt, A, chunk_size)
         states = k["_chunk_state_fwd"](B, x, dt_chunks, dA_cumsum, states_in_fp32=True)
         states, final = k["_state_passing_fwd"](states.flatten(-2), dA_cumsum[:, :, :, -1])

@@ -24,9 +24,10 @@ FP32_TILE = (32, 32, 4, 1)
 @triton.jit
 def _ssd_forward_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, h0_ptr, y_ptr, hT_ptr,
-    T, H, P, N, heads_per_group,
+    cum_ptr, dtc_ptr, states_ptr, cb_ptr,
+    T, T_END, NC, H, P, N, heads_per_group,
     sxb, sxt, sxh, sdb, sdt, sdh, sBb, sBt, sBg, sCb, sCt, sCg,
-    HAS_D: tl.constexpr, HAS_H0: tl.constexpr, IEEE: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_H0: tl.constexpr, IEEE: tl.constexpr, KEEP: tl.constexpr, SUBS: tl.constexpr,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr,
 ):
     bh = tl.program_id(0)
@@ -47,7 +48,10 @@ def _ssd_forward_kernel(
     else:
         S = tl.zeros((BP, BN), tl.float32)
     causal = offs_q[:, None] >= offs_q[None, :]
-    for start in tl.range(0, T, Q, num_stages=STAGES):
+    chunk_cum = tl.sum(tl.zeros((Q,), tl.float32), 0)  # KEEP: the log-decay from the kept chunk's start
+    keeps_rows = tl.program_id(1) == 0  # KEEP: one program of each head writes its per-token rows
+    keeps_cb = keeps_rows & (h % heads_per_group == 0)  # and one of each group C B^T
+    for start in tl.range(0, T_END, Q, num_stages=STAGES):
         t = start + offs_q
         mt = t < T
         dt = tl.load(dt_ptr + b * sdb + t * sdt + h * sdh, mask=mt, other=0.0).to(tl.float32)  # 0 past T: no decay
@@ -60,6 +64,29 @@ def _ssd_forward_kernel(
         Cq = tl.load(C_ptr + b * sCb + t[:, None] * sCt + g * sCg + offs_n[None, :], mask=mt[:, None] & mn[None, :],
                      other=0.0)
         scores = tl.dot(Cq, tl.trans(Bq), input_precision=input_precision)  # (Q, Q): C_i . B_j
+        if KEEP:  # what mamba_ssm's backward reads, per kept chunk of SUBS * Q tokens
+            sub = (start // Q) % SUBS
+            c = start // (Q * SUBS)
+            if sub == 0:
+                chunk_cum = chunk_cum * 0.0
+                tl.store(states_ptr + (((b * NC + c) * H + h) * P + offs_p[:, None]) * N + offs_n[None, :], S,
+                         mask=mp[:, None] & mn[None, :])  # the state entering the chunk
+            if keeps_rows:
+                row = ((b * H + h) * NC + c) * (Q * SUBS) + sub * Q + offs_q
+                tl.store(cum_ptr + row, chunk_cum + cum)
+                tl.store(dtc_ptr + row, dt)
+            if keeps_cb:
+                block = ((b * NC + c) * (H // heads_per_group) + g) * (Q * SUBS) * (Q * SUBS) \
+                    + (sub * Q + offs_q[:, None]) * (Q * SUBS) + offs_q[None, :]
+                tl.store(cb_ptr + block + sub * Q, scores)
+                for r in tl.static_range(SUBS - 1):  # C here against B earlier in the chunk; B later against C here: 0
+                    if r < sub:
+                        tb = c * Q * SUBS + r * Q + offs_q
+                        Br = tl.load(B_ptr + b * sBb + tb[:, None] * sBt + g * sBg + offs_n[None, :],
+                                     mask=(tb < T)[:, None] & mn[None, :], other=0.0)
+                        tl.store(cb_ptr + block + r * Q, tl.dot(Cq, tl.trans(Br), input_precision=input_precision))
+                        tl.store(cb_ptr + block + (r - sub) * Q * (Q * SUBS) + sub * Q, tl.zeros((Q, Q), tl.float32))
+            chunk_cum += total
         decay = tl.where(causal, tl.exp(cum[:, None] - cum[None, :]), 0.0) * dt[None, :]
         y = tl.dot((scores * decay).to(x.dtype), x, input_precision=input_precision)  # within the chunk
         y += tl.dot(Cq, tl.trans(S.to(Cq.dtype)), input_precision=input_precision) * tl.exp(cum)[:, None]  # from before
@@ -76,6 +103,27 @@ def chunk_scan_forward(x, dt, A, B, C, D=None, chunk_size: int = 64, initial_sta
     """`naive_chunk_scan`'s outputs without its autograd: y (B, T, H, P) in x's dtype and the final
     state (B, H, P, S) in fp32. x, B, C with unit stride in their last dim (any other strides);
     chunk_size is accepted for the contract and not used (see the module's docstring)."""
+    y, final, _ = _launch(x, dt, A, B, C, D, initial_state, keep_chunk=None)
+    return y, final
+
+
+def keeping_chunk(chunk_size: int, dtype: torch.dtype) -> bool:
+    """Whether `chunk_scan_forward_keeping` serves chunks of chunk_size (a multiple of its tile's tokens)."""
+    Q = (FP32_TILE if dtype == torch.float32 else TILE)[0]
+    return chunk_size >= Q and chunk_size % Q == 0
+
+
+def chunk_scan_forward_keeping(x, dt, A, B, C, D, chunk_size: int):
+    """The training forward from zero state: y, the final state, and what mamba_ssm's SSD backward
+    reads, for chunks of chunk_size (`keeping_chunk`): the log-decays cumulated within each chunk
+    and dt (B, H, chunks, chunk_size) fp32, the state entering each chunk (B, chunks, H, P, S) fp32,
+    and C B^T within each chunk (B, chunks, G, chunk_size, chunk_size) fp32 (above the diagonal
+    blocks: zeros; the backward reads its lower triangle)."""
+    y, final, kept = _launch(x, dt, A, B, C, D, None, keep_chunk=chunk_size)
+    return y, final, *kept
+
+
+def _launch(x, dt, A, B, C, D, initial_state, keep_chunk):
     batch, T, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
     if H % G or C.shape != B.shape or dt.shape != (batch, T, H) or A.shape != (H,):
@@ -87,12 +135,23 @@ def chunk_scan_forward(x, dt, A, B, C, D=None, chunk_size: int = 64, initial_sta
     h0 = initial_state.float().contiguous() if initial_state is not None else final
     Q, bp, warps, stages = FP32_TILE if x.dtype == torch.float32 else TILE
     bp = min(bp, max(16, triton.next_power_of_2(P)))
+    if keep_chunk is not None:
+        if not keeping_chunk(keep_chunk, x.dtype):
+            raise ValueError(f"chunk_scan_forward_keeping: chunks of {keep_chunk} are not a multiple of {Q}")
+        chunks = -(-T // keep_chunk)
+        f32 = dict(device=x.device, dtype=torch.float32)
+        kept = [torch.empty(batch, H, chunks, keep_chunk, **f32), torch.empty(batch, H, chunks, keep_chunk, **f32),
+                torch.empty(batch, chunks, H, P, N, **f32), torch.empty(batch, chunks, G, keep_chunk, keep_chunk, **f32)]
+        end, subs = chunks * keep_chunk, keep_chunk // Q
+    else:
+        kept, chunks, end, subs = [final] * 4, 1, T, 1
     _ssd_forward_kernel[(batch * H, triton.cdiv(P, bp))](
-        x, dt, A, B, C, D if D is not None else A, h0, y, final,
-        T, H, P, N, H // G,
+        x, dt, A, B, C, D if D is not None else A, h0, y, final, *kept,
+        T, end, chunks, H, P, N, H // G,
         x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1), dt.stride(2),
         B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2),
         HAS_D=D is not None, HAS_H0=initial_state is not None, IEEE=x.dtype == torch.float32,
+        KEEP=keep_chunk is not None, SUBS=subs,
         Q=Q, BP=bp, BN=max(16, triton.next_power_of_2(N)), STAGES=stages, num_warps=warps,
     )
-    return y, final
+    return y, final, kept
