@@ -103,6 +103,32 @@ other jobs on the host's other GPUs: chunks of 128 beat 256 in all four pairs (b
 64 in both pairs (by 5-9%); at the 1.3b shape 128 gave 32.5% MFU, 256 32.9% (separate runs)."""
 
 
+_SIDE_STREAMS: dict = {}
+
+
+@contextlib.contextmanager
+def _beside(like: torch.Tensor):
+    """Run the block's launches on a second stream of like's device, beside what follows; yields
+    `join(*tensors)`, which makes the current stream wait for them (and marks the tensors as used
+    there, so their memory is not handed out again while it reads them). Off CUDA: in line."""
+    if not like.is_cuda:
+        yield lambda *tensors: None
+        return
+    main = torch.cuda.current_stream(like.device)
+    if like.device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[like.device] = torch.cuda.Stream(like.device)
+    side = _SIDE_STREAMS[like.device]
+    side.wait_stream(main)
+
+    def join(*tensors):
+        main.wait_stream(side)
+        for t in tensors:
+            t.record_stream(main)
+
+    with torch.cuda.stream(side):
+        yield join
+
+
 def _mamba_ssm_scan() -> Callable | None:
     mamba_chunk_scan_combined = _import_mamba_ssd()
     if mamba_chunk_scan_combined is None:
@@ -141,6 +167,12 @@ def _mamba_ssm_scan() -> Callable | None:
         dA_cumsum, dt_chunks, states, CB = kept
         dx_out, dB_out, dC_out = out  # views of one [dx | dB | dC] tensor
         dy = dy.contiguous()  # the kernels want unit stride along head_dim
+        groups = B.shape[-2]
+        # dCB and the within-chunk decay gradient need nothing of the states' chain below: they run
+        # beside it on a second stream (joined before the products that read dCB)
+        with _beside(dy) as join:
+            dCB = k["_chunk_scan_bwd_dcb"](x, dt_chunks, dA_cumsum, dy, ngroups=groups).to(CB.dtype)
+            ddA_within = k["_chunk_scan_bwd_ddAcs_stable"](x, dt_chunks, dA_cumsum, dy, CB)
         dstates = k["_chunk_scan_bwd_dstates"](C, dA_cumsum, dy, dtype=states.dtype)
         # in: the state entering each chunk, gradient of the state leaving it; out: the gradient of
         # the state entering each chunk, and the states rounded to x's dtype for the products below
@@ -151,16 +183,14 @@ def _mamba_ssm_scan() -> Callable | None:
         states, dstates = (t.unflatten(-1, (x.shape[-1], B.shape[-1])) for t in (states, dstates))
         _, ddt_chunks, dD = k["_chunk_scan_chunk_state_bwd_dx"](x, dt_chunks, dA_cumsum, B, CB, dy, dstates, D=D,
                                                                  dx=dx_out)
-        groups = B.shape[-2]
         dB, ddA_from_states = k["_chunk_state_bwd_db"](x, dt_chunks, dA_cumsum, dstates, B=B, ngroups=groups)
         dC, ddA_before = k["_chunk_scan_bwd_dC"](states, dA_cumsum, dy, C=C, ngroups=groups)
-        dCB = k["_chunk_scan_bwd_dcb"](x, dt_chunks, dA_cumsum, dy, ngroups=groups).to(CB.dtype)
+        join(dCB, ddA_within)
         k["_bmm_chunk_bwd"](C, dCB, residual=dB, out=dB_out)
         k["_bmm_chunk_bwd"](B, dCB.transpose(-1, -2), residual=dC, out=dC_out)
         # the decay gradients (the within-chunk products' in mamba_ssm's stable form, the chunk
         # states', the carried states' outputs', the state passing's) to dt's and A's in one launch
         # where mamba_ssm's own backward takes eight (ops/chunk_scan/decay_grad.py)
-        ddA_within = k["_chunk_scan_bwd_ddAcs_stable"](x, dt_chunks, dA_cumsum, dy, CB)
         ddt, dA = decay_grad(ddA_within, ddA_before, ddA_from_states, ddA_chunk_ends, ddt_chunks, dt, A)
         return ddt, dA, dD
 
