@@ -172,28 +172,31 @@ else:
         autotuner.Autotuner.check_disk_cache = lambda self, key, configs, bench: bench() and False
         return scan
 
+    def _assert_matches_naive(scan, inputs, chunk):
+        """scan's y, final state and every input's gradient equal `naive_chunk_scan`'s (fp32)."""
+        from ssmspec.ops.chunk_scan import naive_chunk_scan
+
+        y_ref, f_ref, g_ref = scan_grads(naive_chunk_scan, inputs, chunk)
+        y, f, g = scan_grads(scan, inputs, chunk)
+        assert_close(y, y_ref, atol=1e-4, rtol=1e-4, name="y")
+        assert_close(f, f_ref, atol=1e-4, rtol=1e-4, name="final_state")
+        for name, got, want in zip(GRAD_NAMES, g, g_ref):
+            assert_close(got, want, atol=2e-4, rtol=2e-4, name=f"d{name}")
+
     # without an initial state, training's case: mamba_ssm through training/scan_op.py's custom ops
     @pytest.mark.parametrize("steps,initial", [(1, True), (20, True), (63, True), (64, True), (130, True), (1, False),
                                                (40, False), (130, False)])
     @pytest.mark.parametrize("groups,headdim", [(1, 16), (2, 32)])
     @pytest.mark.parametrize("kernel", ["fla", "mamba_ssm"])
     def test_kernel_scan_equals_naive_outputs_and_gradients(kernel, steps, initial, groups, headdim):
-        from ssmspec.ops.chunk_scan import naive_chunk_scan
-
         scan = {"fla": _interpretable_fla, "mamba_ssm": _interpretable_mamba_ssm}[kernel]()
         inputs = scan_inputs(1, steps, 4, headdim, groups, 16, initial=initial)
-        y_ref, f_ref, g_ref = scan_grads(naive_chunk_scan, inputs, 16)
-        y, f, g = scan_grads(scan, inputs, 16)
-        assert_close(y, y_ref, atol=1e-4, rtol=1e-4, name="y")
-        assert_close(f, f_ref, atol=1e-4, rtol=1e-4, name="final_state")
-        for name, got, want in zip(GRAD_NAMES, g, g_ref):
-            assert_close(got, want, atol=2e-4, rtol=2e-4, name=f"d{name}")
+        _assert_matches_naive(scan, inputs, 16)
 
     @pytest.mark.parametrize("steps,chunk", [(40, 32), (130, 64)])
     def test_mamba_ssm_backward_after_our_keeping_forward_equals_naive(monkeypatch, steps, chunk):
         """Chunks our forward serves (multiples of its tile: 16 tokens here) run it, not mamba_ssm's
         five launches, and mamba_ssm's backward reads what it kept."""
-        from ssmspec.ops.chunk_scan import naive_chunk_scan
         from ssmspec.ops.chunk_scan import triton as CS
 
         monkeypatch.setattr(CS, "FP32_TILE", (16, 16, 4, 1))
@@ -202,13 +205,8 @@ else:
         keeping = CS._launch
         monkeypatch.setattr(CS, "_launch", lambda *a, keep_chunk: calls.append(keep_chunk) or keeping(*a, keep_chunk=keep_chunk))
         inputs = scan_inputs(1, steps, 4, 16, 2, 16, initial=False)
-        y_ref, f_ref, g_ref = scan_grads(naive_chunk_scan, inputs, chunk)
-        y, f, g = scan_grads(scan, inputs, chunk)
+        _assert_matches_naive(scan, inputs, chunk)
         assert calls == [chunk]
-        assert_close(y, y_ref, atol=1e-4, rtol=1e-4, name="y")
-        assert_close(f, f_ref, atol=1e-4, rtol=1e-4, name="final_state")
-        for name, got, want in zip(GRAD_NAMES, g, g_ref):
-            assert_close(got, want, atol=2e-4, rtol=2e-4, name=f"d{name}")
 
     @pytest.mark.parametrize("steps", [1, 63, 64, 130])
     def test_mamba_ssm_ops_shape_functions_match_what_the_kernels_return(steps):
@@ -224,8 +222,6 @@ else:
     def test_mamba_ssm_on_the_conv_output_whole_equals_naive(steps):
         """`packed`, the mixer's route in training: [x | B | C] in, its gradient written whole (here
         split back into the parts' by the join's backward)."""
-        from ssmspec.ops.chunk_scan import naive_chunk_scan
-
         scan = _interpretable_mamba_ssm()
 
         def packed(x, dt, A, B, C, D, chunk_size, initial_state):
@@ -233,12 +229,7 @@ else:
             return scan.packed(xBC, dt, A, D, chunk_size, x.shape[-1], B.shape[-2])
 
         inputs = scan_inputs(1, steps, 4, 16, 2, 16, initial=False)
-        y_ref, f_ref, g_ref = scan_grads(naive_chunk_scan, inputs, 16)
-        y, f, g = scan_grads(packed, inputs, 16)
-        assert_close(y, y_ref, atol=1e-4, rtol=1e-4, name="y")
-        assert_close(f, f_ref, atol=1e-4, rtol=1e-4, name="final_state")
-        for name, got, want in zip(GRAD_NAMES, g, g_ref):
-            assert_close(got, want, atol=2e-4, rtol=2e-4, name=f"d{name}")
+        _assert_matches_naive(packed, inputs, 16)
 
     def test_fla_scan_without_initial_state_or_D():
         from ssmspec.ops.chunk_scan import naive_chunk_scan

@@ -129,6 +129,7 @@ def test_a_model_through_the_ops_compiles_to_one_graph_with_the_same_gradients(m
     scan = _op_scan()
     monkeypatch.setattr(dispatch, "chunk_scan", scan)
     monkeypatch.setattr(dispatch, "packed_chunk_scan", scan.packed if packed else None)
+
     def traced_ops():
         torch._dynamo.reset()
         explained = torch._dynamo.explain(model)(ids[:, :-1])
