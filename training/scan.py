@@ -141,7 +141,8 @@ def _mamba_ssm_scan() -> Callable | None:
 
     # mamba_ssm's own backward (`_mamba_chunk_scan_combined_bwd`) first computes the chunk cumsums,
     # the chunk states, their passing and C B^T again from the inputs; here the forward keeps them
-    # (states in fp32, as that backward computes them: the same gradients, bit for bit). sft at the
+    # (states in fp32, as that backward computes them; mamba_ssm's five launches below give its
+    # gradients bit for bit, our one-launch forward within the GPU tests' tolerances). sft at the
     # mamba2-130m shape, 16 x 512, H200, 2026-11-28: 249,206 against 239,043 tokens/s, peak memory
     # 7.70 against 6.45 GB (the states: batch x chunks x heads x head_dim x d_state fp32 a layer;
     # --recompute drops them with the layer's other activations).
