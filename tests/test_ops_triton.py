@@ -423,13 +423,15 @@ else:
                 assert_close(CC.causal_conv(xBC, conv_state, weight, b), naive_causal_conv(xBC, conv_state, weight, b),
                              atol=1e-5, rtol=1e-5, name=f"T {T}, state {conv_state is not None}, bias {b is not None}")
 
-    @pytest.mark.parametrize("B, T, C, bias, span", [(2, 37, 70, True, 16), (1, 130, 96, False, 64), (2, 1, 40, True, 16),
-                                                    (2, 63, 150, True, 32)])
-    def test_causal_conv_train_matches_reference_both_ways(nan_outputs, monkeypatch, B, T, C, bias, span):
+    @pytest.mark.parametrize("B, T, C, bias, spans", [(2, 37, 70, True, (16, 16)), (1, 130, 96, False, (64, 64)),
+                                                     (2, 1, 40, True, (16, 64)), (2, 63, 150, True, (32, 16)),
+                                                     (1, 100, 96, True, (16, 64))])
+    def test_causal_conv_train_matches_reference_both_ways(nan_outputs, monkeypatch, B, T, C, bias, spans):
         """The training conv's forward and its gradients for x, the taps and the bias against
         autograd through naive_causal_conv; lengths off the span, below K, a partial channel
-        block; x a slice of a wider projection."""
-        monkeypatch.setattr(CC, "WINDOW", (span, 64, 4))
+        block; x a slice of a wider projection; forward and backward walks of equal and unequal spans."""
+        monkeypatch.setattr(CC, "FORWARD_WINDOW", (spans[0], 64, 4))
+        monkeypatch.setattr(CC, "BACKWARD_WINDOW", (spans[1], 64, 4))
         g = torch.Generator().manual_seed(T)
         x = torch.randn(B, T, C + 9, generator=g)[..., 4 : 4 + C].requires_grad_()
         w = (0.5 * torch.randn(C, 4, generator=g)).requires_grad_()

@@ -80,12 +80,16 @@ def causal_conv(xBC: torch.Tensor, conv_state: torch.Tensor | None, weight: torc
 
 # -- training: conv + SiLU with its backward, K = 4 ----------------------------------------------------
 
-WINDOW = (64, 256, 4)
+FORWARD_WINDOW = (16, 256, 4)
+BACKWARD_WINDOW = (64, 256, 4)
 """(tokens, channels, warps) per program of the training kernels: each program walks its tokens in order
 (the backward in reverse), keeping the K-1 inputs before (or the K-1 gradients after) in registers, so
-each row of x, dy, y and dx moves once. Best of 6 tiles on an H200 (2026-11-28, CUDA-graph replays,
-bf16 fwd + bwd): 0.105 ms at 16 x 512 x 1792 (64/128/4: 0.126; Inductor's shifted products: 0.335),
-0.185 at 32 x 512 x 1792 (Inductor 0.641), 0.143 at 8 x 512 x 4352 (Inductor 0.405)."""
+each row of x, dy, y and dx moves once. The forward takes shorter walks (more programs in flight; it
+has less to keep per token), the backward longer ones (fewer tap-gradient partials to sum). Best of 8
+walks per direction on an H200 (2026-11-29, bench/train_conv_gpu.py, CUDA-graph replays,
+bf16): at the mamba2-130m layer (16 x 512 x 1792 of rows of 3352) forward 0.0280 ms at 16
+tokens against 0.0432 at 64, backward 0.0678 at 64 against 0.0997 at 16; at the 1.3b layer forward
+0.0617 against 0.0841, backward 0.151 either way. Inductor's shifted products: 0.335 ms at 130m."""
 
 
 @triton.jit
@@ -141,7 +145,7 @@ def _silu_grad_at(x_row, gy_row, t, T, sxt, sgt, mask_c, w0, w1, w2, w3, bias):
 
 
 @triton.jit
-def _train_bwd_kernel(x_ptr, w_ptr, b_ptr, gy_ptr, gx_ptr, gw_ptr, gb_ptr, T, C, sxb, sxt, swc, swk, sgb, sgt,
+def _train_bwd_kernel(x_ptr, w_ptr, b_ptr, gy_ptr, gx_ptr, gwb_ptr, T, C, sxb, sxt, swc, swk, sgb, sgt,
                       HAS_BIAS: tl.constexpr, SPAN: tl.constexpr, BLOCK_C: tl.constexpr):
     """dx[t] = sum_j w[3-j] g[t+j] walking t down the span; the taps' and bias's gradients as this
     program's partial sums (fp32, one row per (batch row, span)): no atomics, deterministic."""
@@ -188,15 +192,15 @@ def _train_bwd_kernel(x_ptr, w_ptr, b_ptr, gy_ptr, gx_ptr, gw_ptr, gb_ptr, T, C,
         xb = xc
         xc = xd
     part = (b * tl.num_programs(1) + tl.program_id(1)) * C + c
-    tl.store(gw_ptr + part * 4, dw0, mask=mask_c)
-    tl.store(gw_ptr + part * 4 + 1, dw1, mask=mask_c)
-    tl.store(gw_ptr + part * 4 + 2, dw2, mask=mask_c)
-    tl.store(gw_ptr + part * 4 + 3, dw3, mask=mask_c)
-    tl.store(gb_ptr + part, db, mask=mask_c)
+    tl.store(gwb_ptr + part * 5, dw0, mask=mask_c)  # this program's partial sums: the four taps', the bias's
+    tl.store(gwb_ptr + part * 5 + 1, dw1, mask=mask_c)
+    tl.store(gwb_ptr + part * 5 + 2, dw2, mask=mask_c)
+    tl.store(gwb_ptr + part * 5 + 3, dw3, mask=mask_c)
+    tl.store(gwb_ptr + part * 5 + 4, db, mask=mask_c)
 
 
-def _window_grid(B: int, T: int, C: int) -> tuple[int, int, int]:
-    return B, triton.cdiv(T, WINDOW[0]), triton.cdiv(C, WINDOW[1])
+def _window_grid(window: tuple[int, int, int], B: int, T: int, C: int) -> tuple[int, int, int]:
+    return B, triton.cdiv(T, window[0]), triton.cdiv(C, window[1])
 
 
 @torch.library.custom_op("ssmspec::causal_conv_silu", mutates_args=())
@@ -205,9 +209,10 @@ def _train_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     B, T, C = x.shape
     y = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
     if y.numel():
-        _train_fwd_kernel[_window_grid(B, T, C)](
+        _train_fwd_kernel[_window_grid(FORWARD_WINDOW, B, T, C)](
             x, weight, bias if bias is not None else weight, y, T, C, x.stride(0), x.stride(1), weight.stride(0),
-            weight.stride(1), HAS_BIAS=bias is not None, SPAN=WINDOW[0], BLOCK_C=WINDOW[1], num_warps=WINDOW[2])
+            weight.stride(1), HAS_BIAS=bias is not None, SPAN=FORWARD_WINDOW[0], BLOCK_C=FORWARD_WINDOW[1],
+            num_warps=FORWARD_WINDOW[2])
     return y
 
 
@@ -223,16 +228,17 @@ def _train_backward(gy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     x = x if x.stride(-1) == 1 else x.contiguous()
     gy = gy if gy.stride(-1) == 1 else gy.contiguous()
     B, T, C = x.shape
-    grid = _window_grid(B, T, C)
+    grid = _window_grid(BACKWARD_WINDOW, B, T, C)
     gx = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
-    gw = torch.empty(B * grid[1], C, 4, device=x.device, dtype=torch.float32)
-    gb = torch.empty(B * grid[1], C, device=x.device, dtype=torch.float32)
+    partials = torch.empty(B * grid[1], C, 5, device=x.device, dtype=torch.float32)  # summed in one launch below
     if gx.numel():
         _train_bwd_kernel[grid](
-            x, weight, bias if bias is not None else weight, gy, gx, gw, gb, T, C, x.stride(0), x.stride(1),
+            x, weight, bias if bias is not None else weight, gy, gx, partials, T, C, x.stride(0), x.stride(1),
             weight.stride(0), weight.stride(1), gy.stride(0), gy.stride(1), HAS_BIAS=bias is not None,
-            SPAN=WINDOW[0], BLOCK_C=WINDOW[1], num_warps=WINDOW[2])
-    return gx, gw.sum(0).to(weight.dtype), gb.sum(0).to(weight.dtype if bias is None else bias.dtype)
+            SPAN=BACKWARD_WINDOW[0], BLOCK_C=BACKWARD_WINDOW[1], num_warps=BACKWARD_WINDOW[2])
+    sums = partials.sum(0)  # copies below: a custom op's outputs may not be views of one tensor
+    bias_dtype = weight.dtype if bias is None else bias.dtype
+    return gx, sums[:, :4].to(weight.dtype, copy=True), sums[:, 4].to(bias_dtype, copy=True)
 
 
 @_train_backward.register_fake
