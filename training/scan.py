@@ -96,6 +96,31 @@ def _keep_autotuning_on_disk(entry: Callable) -> None:
         namespaces = found
 
 
+def _widen_dx_autotuning(namespace: dict) -> None:
+    """Add two- and fewer-stage variants of the small tiles to the configs mamba_ssm's dx kernel autotunes over.
+
+    Its list has four warps and four or five stages for every tile; at the mamba2-130m layer (16 x 512,
+    24 heads of 64, d_state 128, chunks of 128, bf16) on an H200 (2026-11-28, each config alone,
+    CUDA-graph replays) its pick took 0.0956 ms, the same 32 x 64 tile at two warps and three stages
+    0.0810 (four warps, two stages 0.0848; 64 x 64 at two warps, three stages 0.0883). The autotuner
+    still chooses by its own timings, once per shape (kept on disk).
+    """
+    tuner = namespace.get("_chunk_scan_chunk_state_bwd_dx_kernel")
+    if tuner is None or not hasattr(tuner, "configs") or getattr(tuner, "_ssmspec_widened", False):
+        return
+    import copy
+
+    added = []
+    for config in tuner.configs:
+        if config.kwargs.get("BLOCK_SIZE_M", 0) * config.kwargs.get("BLOCK_SIZE_N", 0) <= 64 * 64:
+            for warps, stages in ((2, 3), (4, 2)):
+                variant = copy.copy(config)  # keeps its pre_hook (zeroing the atomically summed ddt, dD)
+                variant.num_warps, variant.num_stages = warps, stages
+                added.append(variant)
+    tuner.configs = list(tuner.configs) + added
+    tuner._ssmspec_widened = True
+
+
 MAMBA_SSM_CHUNK = 128
 """The largest chunk mamba_ssm's SSD trains with (the result does not depend on it, only rounding does).
 sft at the mamba2-130m shape (chunk 256 in its config), 16 x 512, H200, 2026-11-28, 40-step runs beside
@@ -138,6 +163,7 @@ def _mamba_ssm_scan() -> Callable | None:
 
     _keep_autotuning_on_disk(mamba_chunk_scan_combined)
     k = mamba_chunk_scan_combined.__globals__  # ssd_combined's namespace (out of sys.modules again): its kernels
+    _widen_dx_autotuning(k)
 
     # mamba_ssm's own backward (`_mamba_chunk_scan_combined_bwd`) first computes the chunk cumsums,
     # the chunk states, their passing and C B^T again from the inputs; here the forward keeps them
