@@ -12,12 +12,11 @@ ssmspec installed (and mamba_ssm's sources on PYTHONPATH for its column):
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
+
+from _one_layer import parse_args, write_rows  # bench/ is the script's directory: on sys.path
 
 SHAPES = {  # name: (batch, tokens, heads); head dim 64, d_state 128, one group
     "130m, 16 x 512": (16, 512, 24),
@@ -38,12 +37,7 @@ def inputs(batch, steps, heads):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rep-ms", type=int, default=100, help="Milliseconds of repeats per timing (triton.testing).")
-    ap.add_argument("--out", type=Path, default=None, help="Where the rows go as JSON.")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("chunk_scan_forward_gpu.py needs a CUDA device")
+    args = parse_args(__doc__, "chunk_scan_forward_gpu.py")
 
     from triton.testing import do_bench, do_bench_cudagraph
 
@@ -74,9 +68,7 @@ def main() -> None:
                         - mamba_fwd(x, dt, A, B, C, 128, D=D)[0].float()).abs().max().item()
             rows.append({"layer": name, "ours_ms": ours, "mamba_ssm_ms": theirs, "plain_ms": plain, "max_diff": diff})
             print(f"| {name} | {ours:.4f} | {theirs:.4f} | {plain:.3f} | {diff:.3e} |", flush=True)
-    if args.out:
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                        "rows": rows}, indent=1))
+    write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

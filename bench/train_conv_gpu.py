@@ -12,12 +12,11 @@ the largest difference of y, dx, dw, db to the plain-torch reference (fp32 autog
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
+
+from _one_layer import parse_args, write_rows  # bench/ is the script's directory: on sys.path
 
 LAYERS = {"130m": (16, 512, 1792, 3352, 24), "1.3b": (16, 512, 4352, 8512, 64)}  # batch, tokens, channels, row, heads
 WALKS = [(64, 256, 4), (32, 256, 4), (16, 256, 4), (8, 256, 4), (32, 128, 4), (16, 128, 4), (64, 256, 8),
@@ -35,12 +34,7 @@ def layer_inputs(batch, steps, channels, width, heads):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rep-ms", type=int, default=100, help="Milliseconds of repeats per timing (triton.testing).")
-    ap.add_argument("--out", type=Path, default=None, help="Where the rows go as JSON.")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("train_conv_gpu.py needs a CUDA device")
+    args = parse_args(__doc__, "train_conv_gpu.py")
 
     from triton.testing import do_bench_cudagraph
 
@@ -90,9 +84,7 @@ def main() -> None:
             fwd, bwd = min(mine, key=lambda r: r["fwd_ms"]), min(mine, key=lambda r: r["bwd_ms"])
             print(f"{layer}: forward best at {fwd['kernels']} ({fwd['fwd_ms']:.4f} ms), backward at {bwd['kernels']} "
                   f"({bwd['bwd_ms']:.4f} ms); the module has {defaults[0]} / {defaults[1]}")
-    if args.out:
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                        "rows": rows}, indent=1))
+    write_rows(args.out, rows)
 
 
 if __name__ == "__main__":
