@@ -1,7 +1,8 @@
 """The inference scan on a GPU: one Mamba-2 layer's chunked SSD forward without autograd.
 
 ssmspec's forward kernel (`ops/chunk_scan/triton.py:chunk_scan_forward`, what a distillation target
-and evaluation run) against mamba_ssm's forward (`_mamba_chunk_scan_combined_fwd`, chunks of 128)
+and evaluation run; and `chunk_scan_forward_keeping`, the training forward that also writes what
+mamba_ssm's backward reads) against mamba_ssm's forward (`_mamba_chunk_scan_combined_fwd`, chunks of 128)
 where its sources import, and the plain-torch reference (eager), at the mamba2-130m layer (16 x 512, and
 32 x 512: a distillation target's batch), the 1.3b layer (64 heads) and the 2.7b one (80 heads,
 8 x 2048): bf16 x, B, C, fp32 dt. Medians of CUDA-graph replays (triton.testing); the
@@ -42,14 +43,14 @@ def main() -> None:
     from triton.testing import do_bench, do_bench_cudagraph
 
     from ssmspec.ops.chunk_scan.naive import naive_chunk_scan
-    from ssmspec.ops.chunk_scan.triton import chunk_scan_forward
+    from ssmspec.ops.chunk_scan.triton import chunk_scan_forward, chunk_scan_forward_keeping
     from ssmspec.training.scan import _import_mamba_ssd
 
     mamba = _import_mamba_ssd()
     mamba_fwd = mamba.__globals__["_mamba_chunk_scan_combined_fwd"] if mamba else None
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; mamba_ssm {'imports' if mamba else 'absent'}")
-    print("| layer | ours ms | mamba_ssm ms | plain torch ms | max abs diff of y vs mamba_ssm |")
-    print("|---|---:|---:|---:|---:|")
+    print("| layer | ours ms | ours, keeping ms | mamba_ssm ms | plain torch ms | max abs diff of y vs mamba_ssm |")
+    print("|---|---:|---:|---:|---:|---:|")
 
     def replayed(fn):  # median ms of CUDA-graph replays (after a warm-up call: compiles, autotuning)
         fn()
@@ -60,14 +61,16 @@ def main() -> None:
         for name, shape in SHAPES.items():
             x, dt, A, B, C, D = inputs(*shape)
             ours = replayed(lambda: chunk_scan_forward(x, dt, A, B, C, D, 128))
+            keeping = replayed(lambda: chunk_scan_forward_keeping(x, dt, A, B, C, D, 128))
             theirs = replayed(lambda: mamba_fwd(x, dt, A, B, C, 128, D=D)) if mamba_fwd else float("nan")
             plain = do_bench(lambda: naive_chunk_scan(x, dt, A, B, C, D, 128), rep=args.rep_ms, return_mode="median")
             diff = float("nan")
             if mamba_fwd:
                 diff = (chunk_scan_forward(x, dt, A, B, C, D, 128)[0].float()
                         - mamba_fwd(x, dt, A, B, C, 128, D=D)[0].float()).abs().max().item()
-            rows.append({"layer": name, "ours_ms": ours, "mamba_ssm_ms": theirs, "plain_ms": plain, "max_diff": diff})
-            print(f"| {name} | {ours:.4f} | {theirs:.4f} | {plain:.3f} | {diff:.3e} |", flush=True)
+            rows.append({"layer": name, "ours_ms": ours, "keeping_ms": keeping, "mamba_ssm_ms": theirs,
+                         "plain_ms": plain, "max_diff": diff})
+            print(f"| {name} | {ours:.4f} | {keeping:.4f} | {theirs:.4f} | {plain:.3f} | {diff:.3e} |", flush=True)
     write_rows(args.out, rows)
 
 
