@@ -108,6 +108,34 @@ if not INTERPRETED:
         with pytest.raises(InputError, match=f"--scan {choice}"):
             pick_training_scan(choice, torch.device("cpu"))
 
+    @pytest.mark.parametrize("deterministic", [False, True])
+    def test_the_dx_autotuning_is_widened_once_and_never_in_deterministic_mode(deterministic):
+        """`_widen_dx_autotuning` adds 2-warp / 3-stage and 4-warp / 2-stage variants of the tiles up to
+        64 x 64 (their pre-hooks kept), once; mamba_ssm's deterministic mode, or one pinned config, keeps
+        the list as it is (a choice by timings could differ between runs)."""
+        import types
+
+        from ssmspec.training.scan import _widen_dx_autotuning
+
+        def config(m, n):
+            return types.SimpleNamespace(kwargs={"BLOCK_SIZE_M": m, "BLOCK_SIZE_N": n}, num_warps=4, num_stages=4,
+                                         pre_hook=print)
+
+        tuner = types.SimpleNamespace(configs=[config(128, 64), config(32, 64), config(64, 64)])
+        namespace = {"_chunk_scan_chunk_state_bwd_dx_kernel": tuner, "use_deterministic_mode": lambda: deterministic}
+        for _ in range(2):
+            _widen_dx_autotuning(namespace)
+        shapes = [(c.kwargs["BLOCK_SIZE_M"], c.kwargs["BLOCK_SIZE_N"], c.num_warps, c.num_stages) for c in tuner.configs]
+        if deterministic:
+            assert shapes == [(128, 64, 4, 4), (32, 64, 4, 4), (64, 64, 4, 4)]
+        else:
+            assert shapes == [(128, 64, 4, 4), (32, 64, 4, 4), (64, 64, 4, 4), (32, 64, 2, 3), (32, 64, 4, 2),
+                              (64, 64, 2, 3), (64, 64, 4, 2)]
+            assert all(c.pre_hook is print for c in tuner.configs)
+        pinned = types.SimpleNamespace(configs=[config(32, 64)])
+        _widen_dx_autotuning({"_chunk_scan_chunk_state_bwd_dx_kernel": pinned, "use_deterministic_mode": lambda: False})
+        assert len(pinned.configs) == 1
+
     def test_training_scan_restores_the_dispatcher():
         from ssmspec.ops import dispatch
         from ssmspec.training.scan import TrainingScan, training_scan

@@ -103,10 +103,14 @@ def _widen_dx_autotuning(namespace: dict) -> None:
     24 heads of 64, d_state 128, chunks of 128, bf16) on an H200 (2026-11-28, each config alone,
     CUDA-graph replays) its pick took 0.0956 ms, the same 32 x 64 tile at two warps and three stages
     0.0810 (four warps, two stages 0.0848; 64 x 64 at two warps, three stages 0.0883). The autotuner
-    still chooses by its own timings, once per shape (kept on disk).
+    still chooses by its own timings, once per shape (kept on disk). Not in mamba_ssm's deterministic
+    mode, or where it pinned one config: a choice by timings could differ from run to run.
     """
     tuner = namespace.get("_chunk_scan_chunk_state_bwd_dx_kernel")
     if tuner is None or not hasattr(tuner, "configs") or getattr(tuner, "_ssmspec_widened", False):
+        return
+    deterministic = namespace.get("use_deterministic_mode")
+    if len(tuner.configs) < 2 or deterministic is None or deterministic():
         return
     import copy
 
