@@ -13,8 +13,6 @@ ssmspec installed (and mamba_ssm's sources on PYTHONPATH for its column):
 """
 from __future__ import annotations
 
-import json
-
 import torch
 
 from _one_layer import parse_args, write_rows  # bench/ is the script's directory: on sys.path

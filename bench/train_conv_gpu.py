@@ -12,8 +12,6 @@ the largest difference of y, dx, dw, db to the plain-torch reference (fp32 autog
 """
 from __future__ import annotations
 
-import json
-
 import torch
 
 from _one_layer import parse_args, write_rows  # bench/ is the script's directory: on sys.path
