@@ -136,16 +136,19 @@ if not INTERPRETED:
         _widen_dx_autotuning({"_chunk_scan_chunk_state_bwd_dx_kernel": pinned, "use_deterministic_mode": lambda: False})
         assert len(pinned.configs) == 1
 
-    def test_training_scan_restores_the_dispatcher():
+    def test_training_scan_restores_the_dispatcher(monkeypatch):
         from ssmspec.ops import dispatch
         from ssmspec.training.scan import TrainingScan, training_scan
 
+        outer_packed = object()  # as an enclosing training_scan would have set it
+        monkeypatch.setattr(dispatch, "packed_chunk_scan", outer_packed)
         before = dispatch.chunk_scan
         with training_scan("auto", torch.device("cpu")) as picked:
             assert isinstance(picked, TrainingScan)
             # the picked scan (on the CPU the dispatcher's own), behind torch.compiler.disable
             assert dispatch.chunk_scan.__wrapped__ is picked.fn is dispatch.resolve("chunk_scan", torch.device("cpu"))
-        assert dispatch.chunk_scan is before
+            assert dispatch.packed_chunk_scan is None  # the CPU scan takes x, B and C apart
+        assert dispatch.chunk_scan is before and dispatch.packed_chunk_scan is outer_packed
 
 else:
     import sys

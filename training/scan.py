@@ -293,7 +293,7 @@ def training_scan(choice: str, device: torch.device):
     from ssmspec.ops import dispatch
 
     picked = pick_training_scan(choice, device)
-    original = dispatch.chunk_scan
+    original = dispatch.chunk_scan, dispatch.packed_chunk_scan
     # Mamba2Mixer looks the function up on the module at call time. To torch.compile it is one
     # opaque node: mamba_ssm's kernels as custom ops (training/scan_op.py); fla's autograd Function
     # and the plain-torch scans (Inductor fails on their cumsums: SplitScan codegen, torch 2.11)
@@ -303,4 +303,4 @@ def training_scan(choice: str, device: torch.device):
     try:
         yield picked
     finally:
-        dispatch.chunk_scan, dispatch.packed_chunk_scan = original, None
+        dispatch.chunk_scan, dispatch.packed_chunk_scan = original

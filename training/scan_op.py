@@ -32,14 +32,9 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from ssmspec.models.mamba2 import split_conv_output
+
 _REGISTERED: dict[str, Callable] = {}
-
-
-def split_xBC(xBC: Tensor, heads: int, head_dim: int, groups: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The views x (batch, T, heads, head_dim), B and C (batch, T, groups, d_state) of [x | B | C]."""
-    d_state = (xBC.shape[-1] - heads * head_dim) // (2 * groups)
-    x, B, C = xBC.split([heads * head_dim, groups * d_state, groups * d_state], dim=-1)
-    return x.unflatten(-1, (heads, head_dim)), B.unflatten(-1, (groups, d_state)), C.unflatten(-1, (groups, d_state))
 
 
 def scan_ops(namespace: str, forward: Callable, backward: Callable, saved: Optional[Callable] = None) -> Callable:
@@ -53,13 +48,13 @@ def scan_ops(namespace: str, forward: Callable, backward: Callable, saved: Optio
     @torch.library.custom_op(f"{namespace}::ssd_fwd", mutates_args=())
     def ssd_fwd(xBC: Tensor, dt: Tensor, A: Tensor, D: Tensor, chunk_size: int, head_dim: int,
                 groups: int) -> tuple[Tensor, Tensor, list[Tensor]]:
-        x, B, C = split_xBC(xBC, dt.shape[-1], head_dim, groups)
+        x, B, C = split_conv_output(xBC, dt.shape[-1], head_dim, groups)
         y, final, *kept = forward(x, dt, A, B, C, D, chunk_size)
         return y.to(x.dtype).contiguous(), final.float().contiguous(), [t.contiguous() for t in kept]
 
     @ssd_fwd.register_fake
     def _(xBC, dt, A, D, chunk_size, head_dim, groups):
-        x, B, C = split_xBC(xBC, dt.shape[-1], head_dim, groups)
+        x, B, C = split_conv_output(xBC, dt.shape[-1], head_dim, groups)
         batch, _, heads, _ = x.shape
         kept = [] if saved is None else [x.new_empty(shape, dtype=dtype)
                                          for shape, dtype in saved(x, dt, A, B, C, D, chunk_size)]
@@ -70,9 +65,10 @@ def scan_ops(namespace: str, forward: Callable, backward: Callable, saved: Optio
                 kept: list[Tensor], chunk_size: int, head_dim: int,
                 groups: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         heads = dt.shape[-1]
-        x, B, C = split_xBC(xBC, heads, head_dim, groups)
+        x, B, C = split_conv_output(xBC, heads, head_dim, groups)
         dxBC = torch.empty_like(xBC, memory_format=torch.contiguous_format)
-        ddt, dA, dD = backward(dy, dfinal, x, dt, A, B, C, D, kept, chunk_size, split_xBC(dxBC, heads, head_dim, groups))
+        out = split_conv_output(dxBC, heads, head_dim, groups)  # the views dx, dB, dC the backward writes
+        ddt, dA, dD = backward(dy, dfinal, x, dt, A, B, C, D, kept, chunk_size, out)
         return dxBC, *(g.to(t.dtype).contiguous() for g, t in zip((ddt, dA, dD), (dt, A, D)))
 
     @ssd_bwd.register_fake

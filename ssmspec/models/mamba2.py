@@ -13,6 +13,13 @@ from .cache import MambaLayerCache
 from .config import MambaConfig
 
 
+def split_conv_output(xBC: torch.Tensor, heads: int, head_dim: int, groups: int):
+    """The views x (..., heads, head_dim), B and C (..., groups, d_state) of the conv's output [x | B | C]."""
+    d_state = (xBC.shape[-1] - heads * head_dim) // (2 * groups)
+    x, B, C = xBC.split([heads * head_dim, groups * d_state, groups * d_state], dim=-1)
+    return x.unflatten(-1, (heads, head_dim)), B.unflatten(-1, (groups, d_state)), C.unflatten(-1, (groups, d_state))
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm of y * silu(z) over groups of channels (norm_before_gate=False), computed in fp32."""
 
@@ -100,12 +107,7 @@ class Mamba2Mixer(nn.Module):
         return dt.clamp(self.cfg.dt_min, self.cfg.dt_max)
 
     def _split_conv_out(self, xBC: torch.Tensor):
-        c = self.cfg
-        x, B, C = xBC.split([c.d_inner, c.n_groups * c.d_state, c.n_groups * c.d_state], dim=-1)
-        x = x.unflatten(-1, (c.n_heads, c.head_dim))  # (..., H, P)
-        B = B.unflatten(-1, (c.n_groups, c.d_state))  # (..., G, S)
-        C = C.unflatten(-1, (c.n_groups, c.d_state))
-        return x, B, C
+        return split_conv_output(xBC, self.cfg.n_heads, self.cfg.head_dim, self.cfg.n_groups)
 
     def _output(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         if self.norm is None:  # no norm: out_proj(y * silu(z)), the product in fp32
