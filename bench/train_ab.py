@@ -7,7 +7,11 @@ The command is the issue-26 speed test's (tests/gpu/test_training_speed_gpu.py):
 shape, 16 x 512 tokens a step, bf16, on the stdlib corpus of `recipes/tools/make_corpus`.
 Hardware: one GPU (the device tool), with mamba_ssm's sources importable for its training scan.
 Expected time: a machine's first run 2-3 min (compiles, autotuning), each later one about 45 s at
-200 steps (the caches on disk).
+200 steps (the caches on disk). Runs on one machine drift by a few percent (11-29, H200: one tree's
+200-step runs spanned 244k-259k tokens/s over three machines, 250k-258k on one): each round runs the
+revisions in turn, every other round in reverse order (A B, B A, ...), so a drift through the session
+and any cost of coming first fall on all of them alike, and the table gives each round's ratio to the
+first revision's run of that round besides the medians.
 Usage: python bench/train_ab.py OUT REV [REV ...] [--rounds 2] [--steps 200] [--preset mamba2-130m]
 REV: a commit or branch, "." for the working tree, or a directory holding such a tree (`git archive
 REV | tar -x -C DIR` made where the history is: the device machine gets a work tree without it). Each
@@ -105,6 +109,26 @@ def sft(pkg: Path, out: Path, data: Path, tokenizer: Path, args) -> dict:
             "command": command}
 
 
+def table(runs: list[dict], revs: list[str]) -> str:
+    """Each revision's runs (round by round), their median, the median over the first revision's, each
+    round's ratio to the first revision's run of the same round, and how many runs captured a CUDA graph."""
+    speed = {(r["rev"], r["round"]): r["tokens_per_s"] for r in runs if "tokens_per_s" in r}
+    rounds = sorted({r["round"] for r in runs})
+    lines = [f"\n{'revision':28s} {'tokens/s (round by round)':36s} {'median':>10s} {'vs first':>9s}  "
+             f"{'per round':24s} captured"]
+    first = None
+    for rev in revs:
+        mine = [r for r in runs if r["rev"] == rev and "tokens_per_s" in r]
+        speeds = [r["tokens_per_s"] for r in mine]
+        median = statistics.median(speeds) if speeds else float("nan")
+        first = median if first is None else first
+        ratios = [speed[rev, n] / speed[revs[0], n] for n in rounds if (rev, n) in speed and (revs[0], n) in speed]
+        captured = sum(r["step_mode"].get("graphs_captured", 0) > 0 for r in mine)
+        lines.append(f"{rev:28s} {', '.join(f'{s:,.0f}' for s in speeds):36s} {median:>10,.0f} {median / first:>8.3f}x  "
+                     f"{', '.join(f'{q:.3f}' for q in ratios):24s} {captured} of {len(mine)}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
@@ -131,7 +155,8 @@ def main(argv=None) -> int:
     data, tokenizer = corpus(out / "data", args.megabytes, args.vocab)
     runs = []
     for round_ in range(1, args.rounds + 1):
-        for rev, name in names.items():
+        order = list(names.items()) if round_ % 2 else list(names.items())[::-1]
+        for rev, name in order:
             result = sft(out / "pkg" / name, out / "runs" / f"{name}-{round_}", data, tokenizer, args)
             runs.append({"rev": rev, "round": round_, **result})
             shown = result.get("error") or (f"{result['tokens_per_s']:,.0f} tokens/s, {result['step_mode'].get('mode')}, "
@@ -139,16 +164,7 @@ def main(argv=None) -> int:
             print(f"round {round_} {rev}: {shown}", flush=True)
     (out / "train_ab.json").write_text(json.dumps({"args": vars(args) | {"out": str(out)}, "runs": runs}, indent=1,
                                                   default=str))
-    print(f"\n{'revision':28s} {'tokens/s (runs)':40s} {'median':>10s} {'vs first':>9s}  captured")
-    first = None
-    for rev in names:
-        mine = [r for r in runs if r["rev"] == rev and "tokens_per_s" in r]
-        speeds = [r["tokens_per_s"] for r in mine]
-        median = statistics.median(speeds) if speeds else float("nan")
-        first = median if first is None else first
-        captured = sum(r["step_mode"].get("graphs_captured", 0) > 0 for r in mine)
-        print(f"{rev:28s} {', '.join(f'{s:,.0f}' for s in speeds):40s} {median:>10,.0f} {median / first:>8.3f}x  "
-              f"{captured} of {len(mine)}")
+    print(table(runs, list(names)))
     return 0 if all("tokens_per_s" in r for r in runs) else 1
 
 
