@@ -7,8 +7,8 @@ The command is the issue-26 speed test's (tests/gpu/test_training_speed_gpu.py):
 shape, 16 x 512 tokens a step, bf16, on the stdlib corpus of `recipes/tools/make_corpus`.
 Hardware: one GPU (the device tool), with mamba_ssm's sources importable for its training scan.
 Expected time: a machine's first run 2-3 min (compiles, autotuning), each later one about 45 s at
-200 steps (the caches on disk). Runs on one machine drift by a few percent (11-29, H200: one tree's
-200-step runs spanned 244k-259k tokens/s over three machines, 250k-258k on one): each round runs the
+200 steps (the caches on disk). Runs drift by a few percent (11-29, H200: one tree's 200-step runs
+spanned 244k-259k tokens/s on two machines, 244k-258k in four runs on one of them): each round runs the
 revisions in turn, every other round in reverse order (A B, B A, ...), so a drift through the session
 and any cost of coming first fall on all of them alike, and the table gives each round's ratio to the
 first revision's run of that round besides the medians.
