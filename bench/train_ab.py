@@ -1,4 +1,4 @@
-"""A/B of training speed between git revisions: whole `ssmspec sft` runs, alternating, one machine.
+"""A/B of training speed between git revisions: whole `ssmspec sft` or `distill` runs, alternating, one machine.
 
 Purpose: measure a training-speed change the way docs/BENCHMARKS.md reports one: each revision's
 `ssmspec sft` as a whole process (compiles, autotuning and the CUDA graph capture included; tokens/s
@@ -12,7 +12,9 @@ spanned 244k-259k tokens/s on two machines, 244k-258k in four runs on one of the
 revisions in turn, every other round in reverse order (A B, B A, ...), so a drift through the session
 and any cost of coming first fall on all of them alike, and the table gives each round's ratio to the
 first revision's run of that round besides the medians.
-Usage: python bench/train_ab.py OUT REV [REV ...] [--rounds 2] [--steps 200] [--preset mamba2-130m]
+With `--command distill`: drafter-2l distilled from a 130m-shape target (made once, by the first
+revision, with 60 steps of sft), 32 x 512 a step, as the speed test's distill_speed runs it.
+Usage: python bench/train_ab.py OUT REV [REV ...] [--rounds 2] [--steps 200] [--preset mamba2-130m] [--command distill]
 REV: a commit or branch, "." for the working tree, or a directory holding such a tree (`git archive
 REV | tar -x -C DIR` made where the history is: the device machine gets a work tree without it). Each
 is exported under OUT/src and run as a package of its own (PYTHONPATH, from OUT: never this checkout's); a table is printed last and kept in
@@ -33,6 +35,8 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+TARGET_STEPS = 60
+"""sft steps of distill's target (the speed test's when it runs alone): its speed does not depend on them."""
 
 
 def export(rev: str, dest: Path) -> None:
@@ -88,13 +92,33 @@ def check_imports_from(pkg: Path) -> None:
         sys.exit(f"train_ab: ssmspec imports from {found or 'nowhere'}, not {pkg}")
 
 
-def sft(pkg: Path, out: Path, data: Path, tokenizer: Path, args) -> dict:
-    """One `ssmspec sft` run from pkg; what its log.jsonl says."""
-    command = [sys.executable, "-m", "ssmspec", "sft", "--out", str(out), "--overwrite", "--dtype", "bf16",
-               "--eval-every", "0", "--no-final-eval", "--save-every", "0", "--student-preset", args.preset,
-               "--data", str(data), "--tokenizer", str(tokenizer), "--steps", str(args.steps),
-               "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--lr", "1.5e-3",
-               "--log-every", "10", *args.extra]
+def train_command(out: Path, data: Path, tokenizer: Path, args, target: Path | None = None) -> list[str]:
+    """The timed run: `ssmspec sft` of args.preset, or with a target `ssmspec distill` of
+    args.student_preset from it (the speed test's learning rates)."""
+    common = [sys.executable, "-m", "ssmspec", "sft" if target is None else "distill", "--out", str(out), "--overwrite",
+              "--dtype", "bf16", "--eval-every", "0", "--no-final-eval", "--save-every", "0", "--data", str(data),
+              "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+              "--log-every", "10"]
+    if target is None:
+        return [*common, "--student-preset", args.preset, "--tokenizer", str(tokenizer), "--lr", "1.5e-3", *args.extra]
+    return [*common, "--target", str(target), "--student-preset", args.student_preset, "--lr", "3e-3", *args.extra]
+
+
+def make_target(pkg: Path, work: Path, data: Path, tokenizer: Path, args) -> Path:
+    """distill's target: args.preset after TARGET_STEPS of sft (from pkg, the first revision's), made once."""
+    target = work / "target"
+    if not (target / "config.json").is_file():
+        shaped = argparse.Namespace(**{**vars(args), "steps": TARGET_STEPS, "batch_size": 16, "extra": []})
+        proc = subprocess.run(train_command(target, data, tokenizer, shaped), cwd=work, env=env_of(pkg),
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"train_ab: the target's sft failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    return target
+
+
+def timed_run(pkg: Path, out: Path, data: Path, tokenizer: Path, args, target: Path | None = None) -> dict:
+    """One timed run from pkg; what its log.jsonl says."""
+    command = train_command(out, data, tokenizer, args, target)
     out.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(command, cwd=out.parent, env=env_of(pkg), capture_output=True, text=True)
     (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
@@ -135,13 +159,18 @@ def main(argv=None) -> int:
     parser.add_argument("revs", nargs="+", help='commits or branches; "." for the working tree')
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--command", choices=("sft", "distill"), default="sft",
+                        help=f"distill: --student-preset from a --preset target made by {TARGET_STEPS} steps of sft")
+    parser.add_argument("--student-preset", default="drafter-2l", help="distill's student")
+    parser.add_argument("--batch-size", type=int, default=None, help="16 for sft, 32 for distill (the speed test's)")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--preset", default="mamba2-130m")
     parser.add_argument("--megabytes", type=int, default=8, help="of corpus")
     parser.add_argument("--vocab", type=int, default=8192, help="tokens of the corpus's tokenizer")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `ssmspec sft` options, last")
     args = parser.parse_args(argv)
+    if args.batch_size is None:
+        args.batch_size = 16 if args.command == "sft" else 32
     out = args.out.resolve()
     names = {rev: f"{i}-{Path(rev).name if rev != '.' else 'worktree'}" for i, rev in enumerate(args.revs)}
     for rev, name in names.items():
@@ -153,11 +182,12 @@ def main(argv=None) -> int:
         package(tree, pkg)
         check_imports_from(pkg)
     data, tokenizer = corpus(out / "data", args.megabytes, args.vocab)
+    target = None if args.command == "sft" else make_target(out / "pkg" / names[args.revs[0]], out, data, tokenizer, args)
     runs = []
     for round_ in range(1, args.rounds + 1):
         order = list(names.items()) if round_ % 2 else list(names.items())[::-1]
         for rev, name in order:
-            result = sft(out / "pkg" / name, out / "runs" / f"{name}-{round_}", data, tokenizer, args)
+            result = timed_run(out / "pkg" / name, out / "runs" / f"{name}-{round_}", data, tokenizer, args, target)
             runs.append({"rev": rev, "round": round_, **result})
             shown = result.get("error") or (f"{result['tokens_per_s']:,.0f} tokens/s, {result['step_mode'].get('mode')}, "
                                             f"peak {result['peak_memory_gb'] or 0:.2f} GB")

@@ -45,3 +45,17 @@ def test_the_table_gives_each_rounds_ratio_to_the_first_revisions_run_of_that_ro
     assert "175" in rows["A"] and "1.000x" in rows["A"] and "2 of 2" in rows["A"]
     assert "1.143x" in rows["B"]  # medians 200 over 175
     assert "1.100, 1.200" in rows["B"] and rows["B"].endswith("1 of 2")  # 220/200, 180/150; round 3 failed
+
+
+@pytest.mark.slow
+def test_distill_runs_from_a_target_made_once(tmp_path):
+    out = tmp_path / "ab"
+    proc = subprocess.run([sys.executable, "bench/train_ab.py", str(out), ".", "HEAD", "--command", "distill",
+                           "--rounds", "1", "--steps", "2", "--preset", "tiny", "--student-preset", "tiny",
+                           "--batch-size", "2", "--seq-len", "32", "--megabytes", "1", "--vocab", "256"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads((out / "train_ab.json").read_text())["runs"]
+    assert [r["command"][3] for r in runs] == ["distill", "distill"]
+    assert all(r["command"][r["command"].index("--target") + 1] == str(out / "target") for r in runs)
+    assert (out / "target" / "config.json").is_file() and all(r["tokens_per_s"] > 0 for r in runs)
