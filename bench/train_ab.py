@@ -1,7 +1,7 @@
 """A/B of training speed between git revisions: whole `ssmspec sft` or `distill` runs, alternating, one machine.
 
 Purpose: measure a training-speed change the way docs/BENCHMARKS.md reports one: each revision's
-`ssmspec sft` as a whole process (compiles, autotuning and the CUDA graph capture included; tokens/s
+`ssmspec sft` (or `distill`) as a whole process (compiles, autotuning and the CUDA graph capture included; tokens/s
 as its log.jsonl reports them), revisions alternating round by round so drift falls on all of them.
 The command is the issue-26 speed test's (tests/gpu/test_training_speed_gpu.py): the mamba2-130m
 shape, 16 x 512 tokens a step, bf16, on the stdlib corpus of `recipes/tools/make_corpus`.
