@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", default="mamba2-130m")
     parser.add_argument("--megabytes", type=int, default=8, help="of corpus")
     parser.add_argument("--vocab", type=int, default=8192, help="tokens of the corpus's tokenizer")
-    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `ssmspec sft` options, last")
+    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more options of the timed command, last")
     args = parser.parse_args(argv)
     if args.batch_size is None:
         args.batch_size = 16 if args.command == "sft" else 32
