@@ -1,5 +1,5 @@
 """What the one-layer GPU kernel benches (`chunk_scan_forward_gpu.py`, `train_conv_gpu.py`) share:
-their command line and the rows file they write."""
+their command line, their timing and the rows file they write."""
 from __future__ import annotations
 
 import argparse
@@ -26,3 +26,11 @@ def write_rows(out: Path | None, rows: list) -> None:
     if out:
         out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows},
                                   indent=1))
+
+
+def replayed(fn, rep_ms: int) -> float:
+    """Median ms of CUDA-graph replays of fn (triton.testing), after one call (compiles, autotuning)."""
+    from triton.testing import do_bench_cudagraph
+
+    fn()
+    return do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from _one_layer import parse_args, write_rows  # bench/ is the script's directory: on sys.path
+from _one_layer import parse_args, replayed, write_rows  # bench/ is the script's directory: on sys.path
 
 SHAPES = {  # name: (batch, tokens, heads); head dim 64, d_state 128, one group
     "130m, 16 x 512": (16, 512, 24),
@@ -38,7 +38,7 @@ def inputs(batch, steps, heads):
 def main() -> None:
     args = parse_args(__doc__, "chunk_scan_forward_gpu.py")
 
-    from triton.testing import do_bench, do_bench_cudagraph
+    from triton.testing import do_bench
 
     from ssmspec.ops.chunk_scan.naive import naive_chunk_scan
     from ssmspec.ops.chunk_scan.triton import chunk_scan_forward, chunk_scan_forward_keeping
@@ -50,17 +50,13 @@ def main() -> None:
     print("| layer | ours ms | ours, keeping ms | mamba_ssm ms | plain torch ms | max abs diff of y vs mamba_ssm |")
     print("|---|---:|---:|---:|---:|---:|")
 
-    def replayed(fn):  # median ms of CUDA-graph replays (after a warm-up call: compiles, autotuning)
-        fn()
-        return do_bench_cudagraph(fn, rep=args.rep_ms, return_mode="median")
-
     rows = []
     with torch.no_grad():
         for name, shape in SHAPES.items():
             x, dt, A, B, C, D = inputs(*shape)
-            ours = replayed(lambda: chunk_scan_forward(x, dt, A, B, C, D, 128))
-            keeping = replayed(lambda: chunk_scan_forward_keeping(x, dt, A, B, C, D, 128))
-            theirs = replayed(lambda: mamba_fwd(x, dt, A, B, C, 128, D=D)) if mamba_fwd else float("nan")
+            ours = replayed(lambda: chunk_scan_forward(x, dt, A, B, C, D, 128), args.rep_ms)
+            keeping = replayed(lambda: chunk_scan_forward_keeping(x, dt, A, B, C, D, 128), args.rep_ms)
+            theirs = replayed(lambda: mamba_fwd(x, dt, A, B, C, 128, D=D), args.rep_ms) if mamba_fwd else float("nan")
             plain = do_bench(lambda: naive_chunk_scan(x, dt, A, B, C, D, 128), rep=args.rep_ms, return_mode="median")
             diff = float("nan")
             if mamba_fwd:

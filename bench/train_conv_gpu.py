@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from _one_layer import parse_args, write_rows  # bench/ is the script's directory: on sys.path
+from _one_layer import parse_args, replayed, write_rows  # bench/ is the script's directory: on sys.path
 
 LAYERS = {"130m": (16, 512, 1792, 3352, 24), "1.3b": (16, 512, 4352, 8512, 64)}  # batch, tokens, channels, row, heads
 WALKS = [(64, 256, 4), (32, 256, 4), (16, 256, 4), (8, 256, 4), (32, 128, 4), (16, 128, 4), (64, 256, 8),
@@ -34,18 +34,12 @@ def layer_inputs(batch, steps, channels, width, heads):
 def main() -> None:
     args = parse_args(__doc__, "train_conv_gpu.py")
 
-    from triton.testing import do_bench_cudagraph
-
     import ssmspec.ops.causal_conv.triton as CC
     from ssmspec.ops.causal_conv.naive import naive_causal_conv
 
-    def replayed(fn):  # median ms of CUDA-graph replays (after a warm-up call: compiles)
-        fn()
-        return do_bench_cudagraph(fn, rep=args.rep_ms, return_mode="median")
-
     def copy_gbps(x):  # a strided read and a contiguous write of x's size, for scale
         out = torch.empty(x.shape, device="cuda", dtype=x.dtype)
-        return 2 * x.numel() * x.element_size() / replayed(lambda: out.copy_(x)) / 1e6
+        return 2 * x.numel() * x.element_size() / replayed(lambda: out.copy_(x), args.rep_ms) / 1e6
 
     defaults = CC.FORWARD_WINDOW, CC.BACKWARD_WINDOW
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -63,8 +57,8 @@ def main() -> None:
             CC.FORWARD_WINDOW = CC.BACKWARD_WINDOW = walk
             name = f"walk {walk}"
             try:
-                fwd = replayed(lambda: CC._train_forward(x, w, b))
-                bwd = replayed(lambda: CC._train_backward(gy, x, w, b))
+                fwd = replayed(lambda: CC._train_forward(x, w, b), args.rep_ms)
+                bwd = replayed(lambda: CC._train_backward(gy, x, w, b), args.rep_ms)
             except Exception as err:  # a tiling this GPU cannot run (registers, shared memory): say so, go on
                 print(f"| {layer} | {name} | failed: {type(err).__name__}: {str(err)[:120]} |", flush=True)
                 continue
