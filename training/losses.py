@@ -3,7 +3,10 @@
 `forward_kl`, `total_variation` and `cross_entropy` are the definitions (the references, whole
 (B, T, V) fp32 tensors at once). Training and evaluation use `chunked_loss`, which computes the
 same values and gradients a chunk of positions at a time, so the fp32 copies of the logits exist
-for one chunk only, and autograd keeps one gradient tensor in the logits' own dtype.
+for one chunk only, and autograd keeps one gradient tensor in the logits' own dtype. Cross-entropy
+and forward KL (distillation's loss, alone or with CE) with a gradient go through
+`dispatch.token_losses` instead where its Triton kernel runs (ops/token_loss: one pass over the
+logits, no chunks, no fp32 copies).
 
 `chunked_loss` also takes the target as its top-K logits (values and token ids per position, as
 `--cache-target-logits` stores them) instead of its full logits: the sparse distillation loss,
@@ -13,6 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ssmspec.ops import dispatch
 
 from .data import IGNORE_INDEX
 
@@ -160,6 +165,16 @@ def _chunk_terms(s, t, labels, m, weights: dict, temperature: float, want_grad: 
     return sums, grad
 
 
+def _finish(ctx, sums: torch.Tensor, count: torch.Tensor, weights: dict, names: list, grad: torch.Tensor | None):
+    """_ChunkedLoss.forward's results from each term's masked sum (in names' order) and the gradient."""
+    parts = sums / count
+    total = sum(weights[k] * parts[i] for i, k in enumerate(names))
+    ctx.mark_non_differentiable(parts)
+    ctx.save_for_backward(grad)
+    ctx.names = names
+    return total, parts
+
+
 class _ChunkedLoss(torch.autograd.Function):
     """sum_k weight_k * term_k over masked positions / their count, a chunk of rows at a time.
 
@@ -172,8 +187,15 @@ class _ChunkedLoss(torch.autograd.Function):
         n = student.shape[0]
         want_grad = ctx.needs_input_grad[0]
         count = mask.sum().clamp_min(1).float()
-        grad = torch.empty_like(student) if want_grad else None
         names = sorted(k for k, w in weights.items() if w)
+        if want_grad and not weights["tvd"] and topk_values is None and \
+                dispatch.uses_kernel("token_losses", student.device):
+            # sft's CE, distillation's KL (+ CE): one pass over the logits, no fp32 copies (ops/token_loss)
+            kl_rows, ce_rows, grad = dispatch.token_losses(student, target, labels, mask, 1.0 / count, weights["kl"],
+                                                           weights["ce"], temperature)
+            per_term = {"kl": kl_rows, "ce": ce_rows}
+            return _finish(ctx, torch.stack([per_term[k].sum() for k in names]), count, weights, names, grad)
+        grad = torch.empty_like(student) if want_grad else None
         sums = torch.zeros(len(names), device=student.device, dtype=torch.float32)
         for start in range(0, n, rows):
             end = min(n, start + rows)
@@ -185,12 +207,7 @@ class _ChunkedLoss(torch.autograd.Function):
             sums += torch.stack([chunk_sums[k] for k in names])
             if want_grad:
                 grad[start:end] = (g / count).to(grad.dtype)
-        parts = sums / count
-        total = sum(weights[k] * parts[i] for i, k in enumerate(names))
-        ctx.mark_non_differentiable(parts)
-        ctx.save_for_backward(grad)
-        ctx.names = names
-        return total, parts
+        return _finish(ctx, sums, count, weights, names, grad)
 
     @staticmethod
     def backward(ctx, grad_total, grad_parts):

@@ -27,6 +27,7 @@ from .step_update.naive import (
     naive_time_step,
 )
 from .tree_conv.naive import naive_tree_conv
+from .token_loss.naive import naive_token_losses
 from .tree_scan.naive import naive_tree_scan, naive_tree_scan_gated
 
 BACKENDS = paths.BACKENDS
@@ -56,6 +57,7 @@ _REFERENCE = {
     "ranked_tokens": naive_ranked_tokens,
     "race_tokens": naive_race_tokens,
     "sampled_accept": naive_sampled_accept,
+    "token_losses": naive_token_losses,
 }
 
 
@@ -210,3 +212,10 @@ def sampled_accept(p, q, tokens, children, uniforms, noise, paths, depth):
 def greedy_accept(logits, tokens, parents, depth, mask, paths):
     """Greedy tree acceptance on the device: (path, path_len, produced tokens, last node)."""
     return resolve("greedy_accept", logits.device)(logits, tokens, parents, depth, mask, paths)
+
+
+def token_losses(student, target, labels, mask, scale, kl, ce, temperature):
+    """Each row's forward KL (at temperature) and next-token cross-entropy, and the gradient of
+    scale * (kl * their KL sum + ce * their CE sum), in one pass over the logits: (kl_rows (N,) fp32,
+    ce_rows (N,) fp32, grad (N, V) in the student's dtype); see `naive_token_losses`."""
+    return resolve("token_losses", student.device)(student, target, labels, mask, scale, kl, ce, temperature)

@@ -73,6 +73,7 @@ TRITON_KERNELS = {
     "ranked_tokens": ("ssmspec.ops.ranked_tokens.triton", "ranked_tokens"),
     "race_tokens": ("ssmspec.ops.ranked_tokens.triton", "race_tokens"),
     "sampled_accept": ("ssmspec.ops.sampled_accept.triton", "sampled_accept"),
+    "token_losses": ("ssmspec.ops.token_loss.triton", "token_losses"),
 }
 """op -> (module, function) of its Triton kernel; the ops not listed (chunk_scan) have none."""
 

@@ -416,6 +416,33 @@ def test_causal_conv_train_gpu(batch, T, channels, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, vocab, pad, kl, ce, temperature", [
+    (8192, 8192, 0, 0.0, 1.0, 1.0), (16384, 8192, 0, 1.0, 0.0, 1.0), (4096, 8192, 0, 1.0, 0.5, 2.0),
+    (1000, 50277, 27, 1.0, 0.5, 1.0), (513, 131072, 0, 0.0, 1.0, 1.0)])
+def test_token_losses_gpu(rows, vocab, pad, kl, ce, temperature, dtype):
+    """The fused token losses at sft 130m's CE (16 x 512 positions, vocabulary 8192), distillation's
+    KL (32 x 512) and KL + CE at another temperature, and at the GPT-NeoX (rows padded as Inductor
+    pads them) and Nemotron vocabularies, against the reference (both fp32 inside: the bf16
+    gradient may differ in its last bit)."""
+    from ssmspec.ops.token_loss.naive import naive_token_losses
+    from ssmspec.ops.token_loss.triton import token_losses
+
+    g = torch.Generator(device=DEV).manual_seed(rows)
+    student = (4 * torch.randn(rows, vocab + pad, device=DEV, generator=g)).to(dtype)[:, :vocab]
+    target = (4 * torch.randn(rows, vocab + pad, device=DEV, generator=g)).to(dtype)[:, :vocab]
+    labels = torch.randint(0, vocab, (rows,), device=DEV, generator=g)
+    mask = torch.rand(rows, device=DEV, generator=g) > 0.2
+    scale = 1.0 / mask.sum().float()
+    args = (student, target, labels, mask, scale, kl, ce, temperature)
+    _poison(rows * vocab * 4)
+    got, want = token_losses(*args), naive_token_losses(*args)
+    assert_close(got[0], want[0], atol=1e-4, rtol=1e-5, name="kl rows")
+    assert_close(got[1], want[1], atol=1e-4, rtol=1e-5, name="ce rows")
+    ulp = 1e-5 if dtype == torch.float32 else 2 ** -7  # one bf16 ulp: the fp32 exponentials differ in their last bits and round either way
+    assert_close(got[2].float(), want[2].float(), atol=scale.item() * 1e-6, rtol=ulp, name="grad")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch, T, heads, groups, initial, head_dim, d_state", [
     (16, 512, 24, 1, False, 64, 128), (2, 2048, 80, 1, True, 64, 128), (3, 300, 16, 8, True, 64, 128),
     (2, 700, 24, 1, True, 128, 256)])
