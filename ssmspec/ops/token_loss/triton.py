@@ -74,14 +74,12 @@ def _token_loss_kernel(
                 log_q = (s / temperature - top_q) - log_sum_q
                 y = tl.load(t_row + cols, mask=valid, other=0.0).to(tl.float32) / temperature
                 log_p = (y - top_p) - log_sum_p
-                p = tl.exp(log_p)
+                p, q = tl.exp(log_p), tl.exp(log_q)
                 kl_sum += tl.sum(tl.where(valid, p * (log_p - log_q), 0.0), axis=0)
-                g += (tl.exp(log_q) - p) * (kl_weight * temperature)
+                g += (q - p) * (kl_weight * temperature)
             if HAS_CE:
-                if CE_OWN:
-                    u = tl.exp((s - top_u) - log_sum_u)
-                else:
-                    u = tl.exp((s / temperature - top_q) - log_sum_q)
+                # not CE_OWN: there is a KL term at T == 1, whose q is this softmax
+                u = tl.exp((s - top_u) - log_sum_u) if CE_OWN else q
                 g += tl.where(cols == label, u - 1.0, u) * ce_weight
             tl.store(g_row + cols, (g * scale).to(grad_ptr.dtype.element_ty), mask=valid)
         tl.store(kl_ptr + row, kl_sum * temperature * temperature)
