@@ -26,8 +26,8 @@ from .step_update.naive import (
     naive_rms_norm,
     naive_time_step,
 )
-from .tree_conv.naive import naive_tree_conv
 from .token_loss.naive import naive_token_losses
+from .tree_conv.naive import naive_tree_conv
 from .tree_scan.naive import naive_tree_scan, naive_tree_scan_gated
 
 BACKENDS = paths.BACKENDS
